@@ -1,0 +1,1 @@
+"""The `d9d` console script."""

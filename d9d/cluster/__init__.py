@@ -1,0 +1,1 @@
+"""Ray cluster layer: driver, rank actors, coordinator, restarts, job submission. The only Ray importer."""
