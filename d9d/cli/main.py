@@ -1,31 +1,26 @@
-"""Entry point of the `d9d` console script.
-
-Subcommands register themselves through `COMMANDS`, so later areas (engine, cluster, pipeline
-simulator, LR plot) add a module without touching the parser's core.
-"""
+"""Entry point of the `d9d` console script; subcommands live in `d9d.cli.commands`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import pkgutil
 import sys
 from collections.abc import Callable, Sequence
 
 import d9d
+import d9d.cli.commands as commands
 
 Handler = Callable[[argparse.Namespace], int]
-
-
-def _demo(args: argparse.Namespace) -> int:
-    print("demo arrives with the engine and cluster layers")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="d9d", description="d9d distributed training")
     parser.add_argument("--version", action="version", version=f"d9d {d9d.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="train the tiny Qwen3-MoE demo on a local Ray instance")
-    demo.set_defaults(handler=_demo)
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        module.register(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Mixture of Experts: router, grouped experts, communication hook, the MoE layer."""

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage protocol, schedules compiled into per-rank programs, executor, simulator."""

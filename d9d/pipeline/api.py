@@ -1,0 +1,99 @@
+"""The contract between models and the pipeline engine.
+
+A pipelining-aware model is built *for a stage*: it holds only its layer range (embeddings on the first
+stage, final norm + head on the last) and declares the tensors it sends to the next stage, so the
+executor can preallocate receive buffers before any microbatch runs. This module imports nothing but
+torch so that model code can depend on it without pulling in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class PipelineStageInfo:
+    """Which stage a model instance is. `num_stages` counts virtual stages (pp × stages per rank)."""
+
+    current_stage: int = 0
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if not 0 <= self.current_stage < self.num_stages:
+            raise ValueError(f"current_stage {self.current_stage} is outside [0, {self.num_stages})")
+
+    @property
+    def is_first(self) -> bool:
+        return self.current_stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.current_stage == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a tensor crossing a stage boundary, for one microbatch."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@runtime_checkable
+class PipelineStageModel(Protocol):
+    """A model built for one pipeline stage.
+
+    `forward(**inputs)` takes the microbatch's model inputs (every stage receives them, e.g. position ids
+    and masks) plus, for non-first stages, the tensors received from the previous stage (by name). A
+    non-last stage returns the dict of tensors to send; the last stage returns its outputs (logits or
+    per-token loss).
+    """
+
+    stage: PipelineStageInfo
+
+    def stage_output_meta(self, microbatch_inputs: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
+        """What this stage sends downstream for a microbatch with these inputs (empty on the last stage)."""
+        ...
+
+
+def balance_layers(
+    num_layers: int,
+    stage: PipelineStageInfo,
+    *,
+    virtual_layers_pre: int = 1,
+    virtual_layers_post: int = 1,
+) -> range:
+    """The transformer layers stage `stage` holds.
+
+    Embeddings (first stage) and final norm + head (last stage) cost about as much as a layer, so they
+    count as `virtual_layers_pre` / `virtual_layers_post` layers when the work is split evenly. Stages
+    that get one more than the others are the last ones, because early stages hold the most in-flight
+    activations under 1F1B-like schedules.
+    """
+    n = stage.num_stages
+    total = num_layers + virtual_layers_pre + virtual_layers_post
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    base, extra = divmod(total, n)
+    sizes = [base + (1 if i >= n - extra else 0) for i in range(n)]
+    starts = [sum(sizes[:i]) for i in range(n + 1)]
+    ranges = [
+        range(
+            min(max(starts[i] - virtual_layers_pre, 0), num_layers),
+            min(max(starts[i + 1] - virtual_layers_pre, 0), num_layers),
+        )
+        for i in range(n)
+    ]
+    empty = [i for i, r in enumerate(ranges) if len(r) == 0]
+    if empty:
+        raise ValueError(
+            f"{num_layers} layers (+{virtual_layers_pre} pre, +{virtual_layers_post} post virtual) cannot be "
+            f"split over {n} stages: stages {empty} would hold no layer"
+        )
+    return ranges[stage.current_stage]
