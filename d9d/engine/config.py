@@ -1,0 +1,223 @@
+"""The job configuration: one pydantic tree, validated completely before any process group or actor exists.
+
+Every section is frozen and forbids unknown keys, so a typo fails loudly with its dotted path instead of
+being silently ignored. Providers (model, data, task, optimizer, LR scheduler) are chosen by built-in name
+or by import path and validate their own `options` (see `d9d.engine.registry`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from d9d.core.mesh_params import DeviceMeshParameters
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RunConfig(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)
+    description: str = ""
+    hparams: dict[str, Any] = Field(default_factory=dict)
+    # Where checkpoints, traces, the MLflow store and run_summary.json go. Default: runs/<name>.
+    dir: Path | None = None
+
+    @property
+    def resolved_dir(self) -> Path:
+        return self.dir if self.dir is not None else Path("runs") / self.name
+
+
+class BatchingConfig(_Section):
+    """Global batch in samples per optimizer step; each DP rank runs microbatches of `microbatch_size`."""
+
+    global_batch_size: int = Field(ge=1)
+    microbatch_size: int = Field(ge=1)
+
+    def gradient_accumulation(self, data_parallel: int) -> int:
+        per_step = self.microbatch_size * data_parallel
+        if self.global_batch_size % per_step != 0:
+            raise ValueError(
+                f"batching.global_batch_size={self.global_batch_size} is not divisible by "
+                f"batching.microbatch_size × data parallel = {self.microbatch_size} × {data_parallel}"
+            )
+        return self.global_batch_size // per_step
+
+
+class TrainerConfig(_Section):
+    total_steps: int = Field(ge=1)
+
+
+class DataLoadingConfig(_Section):
+    num_workers: int = Field(0, ge=0)
+    pin_memory: bool = False
+    prefetch_factor: int | None = Field(None, ge=1)
+
+
+class LoggingConfig(_Section):
+    period: int = Field(1, ge=1)
+    # A tracker config as understood by d9d.tracking.build_tracker; None = log to stdout/jsonl.
+    tracker: dict[str, Any] | None = None
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+
+
+class CheckpointingConfig(_Section):
+    # Default: <run dir>/checkpoints.
+    dir: Path | None = None
+    # Save every `period` steps (None: only at the end when save_at_end).
+    period: int | None = Field(None, ge=1)
+    keep_last: int = Field(3, ge=1)
+    save_at_end: bool = True
+    # Block the step only for the device->host copy and write in a background thread.
+    async_save: bool = False
+    # Export the final model in Hugging Face format here (via the model provider's state mapper).
+    export_hf_dir: Path | None = None
+
+
+class GradientClippingConfig(_Section):
+    max_norm: float | None = Field(1.0, gt=0)
+
+
+class GradientManagerConfig(_Section):
+    grad_dtype: Literal["float32", "bfloat16"] | None = None
+    bucket_size_mb: float = Field(25.0, gt=0)
+
+
+class DeterminismConfig(_Section):
+    seed: int = 0
+
+
+class GCConfig(_Section):
+    # Run gc.collect() every N steps with automatic GC disabled (avoids random pauses on some ranks).
+    period: int | None = Field(None, ge=1)
+
+
+class ProfilingConfig(_Section):
+    enabled: bool = False
+    wait: int = Field(1, ge=0)
+    warmup: int = Field(1, ge=0)
+    active: int = Field(2, ge=1)
+    traces_dir: Path | None = None
+
+
+class TimeoutsConfig(_Section):
+    # Collective timeout while setting up and during the first step (loading, compilation) ...
+    init_s: float = Field(600.0, gt=0)
+    # ... and afterwards, so a hung rank surfaces quickly.
+    step_s: float = Field(300.0, gt=0)
+
+
+class ComponentConfig(_Section):
+    """A provider chosen by built-in name (e.g. `qwen3_moe`) or import path (`my_pkg.mod:MyProvider`)."""
+
+    provider: str = Field(min_length=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainConfig(_Section):
+    run: RunConfig
+    mesh: DeviceMeshParameters = Field(default_factory=DeviceMeshParameters)
+    batching: BatchingConfig
+    trainer: TrainerConfig
+    data_loading: DataLoadingConfig = Field(default_factory=DataLoadingConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    pipelining: dict[str, Any] | None = None
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    gradient_clipping: GradientClippingConfig = Field(default_factory=GradientClippingConfig)
+    gradient_manager: GradientManagerConfig = Field(default_factory=GradientManagerConfig)
+    determinism: DeterminismConfig = Field(default_factory=DeterminismConfig)
+    gc: GCConfig = Field(default_factory=GCConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    model: ComponentConfig
+    data: ComponentConfig
+    task: ComponentConfig = Field(default_factory=lambda: ComponentConfig(provider="causal_lm"))
+    optimizer: ComponentConfig = Field(
+        default_factory=lambda: ComponentConfig(provider="adamw", options={"lr": 3e-4})
+    )
+    lr_scheduler: ComponentConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_batching(self) -> Self:
+        self.batching.gradient_accumulation(self.mesh.data_parallel)
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.resolved_dir
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.checkpointing.dir if self.checkpointing.dir is not None else self.run_dir / "checkpoints"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the dotted field path."""
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(p) for p in item["loc"])
+        full = f"{prefix}.{path}" if prefix and path else (prefix or path)
+        lines.append(f"{full or '<root>'}: {item['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides; values are parsed as YAML scalars (`3`, `1e-4`, `true`, `[1, 2]`)."""
+    out: dict[str, Any] = json.loads(json.dumps(data, default=str))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        node = out
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    text = p.read_text()
+    data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must contain a mapping at the top level")
+    return data
+
+
+def parse_config(data: Mapping[str, Any], *, check_components: bool = True) -> TrainConfig:
+    """Validate a config mapping; with `check_components`, also import providers and check their options."""
+    try:
+        config = TrainConfig.model_validate(dict(data))
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+    if check_components:
+        from d9d.engine.registry import validate_components
+
+        validate_components(config)
+    return config
+
+
+def load_config(
+    path: str | Path, overrides: Sequence[str] = (), *, ignore_sections: Sequence[str] = ()
+) -> TrainConfig:
+    """Read YAML/JSON, apply `--set` overrides, validate everything. `ignore_sections` are dropped first
+    (the cluster layer owns a top-level `cluster:` section that the engine does not know)."""
+    data = apply_overrides(read_config_file(path), overrides)
+    for section in ignore_sections:
+        data.pop(section, None)
+    return parse_config(data)

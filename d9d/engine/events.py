@@ -1,0 +1,66 @@
+"""A typed event bus around each phase of a step.
+
+Providers, tasks and users subscribe to the events they care about (e.g. log per-expert token counts after
+forward/backward, update an EMA after the optimizer step) without the loop knowing about them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+
+@dataclass(frozen=True)
+class StepStarted:
+    step: int
+
+
+@dataclass(frozen=True)
+class ForwardBackwardFinished:
+    step: int
+    loss_sum: float
+    weight: float
+
+
+@dataclass(frozen=True)
+class OptimizerStepFinished:
+    step: int
+    grad_norm: float | None
+    lr: float
+
+
+@dataclass(frozen=True)
+class StepFinished:
+    step: int
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    step: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class TrainingFinished:
+    step: int
+    status: str
+
+
+E = TypeVar("E")
+
+
+class EventBus:
+    def __init__(self) -> None:
+        self._handlers: dict[type[Any], list[Callable[[Any], None]]] = defaultdict(list)
+
+    def subscribe(self, event_type: type[E], handler: Callable[[E], None]) -> None:
+        self._handlers[event_type].append(handler)
+
+    def publish(self, event: object) -> None:
+        for handler in self._handlers.get(type(event), ()):
+            handler(event)

@@ -1,0 +1,134 @@
+"""What users implement to plug a model, data, a task and an optimizer into the engine.
+
+Each provider is a class with a nested pydantic `Config` (its `options` in the job file) and a constructor
+taking that config. The engine calls them in a fixed order (see docs/engine.md); providers never see the
+loop itself, only what they need to do their part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from d9d.core.context import DistributedContext
+from d9d.core.types import PyTree
+from d9d.pipeline.api import PipelineStageInfo
+
+
+@dataclass(frozen=True)
+class DataSetup:
+    """What a data provider needs to know to produce this rank's share of each global batch."""
+
+    dp_rank: int
+    dp_size: int
+    microbatch_size: int
+    gradient_accumulation: int
+    global_batch_size: int
+    seed: int
+
+
+@runtime_checkable
+class ModelProvider(Protocol):
+    Config: ClassVar[type[BaseModel]]
+
+    def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
+        """Build the stage's module. Called under `torch.device("meta")`: allocate nothing."""
+        ...
+
+    def parallelize(self, module: nn.Module, ctx: DistributedContext) -> None:
+        """Apply sharding strategies in place (parameters become DTensors). Still on meta."""
+        ...
+
+    def initialize(self, module: nn.Module, ctx: DistributedContext) -> None:
+        """Materialized (to_empty) on the device: fill weights — random init or a source checkpoint."""
+        ...
+
+    def export(self, modules: Sequence[nn.Module], ctx: DistributedContext, path: Path) -> None:
+        """Write the trained model (e.g. in Hugging Face format). Collective over all ranks."""
+        ...
+
+
+@runtime_checkable
+class DataProvider(Protocol):
+    Config: ClassVar[type[BaseModel]]
+
+    def setup(self, setup: DataSetup) -> None: ...
+
+    def next_step(self) -> list[PyTree]:
+        """This rank's `gradient_accumulation` microbatches for the next step."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the global sample stream; must allow resuming under a different dp_size."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@dataclass
+class LossOutput:
+    """A microbatch's summed loss and its weight (e.g. token count). The engine divides the gradient by the
+    global sum of weights, so the update is a weighted mean over microbatches and DP ranks."""
+
+    loss_sum: torch.Tensor
+    weight: torch.Tensor
+
+
+@runtime_checkable
+class TrainTask(Protocol):
+    Config: ClassVar[type[BaseModel]]
+
+    def forward_inputs(self, microbatch: PyTree) -> dict[str, torch.Tensor]:
+        """Model keyword inputs for a microbatch (every pipeline stage receives them)."""
+        ...
+
+    def compute_loss(self, outputs: Any, microbatch: PyTree) -> LossOutput: ...
+
+    def create_metrics(self) -> dict[str, Any]:
+        """Metric objects (d9d.metrics) this task updates; synced and logged by the engine."""
+        ...
+
+    def update_metrics(
+        self, metrics: Mapping[str, Any], outputs: Any, microbatch: PyTree, loss: LossOutput
+    ) -> None: ...
+
+
+@runtime_checkable
+class InferenceTask(Protocol):
+    Config: ClassVar[type[BaseModel]]
+
+    def forward_inputs(self, microbatch: PyTree) -> dict[str, torch.Tensor]: ...
+
+    def process_outputs(self, outputs: Any, microbatch: PyTree) -> None:
+        """Consume a microbatch's outputs (accumulate, write)."""
+        ...
+
+    def result(self, ctx: DistributedContext) -> dict[str, float]:
+        """Final (globally reduced) results."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class OptimizerProvider(Protocol):
+    Config: ClassVar[type[BaseModel]]
+
+    def build(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer: ...
+
+
+@runtime_checkable
+class LRSchedulerProvider(Protocol):
+    Config: ClassVar[type[BaseModel]]
+
+    def build(
+        self, optimizer: torch.optim.Optimizer, total_steps: int
+    ) -> torch.optim.lr_scheduler.LRScheduler: ...
