@@ -184,8 +184,19 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = _parse_scalar(raw)
     return out
+
+
+def _parse_scalar(raw: str) -> Any:
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        # YAML 1.1 reads "1e-4" (no dot) as a string; users mean a number.
+        try:
+            return float(raw)
+        except ValueError:
+            return value
+    return value
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from d9d.engine.config import ConfigError, apply_overrides, load_config, parse_config
+
+BASE = {
+    "run": {"name": "t"},
+    "mesh": {"data_parallel_shard": 2},
+    "batching": {"global_batch_size": 8, "microbatch_size": 2},
+    "trainer": {"total_steps": 10},
+    "model": {"provider": "tests.engine_fixtures:WidthModelProvider", "options": {"width": 4}},
+    "data": {"provider": "tests.engine_fixtures:WidthModelProvider"},
+    "task": {"provider": "tests.engine_fixtures:WidthModelProvider"},
+    "optimizer": {"provider": "adamw", "options": {"lr": 1e-3}},
+}
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_valid_config_and_derived_values(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, BASE))
+    assert config.batching.gradient_accumulation(config.mesh.data_parallel) == 2
+    assert config.run_dir == Path("runs/t")
+    assert config.checkpoint_dir == Path("runs/t/checkpoints")
+
+
+def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
+    config = load_config(
+        _write(tmp_path, BASE), ["trainer.total_steps=100", "optimizer.options.lr=1e-4", "run.description=hi"]
+    )
+    assert config.trainer.total_steps == 100
+    assert config.optimizer.options["lr"] == 1e-4
+    with pytest.raises(ConfigError, match=r"trainer\.total_steps"):
+        load_config(_write(tmp_path, BASE), ["trainer.total_steps=-1"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        apply_overrides({}, ["trainer.total_steps"])
+    with pytest.raises(ConfigError, match=r"run\.name is not a section"):
+        apply_overrides({"run": {"name": "x"}}, ["run.name.first=1"])
+
+
+def test_unknown_key_names_its_path() -> None:
+    bad = {**BASE, "trainer": {"total_steps": 10, "totl_steps": 3}}
+    with pytest.raises(ConfigError, match=r"trainer\.totl_steps: Extra inputs are not permitted"):
+        parse_config(bad)
+
+
+def test_global_batch_not_divisible() -> None:
+    bad = {**BASE, "batching": {"global_batch_size": 6, "microbatch_size": 2}}
+    with pytest.raises(ConfigError, match=r"global_batch_size=6 is not divisible by .* 2 × 2"):
+        parse_config(bad)
+
+
+def test_unknown_provider_and_bad_options() -> None:
+    with pytest.raises(ConfigError, match=r"model\.provider: cannot import module 'no_such_pkg.mod'"):
+        parse_config({**BASE, "model": {"provider": "no_such_pkg.mod:Model"}})
+    with pytest.raises(ConfigError, match=r"model\.provider: unknown model provider 'qwen9'"):
+        parse_config({**BASE, "model": {"provider": "qwen9"}})
+    with pytest.raises(ConfigError, match=r"has no attribute 'Missing'"):
+        parse_config({**BASE, "model": {"provider": "tests.engine_fixtures:Missing"}})
+    with pytest.raises(ConfigError, match="must define a nested pydantic `Config`"):
+        parse_config({**BASE, "model": {"provider": "tests.engine_fixtures:NotAProvider"}})
+    with pytest.raises(
+        ConfigError, match=r"model\.options\.width: Input should be greater than or equal to 1"
+    ):
+        parse_config(
+            {
+                **BASE,
+                "model": {"provider": "tests.engine_fixtures:WidthModelProvider", "options": {"width": 0}},
+            }
+        )
+    with pytest.raises(ConfigError, match=r"optimizer\.options\.lrr: Extra inputs"):
+        parse_config({**BASE, "optimizer": {"provider": "adamw", "options": {"lrr": 1}}})
+
+
+def test_bad_mesh_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"mesh: Value error, expert_parallel=3 must divide"):
+        parse_config({**BASE, "mesh": {"data_parallel_shard": 2, "expert_parallel": 3}})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cluster_section_is_left_to_the_cluster(tmp_path: Path) -> None:
+    path = _write(tmp_path, {**BASE, "cluster": {"num_workers": 4}})
+    with pytest.raises(ConfigError, match="cluster: Extra inputs"):
+        load_config(path)
+    assert load_config(path, ignore_sections=["cluster"]).run.name == "t"
