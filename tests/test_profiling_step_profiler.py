@@ -53,8 +53,8 @@ def test_repeat_and_resumed_step_numbers(tmp_path: Path) -> None:
     prof = StepProfiler(tmp_path, rank=0, wait=1, warmup=1, active=1, repeat=2, first_step=100)
     _train_steps(prof, 6)
     assert sorted(f.name for f in tmp_path.iterdir()) == [
-        "rank00000-steps101-101.json",
-        "rank00000-steps103-103.json",
+        "rank00000-steps102-102.json",
+        "rank00000-steps105-105.json",
     ]
     assert [_marked_steps(p) for p in prof.written] == [{2}, {5}]
 
