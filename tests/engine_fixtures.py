@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from d9d.engine.providers import LossOutput
 
 
 class _Opts(BaseModel):
@@ -19,3 +23,106 @@ class WidthModelProvider:
 
 class NotAProvider:
     pass
+
+
+# -- a tiny user-style LM setup, for engine loop tests that must not depend on the model catalogue ------
+
+VOCAB = 32
+SEQ = 8
+
+
+class TinyLM(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.hidden = nn.Linear(width, width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def reset_parameters(self) -> None:
+        for m in (self.embed, self.hidden, self.head):
+            m.reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.embed(input_ids))))
+
+
+class TinyLMProvider:
+    class Config(_Opts):
+        width: int = Field(16, ge=1)
+        seed: int = 0
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def build_stage(self, stage):
+        return TinyLM(self.config.width)
+
+    def parallelize(self, module, ctx) -> None:
+        return None
+
+    def initialize(self, module, ctx) -> None:
+        torch.manual_seed(self.config.seed)
+        module.reset_parameters()
+
+    def export(self, modules, ctx, path) -> None:
+        return None
+
+
+def sample_tokens(index: int) -> torch.Tensor:
+    """Global sample `index` of an infinite deterministic stream (a noisy counting pattern)."""
+    g = torch.Generator().manual_seed(1000 + index)
+    start = int(torch.randint(0, VOCAB, (1,), generator=g))
+    noise = (torch.rand(SEQ + 1, generator=g) < 0.1).long()
+    return (start + torch.arange(SEQ + 1) + noise) % VOCAB
+
+
+class GlobalIndexData:
+    """Step s uses global samples [s*G, (s+1)*G); DP rank d takes its contiguous slice, so any DP degree
+    sees the same global batch."""
+
+    class Config(_Opts):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        self.step = 0
+
+    def setup(self, setup) -> None:
+        self.s = setup
+
+    def next_step(self):
+        s = self.s
+        per_rank = s.global_batch_size // s.dp_size
+        base = self.step * s.global_batch_size + s.dp_rank * per_rank
+        self.step += 1
+        samples = torch.stack([sample_tokens(base + i) for i in range(per_rank)])
+        return [
+            {"input_ids": chunk[:, :-1], "labels": chunk[:, 1:]} for chunk in samples.split(s.microbatch_size)
+        ]
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state) -> None:
+        self.step = int(state["step"])
+
+
+class TokenCETask:
+    class Config(_Opts):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        pass
+
+    def forward_inputs(self, microbatch):
+        return {"input_ids": microbatch["input_ids"]}
+
+    def compute_loss(self, outputs, microbatch):
+        labels = microbatch["labels"]
+        loss = nn.functional.cross_entropy(outputs.flatten(0, 1), labels.flatten(), reduction="sum")
+        return LossOutput(loss, torch.tensor(float(labels.numel())))
+
+    def create_metrics(self):
+        return {}
+
+    def update_metrics(self, metrics, outputs, microbatch, loss) -> None:
+        return None

@@ -1,0 +1,93 @@
+"""Launchers without Ray: a single process, or one process per rank under torchrun.
+
+    python -m d9d.engine.launch CONFIG [--set key=value ...]                 # single process
+    torchrun --nproc-per-node 4 -m d9d.engine.launch CONFIG [--set ...]      # reads RANK, WORLD_SIZE, ...
+
+`run_rank` is also the entrypoint the Ray rank actors call, so all three share every line of engine code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from d9d.core.context import DistributedContext
+from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.engine.checkpoint import LocalRunReporter
+from d9d.engine.config import TrainConfig, load_config, parse_config
+from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime, RunReporter
+from d9d.engine.trainer import Trainer
+
+
+def with_data_parallel(params: DeviceMeshParameters, data_parallel: int) -> DeviceMeshParameters:
+    """The same layout with a different data-parallel degree (elastic restarts); pp, cp, tp, ep stay.
+
+    The shard degree is kept when it divides the new degree (replicas are dropped or added), otherwise
+    everything becomes sharding.
+    """
+    if data_parallel == params.data_parallel:
+        return params
+    fields = params.model_dump()
+    if data_parallel % params.data_parallel_shard == 0:
+        fields["data_parallel_replicate"] = data_parallel // params.data_parallel_shard
+    else:
+        fields["data_parallel_replicate"] = 1
+        fields["data_parallel_shard"] = data_parallel
+    return DeviceMeshParameters(**fields)
+
+
+def run_rank(
+    config: Mapping[str, Any] | TrainConfig, runtime: RankRuntime, reporter: RunReporter
+) -> RankResult:
+    """Run training on this rank. The default process group may already exist (Ray actors, tests)."""
+    cfg = config if isinstance(config, TrainConfig) else parse_config(config)
+    params = cfg.mesh
+    if runtime.data_parallel_override is not None:
+        params = with_data_parallel(params, runtime.data_parallel_override)
+    ctx = DistributedContext.create(params)
+    trainer = Trainer(cfg, ctx, reporter)
+    trainer.setup()
+    return trainer.train()
+
+
+def _print_point(point: MetricPoint) -> None:
+    if point.kind == "train":
+        print(json.dumps({"step": point.step, **point.values}), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m d9d.engine.launch")
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides, ignore_sections=["cluster"])
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if "RANK" not in os.environ:
+        # One process: a one-rank gloo group on an in-memory store, so meshes and DTensors still exist.
+        store = dist.HashStore()  # type: ignore[attr-defined]  # exported by c10d, not re-declared
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    runtime = RankRuntime(
+        rank=rank,
+        world_size=world_size,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        run_dir=config.run_dir,
+    )
+    reporter = LocalRunReporter(
+        config.checkpoint_dir, config.checkpointing.keep_last, _print_point if rank == 0 else None
+    )
+    result = run_rank(config, runtime, reporter)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0 if result.status == "finished" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

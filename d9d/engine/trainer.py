@@ -1,0 +1,363 @@
+"""The per-rank training loop.
+
+Lifecycle (see docs/engine.md): context → seeds → task → event bus → data → model stages (meta build,
+parallelize, materialize, initialize) → gradient reducer → optimizers/LR → checkpointer → resume → loop
+(commands → microbatches → forward/backward → reduce + scale → clip → optimizer/LR step → report →
+checkpoint) → finish. Every dependency is built from the config by one function here and handed to the
+loop; the loop itself knows nothing about which parallelism is in use.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d9d.core.context import DistributedContext
+from d9d.core.domains import MeshDomain
+from d9d.engine.checkpoint import Checkpointer
+from d9d.engine.config import TrainConfig
+from d9d.engine.events import (
+    CheckpointSaved,
+    EventBus,
+    ForwardBackwardFinished,
+    OptimizerStepFinished,
+    StepFinished,
+    StepStarted,
+    TrainingFinished,
+)
+from d9d.engine.progress import StepProgress
+from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTask
+from d9d.engine.registry import build_component
+from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankResult, RunReporter
+from d9d.engine.step import GradientReducer, LocalGradientReducer, SequentialStepRunner, StepRunner
+from d9d.pipeline.api import PipelineStageInfo
+
+
+@dataclass
+class TrainState:
+    """Global (not per-microbatch) state of the loop; what the checkpoint's engine state holds."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainConfig,
+        ctx: DistributedContext,
+        reporter: RunReporter,
+        events: EventBus | None = None,
+    ) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.reporter = reporter
+        self.events = events or EventBus()
+        self.state = TrainState()
+        self._stop_requested = False
+        self._checkpoint_requested = False
+
+    # -- setup --------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        c = self.config
+        ctx = self.ctx
+        ctx.set_timeout(timedelta(seconds=c.timeouts.init_s))
+        torch.manual_seed(c.determinism.seed)
+        self.task: TrainTask = build_component("task", c.task, "task")
+        self.dp_size = ctx.params.data_parallel
+        self.dp_rank = ctx.coordinates(MeshDomain.BATCH)["dp"]
+        self.grad_accumulation = c.batching.gradient_accumulation(self.dp_size)
+        self.data: DataProvider = build_component("data", c.data, "data")
+        self.data.setup(
+            DataSetup(
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+                microbatch_size=c.batching.microbatch_size,
+                gradient_accumulation=self.grad_accumulation,
+                global_batch_size=c.batching.global_batch_size,
+                seed=c.determinism.seed,
+            )
+        )
+        self.model_provider: ModelProvider = build_component("model", c.model, "model")
+        self.modules = self._build_stages()
+        params = [p for m in self.modules for p in m.parameters()]
+        self.reducer: GradientReducer = LocalGradientReducer(params)
+        optimizer_provider = build_component("optimizer", c.optimizer, "optimizer")
+        self.optimizers: list[torch.optim.Optimizer] = [
+            optimizer_provider.build(m.parameters()) for m in self.modules
+        ]
+        self.schedulers: list[torch.optim.lr_scheduler.LRScheduler] = []
+        if c.lr_scheduler is not None:
+            scheduler_provider = build_component("lr_scheduler", c.lr_scheduler, "lr_scheduler")
+            self.schedulers = [scheduler_provider.build(o, c.trainer.total_steps) for o in self.optimizers]
+        self.metrics = self.task.create_metrics()
+        self.runner: StepRunner = SequentialStepRunner(self.modules[0], self.task, ctx.device, self.metrics)
+        self.checkpointer = Checkpointer(ctx, c.checkpoint_dir, self.reporter)
+        self._resume()
+
+    def _build_stages(self) -> list[nn.Module]:
+        if self.ctx.params.pipeline_parallel != 1:
+            raise NotImplementedError("pipeline parallelism is wired in by d9d.pipeline")
+        modules = []
+        for info in [PipelineStageInfo()]:
+            with torch.device("meta"):
+                module = self.model_provider.build_stage(info)
+            self.model_provider.parallelize(module, self.ctx)
+            module.to_empty(device=self.ctx.device)
+            with torch.no_grad():
+                self.model_provider.initialize(module, self.ctx)
+            module.train()
+            modules.append(module)
+        return modules
+
+    def _resume(self) -> None:
+        latest = self.checkpointer.latest()
+        if latest is None:
+            return
+        engine_state, rank_state = self.checkpointer.load(latest, self.modules, self.optimizers)
+        self.state.step = int(engine_state["step"])
+        self.state.losses = list(engine_state.get("losses", []))
+        for scheduler, sd in zip(self.schedulers, engine_state.get("schedulers", []), strict=False):
+            scheduler.load_state_dict(sd)
+        self.data.load_state_dict(engine_state["data"])
+        if rank_state is not None:
+            _restore_rng(rank_state["rng"])
+        self.ctx.logger.info("resumed from %s at step %d", latest, self.state.step)
+
+    # -- loop ---------------------------------------------------------------------------------------
+
+    def train(self) -> RankResult:
+        c = self.config
+        total = c.trainer.total_steps
+        progress = StepProgress(
+            total, self.state.step, self.ctx.logger, self.ctx.is_main_process, c.logging.progress_bar
+        )
+        if c.gc.period is not None:
+            gc.disable()
+        first_step = True
+        tokens_per_s: float | None = None
+        status = "finished"
+        try:
+            while self.state.step < total:
+                if not self._apply_commands():
+                    status = "stopped"
+                    break
+                step = self.state.step + 1
+                start = time.perf_counter()
+                self.events.publish(StepStarted(step))
+                loss, weight, grad_norm = self._train_step()
+                step_time = time.perf_counter() - start
+                tokens_per_s = weight / step_time if step_time > 0 else None
+                self.state.step = step
+                self.state.losses.append(loss)
+                self.events.publish(StepFinished(step, loss))
+                self._report(step, loss, grad_norm, step_time, tokens_per_s)
+                progress.update(step, loss, self._current_lr(), tokens_per_s)
+                if first_step:
+                    self.ctx.set_timeout(timedelta(seconds=c.timeouts.step_s))
+                    first_step = False
+                if c.gc.period is not None and step % c.gc.period == 0:
+                    gc.collect()
+                period = c.checkpointing.period
+                if self._checkpoint_requested or (period is not None and step % period == 0):
+                    self.save_checkpoint()
+            if self.state.step > 0 and (status == "stopped" or c.checkpointing.save_at_end):
+                self._save_if_new()
+        finally:
+            progress.close()
+            if c.gc.period is not None:
+                gc.enable()
+        self.events.publish(TrainingFinished(self.state.step, status))
+        return RankResult(
+            status="finished" if status == "finished" else "stopped",
+            steps=self.state.step,
+            final_loss=self.state.losses[-1] if self.state.losses else None,
+            tokens_per_s=tokens_per_s,
+            losses=tuple(self.state.losses),
+        )
+
+    def _train_step(self) -> tuple[float, float, float | None]:
+        step = self.state.step + 1
+        microbatches = self.data.next_step()
+        if len(microbatches) != self.grad_accumulation:
+            raise RuntimeError(
+                f"data provider returned {len(microbatches)} microbatches for step {step}, "
+                f"expected gradient_accumulation={self.grad_accumulation}"
+            )
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.reducer.begin_step()
+        loss_sum, weight = self.runner.forward_backward(microbatches)
+        totals = self._global_loss(loss_sum, weight)
+        global_loss, global_weight = float(totals[0]), float(totals[1])
+        if global_weight <= 0:
+            raise RuntimeError(
+                f"step {step}: the global loss weight is {global_weight}; no sample had a target"
+            )
+        self.events.publish(ForwardBackwardFinished(step, global_loss, global_weight))
+        self.reducer.finish(totals[1])
+        grad_norm = self._clip()
+        for optimizer in self.optimizers:
+            optimizer.step()
+        for scheduler in self.schedulers:
+            scheduler.step()
+        self.events.publish(OptimizerStepFinished(step, grad_norm, self._current_lr()))
+        return global_loss / global_weight, global_weight, grad_norm
+
+    def _global_loss(self, loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Sum of loss and weight over every rank that computes a distinct loss.
+
+        Only last-stage ranks compute a loss, and tensor-parallel ranks compute the same one, so each
+        distinct loss is contributed exactly once (by tp coordinate 0 of the last stage).
+        """
+        totals = torch.stack([loss_sum, weight]).double()
+        if not self.ctx.is_distributed:
+            return totals
+        coords = self.ctx.coordinates(MeshDomain.REGULAR)
+        is_last = coords["pp"] == self.ctx.params.pipeline_parallel - 1
+        if not (is_last and coords["tp"] == 0):
+            totals = torch.zeros_like(totals)
+        dist.all_reduce(totals)
+        return totals
+
+    def _clip(self) -> float | None:
+        max_norm = self.config.gradient_clipping.max_norm
+        params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
+        if max_norm is None or not params:
+            return None
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def _current_lr(self) -> float:
+        return float(self.optimizers[0].param_groups[0]["lr"]) if self.optimizers else 0.0
+
+    # -- commands, reporting, checkpoints -----------------------------------------------------------
+
+    def _apply_commands(self) -> bool:
+        """Apply pending commands at this step boundary; False when training must stop."""
+        while True:
+            commands = self._broadcast_commands()
+            paused = False
+            for command in commands:
+                if command.kind is CommandKind.STOP:
+                    return False
+                if command.kind is CommandKind.CHECKPOINT_NOW:
+                    self._checkpoint_requested = True
+                elif command.kind is CommandKind.UPDATE:
+                    self._update(command.values)
+                elif command.kind is CommandKind.PAUSE:
+                    paused = True
+                elif command.kind is CommandKind.RESUME:
+                    paused = False
+            if self._checkpoint_requested and self.state.step > 0:
+                self.save_checkpoint()
+            if not paused:
+                return True
+            self.ctx.logger.info("paused at step %d", self.state.step)
+            while True:
+                time.sleep(0.2)
+                commands = self._broadcast_commands()
+                if any(cmd.kind in (CommandKind.RESUME, CommandKind.STOP) for cmd in commands):
+                    break
+                for command in commands:
+                    if command.kind is CommandKind.CHECKPOINT_NOW and self.state.step > 0:
+                        self.save_checkpoint()
+                    elif command.kind is CommandKind.UPDATE:
+                        self._update(command.values)
+            if any(cmd.kind is CommandKind.STOP for cmd in commands):
+                return False
+            self.ctx.logger.info("resumed at step %d", self.state.step)
+            return True
+
+    def _broadcast_commands(self) -> list[Command]:
+        commands = list(self.reporter.commands(self.state.step)) if self.ctx.is_main_process else []
+        if self.ctx.is_distributed:
+            box: list[Any] = [commands]
+            dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
+            commands = box[0]
+        return commands
+
+    def _update(self, values: dict[str, Any]) -> None:
+        unknown = set(values) - {"lr"}
+        if unknown:
+            self.ctx.logger.warning("ignoring settings that cannot change live: %s", sorted(unknown))
+        if "lr" in values:
+            new_lr = float(values["lr"])
+            schedulers: list[torch.optim.lr_scheduler.LRScheduler | None] = (
+                list(self.schedulers) if self.schedulers else [None] * len(self.optimizers)
+            )
+            for optimizer, scheduler in zip(self.optimizers, schedulers, strict=True):
+                for i, group in enumerate(optimizer.param_groups):
+                    if scheduler is not None:
+                        ratio = new_lr / scheduler.base_lrs[i]
+                        scheduler.base_lrs[i] = new_lr
+                        group["lr"] *= ratio
+                    else:
+                        group["lr"] = new_lr
+            self.ctx.logger.info("learning rate set to %g", new_lr)
+
+    def _report(
+        self, step: int, loss: float, grad_norm: float | None, step_time: float, tokens_per_s: float | None
+    ) -> None:
+        now = time.time()
+        if step % self.config.logging.period != 0 and step != self.config.trainer.total_steps:
+            return
+        if self.ctx.is_main_process:
+            values = {"loss": loss, "lr": self._current_lr(), "step_time_s": step_time}
+            if grad_norm is not None:
+                values["grad_norm"] = grad_norm
+            if tokens_per_s is not None:
+                values["tokens_per_s"] = tokens_per_s
+            self.reporter.metrics(MetricPoint(step=step, rank=0, values=values, kind="train", wall_time=now))
+        health = {"step_time_s": step_time, "rss_bytes": float(psutil.Process().memory_info().rss)}
+        if self.ctx.device.type == "cuda":
+            health["cuda_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated(self.ctx.device))
+        self.reporter.metrics(
+            MetricPoint(step=step, rank=self.ctx.rank, values=health, kind="health", wall_time=now)
+        )
+
+    def save_checkpoint(self) -> None:
+        step = self.state.step
+        self._checkpoint_requested = False
+        engine_state = {
+            "step": step,
+            "world_size": self.ctx.world_size,
+            "losses": list(self.state.losses),
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "data": self.data.state_dict(),
+        }
+        path = self.checkpointer.save(
+            step, self.modules, self.optimizers, engine_state, {"rng": _capture_rng()}
+        )
+        self._last_saved = step
+        self.events.publish(CheckpointSaved(step, path))
+
+    def _save_if_new(self) -> None:
+        if getattr(self, "_last_saved", None) != self.state.step:
+            self.save_checkpoint()
+
+    @property
+    def stages(self) -> Sequence[nn.Module]:
+        return self.modules
+
+
+def _capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,149 @@
+"""The training loop on user-style providers: exact resume, accumulation equivalence, crash-safe commits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from d9d.engine.checkpoint import LocalRunReporter, read_latest
+from d9d.engine.config import parse_config
+from d9d.engine.launch import run_rank
+from d9d.engine.runtime import RankRuntime
+from tests.harness import RankEnv, run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _config(run_dir: Path, **overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "run": {"name": "loop", "dir": str(run_dir)},
+        "batching": {"global_batch_size": 8, "microbatch_size": 4},
+        "trainer": {"total_steps": 20},
+        "model": {"provider": "tests.engine_fixtures:TinyLMProvider"},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "task": {"provider": "tests.engine_fixtures:TokenCETask"},
+        "optimizer": {"provider": "adamw", "options": {"lr": 1e-2, "weight_decay": 0.01}},
+        "checkpointing": {"period": 5, "keep_last": 2},
+        "logging": {"progress_bar": "off"},
+    }
+    for key, value in overrides.items():
+        section, _, name = key.partition("__")
+        config[section] = {**config.get(section, {}), name: value}
+    return config
+
+
+def _train(env: RankEnv, run_dir: Path, out: str, overrides: dict[str, Any]) -> None:
+    config = parse_config(_config(run_dir, **overrides))
+    runtime = RankRuntime(rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=run_dir)
+    reporter = LocalRunReporter(config.checkpoint_dir, config.checkpointing.keep_last)
+    result = run_rank(config, runtime, reporter)
+    if env.rank == 0:
+        torch.save({"losses": list(result.losses), "steps": result.steps}, env.tmp_dir / out)
+
+
+def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Read model tensors of the latest committed checkpoint (DCP) without any process group."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    latest = read_latest(run_dir / "checkpoints")
+    assert latest is not None
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=FileSystemReader(str(latest)),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    return dict(state["app"]["model"])
+
+
+def test_exact_resume_is_bitwise(tmp_path: Path) -> None:
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_distributed(_train, 1, straight, "a.pt", {}, tmp_dir=tmp_path)
+    run_distributed(_train, 1, split, "b1.pt", {"trainer__total_steps": 10}, tmp_dir=tmp_path)
+    run_distributed(_train, 1, split, "b2.pt", {}, tmp_dir=tmp_path)
+    a = torch.load(tmp_path / "a.pt")
+    b1, b2 = torch.load(tmp_path / "b1.pt"), torch.load(tmp_path / "b2.pt")
+    assert a["steps"] == 20 and b1["steps"] == 10 and b2["steps"] == 20
+    assert b2["losses"] == a["losses"], "resumed losses differ from the straight run"
+    assert a["losses"][-1] < a["losses"][0] * 0.8, a["losses"]
+    pa, pb = _final_params(straight), _final_params(split)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    # keep_last=2: only the two newest committed steps remain
+    assert sorted(p.name for p in (straight / "checkpoints").glob("step-*")) == [
+        "step-00000015",
+        "step-00000020",
+    ]
+
+
+def test_gradient_accumulation_gives_equal_updates(tmp_path: Path) -> None:
+    """Global batch 8 as 8x1, 4x2 and 2x4 microbatches: same losses and parameters (float tolerance)."""
+    for mb in (8, 4, 2):
+        run_distributed(
+            _train,
+            1,
+            tmp_path / f"mb{mb}",
+            f"mb{mb}.pt",
+            {"batching__microbatch_size": mb, "trainer__total_steps": 3, "checkpointing__period": None},
+            tmp_dir=tmp_path,
+        )
+    ref = torch.load(tmp_path / "mb8.pt")["losses"]
+    ref_params = _final_params(tmp_path / "mb8")
+    for mb in (4, 2):
+        losses = torch.load(tmp_path / f"mb{mb}.pt")["losses"]
+        assert torch.allclose(torch.tensor(losses), torch.tensor(ref), rtol=1e-6, atol=0), (mb, losses, ref)
+        params = _final_params(tmp_path / f"mb{mb}")
+        for k in ref_params:
+            torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-6)
+
+
+_CRASH_SCRIPT = """
+import os, sys
+import torch.distributed.checkpoint.state_dict_saver as saver
+from d9d.engine import checkpoint as ckpt
+
+real_save = ckpt.dcp_save
+def dying_save(*args, **kwargs):
+    if os.environ.get("D9D_TEST_DIE") and "step-00000010" in str(kwargs.get("checkpoint_id")):
+        real_save(*args, **kwargs)   # the shards hit the disk ...
+        os._exit(9)                  # ... and the process dies before the commit
+    return real_save(*args, **kwargs)
+ckpt.dcp_save = dying_save
+from d9d.engine.launch import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kill_during_checkpoint_keeps_previous_latest(tmp_path: Path) -> None:
+    import yaml
+
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump(_config(run_dir, trainer__total_steps=12)))
+    env = {**os.environ, "D9D_TEST_DIE": "1", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASH_SCRIPT, str(cfg)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    root = run_dir / "checkpoints"
+    latest = read_latest(root)
+    assert latest is not None and latest.name == "step-00000005"
+    assert (root / "step-00000010").exists() and not (root / "step-00000010" / "manifest.json").exists()
+    # The previous checkpoint is loadable: resuming finishes the run and replaces the partial step.
+    env.pop("D9D_TEST_DIE")
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASH_SCRIPT, str(cfg)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_latest(root).name == "step-00000012"
+    assert (root / "step-00000010" / "manifest.json").exists()
