@@ -40,6 +40,7 @@ from d9d.engine.registry import build_component
 from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankResult, RunReporter
 from d9d.engine.step import GradientReducer, LocalGradientReducer, SequentialStepRunner, StepRunner
 from d9d.pipeline.api import PipelineStageInfo
+from d9d.profiling import NullProfiler, StepHook, StepProfiler
 
 
 @dataclass
@@ -147,30 +148,33 @@ class Trainer:
         first_step = True
         tokens_per_s: float | None = None
         status = "finished"
+        profiler = self._build_profiler()
         try:
-            while self.state.step < total:
-                if not self._apply_commands():
-                    status = "stopped"
-                    break
-                step = self.state.step + 1
-                start = time.perf_counter()
-                self.events.publish(StepStarted(step))
-                loss, weight, grad_norm = self._train_step()
-                step_time = time.perf_counter() - start
-                tokens_per_s = weight / step_time if step_time > 0 else None
-                self.state.step = step
-                self.state.losses.append(loss)
-                self.events.publish(StepFinished(step, loss))
-                self._report(step, loss, grad_norm, step_time, tokens_per_s)
-                progress.update(step, loss, self._current_lr(), tokens_per_s)
-                if first_step:
-                    self.ctx.set_timeout(timedelta(seconds=c.timeouts.step_s))
-                    first_step = False
-                if c.gc.period is not None and step % c.gc.period == 0:
-                    gc.collect()
-                period = c.checkpointing.period
-                if self._checkpoint_requested or (period is not None and step % period == 0):
-                    self.save_checkpoint()
+            with profiler:
+                while self.state.step < total:
+                    if not self._apply_commands():
+                        status = "stopped"
+                        break
+                    step = self.state.step + 1
+                    start = time.perf_counter()
+                    self.events.publish(StepStarted(step))
+                    loss, weight, grad_norm = self._train_step()
+                    step_time = time.perf_counter() - start
+                    tokens_per_s = weight / step_time if step_time > 0 else None
+                    self.state.step = step
+                    self.state.losses.append(loss)
+                    self.events.publish(StepFinished(step, loss))
+                    self._report(step, loss, grad_norm, step_time, tokens_per_s)
+                    progress.update(step, loss, self._current_lr(), tokens_per_s)
+                    profiler.step()
+                    if first_step:
+                        self.ctx.set_timeout(timedelta(seconds=c.timeouts.step_s))
+                        first_step = False
+                    if c.gc.period is not None and step % c.gc.period == 0:
+                        gc.collect()
+                    period = c.checkpointing.period
+                    if self._checkpoint_requested or (period is not None and step % period == 0):
+                        self.save_checkpoint()
             if self.state.step > 0 and (status == "stopped" or c.checkpointing.save_at_end):
                 self._save_if_new()
         finally:
@@ -184,6 +188,15 @@ class Trainer:
             final_loss=self.state.losses[-1] if self.state.losses else None,
             tokens_per_s=tokens_per_s,
             losses=tuple(self.state.losses),
+        )
+
+    def _build_profiler(self) -> StepHook:
+        p = self.config.profiling
+        if not p.enabled:
+            return NullProfiler()
+        traces = p.traces_dir if p.traces_dir is not None else self.config.run_dir / "traces"
+        return StepProfiler(
+            traces, self.ctx.rank, wait=p.wait, warmup=p.warmup, active=p.active, first_step=self.state.step
         )
 
     def _train_step(self) -> tuple[float, float, float | None]:
