@@ -13,7 +13,7 @@ API summary (all importable from `d9d.state.mapper` and `d9d.state`):
 - DTensor leaves: `Distribute({key: ShardingSpec(mesh, placements)})`, `Gather(keys or specs)`.
 - composition: `Sequential([m1, m2, ...])` (stages; untouched keys pass through), `Parallel([...])`
   (disjoint keys), `Graph([...])` (DAG ordered by key names), `Prefixed(prefix, m, on=...)`,
-  `Shard(m, num_shards, index)`.
+  `Shard(m, num_shards, index)`, `Select(m, outputs=keys | inputs=keys)` (what one rank needs).
 - from a module: `identity_mapper`, `distribute_mapper`, `gather_mapper`,
   `load_mapper(module, ckpt_to_model)`, `save_mapper(module, model_to_ckpt)`.
 
@@ -41,7 +41,7 @@ from d9d.state.mapper.module import (
     load_mapper,
     save_mapper,
 )
-from d9d.state.mapper.scope import Prefixed, Shard
+from d9d.state.mapper.scope import Prefixed, Select, Shard
 from d9d.state.mapper.tensor_ops import Cast, Concat, Function, Split, Stack, Transpose, Unstack
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "Parallel",
     "Prefixed",
     "Rename",
+    "Select",
     "Sequential",
     "Shard",
     "ShardingSpec",

@@ -1,8 +1,12 @@
-"""Scoping a mapper: under a key prefix (`Prefixed`), or a slice of its groups for one worker (`Shard`)."""
+"""Scoping a mapper: a key prefix, a worker's slice of the groups, the part one rank needs.
+
+`Prefixed` reuses a per-layer mapper under `layers.{i}.`, `Shard` splits groups round robin across
+workers, `Select` keeps what one rank loads or saves.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -70,3 +74,54 @@ class Shard(StateMapper):
 
     def __repr__(self) -> str:
         return f"Shard({self.index}/{self.num_shards} of {self.inner!r})"
+
+
+class Select(StateMapper):
+    """The part of `inner` one rank needs: by target keys (loading) or by source keys (saving).
+
+    - `outputs=keys`: groups producing any of `keys`; other outputs of those groups are computed and
+      dropped (a rank holding only q still reads the fused qkv it is cut from).
+    - `inputs=keys`: groups whose inputs are all in `keys` (a pipeline stage saves its own layers); a
+      group needing keys both here and elsewhere is an error naming them.
+    """
+
+    def __init__(
+        self,
+        inner: StateMapper,
+        *,
+        outputs: Iterable[str] | None = None,
+        inputs: Iterable[str] | None = None,
+    ) -> None:
+        if (outputs is None) == (inputs is None):
+            raise StateMappingError("Select: give exactly one of outputs= or inputs=")
+        self.inner = inner
+        self._inner_group: dict[StateGroup, StateGroup] = {}
+        if outputs is not None:
+            wanted = frozenset(outputs)
+            for g in inner.groups():
+                if g.outputs & wanted:
+                    self._inner_group[StateGroup(g.inputs, g.outputs & wanted)] = g
+        else:
+            here = frozenset(inputs or ())
+            for g in inner.groups():
+                if g.inputs and g.inputs <= here:
+                    self._inner_group[g] = g
+                elif g.inputs & here:
+                    raise StateMappingError(
+                        f"Select: group {g!r} needs {sorted(g.inputs & here)[:3]} (here) and "
+                        f"{sorted(g.inputs - here)[:3]} (not here); it cannot run on one side"
+                    )
+        self._groups = tuple(sorted(self._inner_group, key=StateGroup.sort_key))
+
+    def groups(self) -> Sequence[StateGroup]:
+        return self._groups
+
+    def apply(self, group: StateGroup, tensors: Mapping[str, torch.Tensor]) -> TensorMap:
+        inner_group = self._inner_group.get(group)
+        if inner_group is None:
+            raise StateMappingError(f"{self!r} has no group {group!r}")
+        out = apply_group(self.inner, inner_group, tensors)
+        return {k: t for k, t in out.items() if k in group.outputs}
+
+    def __repr__(self) -> str:
+        return f"Select({len(self._groups)} of {self.inner!r})"
