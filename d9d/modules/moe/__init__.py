@@ -1,1 +1,38 @@
 """Mixture of Experts: router, grouped experts, communication hook, the MoE layer."""
+
+from d9d.modules.moe.aux_loss import attach_auxiliary_loss, load_balancing_loss
+from d9d.modules.moe.communication import DispatchedTokens, MoECommunication
+from d9d.modules.moe.experts import GroupedExperts
+from d9d.modules.moe.grouped_mm import (
+    GROUPED_MM_ENV,
+    AutoGroupedMM,
+    EagerGroupedMM,
+    GroupedGemmMM,
+    GroupedMM,
+    GroupedMMName,
+    TorchGroupedMM,
+    build_grouped_mm,
+)
+from d9d.modules.moe.layer import MoELayer
+from d9d.modules.moe.local_communication import LocalMoECommunication
+from d9d.modules.moe.router import Routing, TopKRouter
+
+__all__ = [
+    "GROUPED_MM_ENV",
+    "AutoGroupedMM",
+    "DispatchedTokens",
+    "EagerGroupedMM",
+    "GroupedExperts",
+    "GroupedGemmMM",
+    "GroupedMM",
+    "GroupedMMName",
+    "LocalMoECommunication",
+    "MoECommunication",
+    "MoELayer",
+    "Routing",
+    "TopKRouter",
+    "TorchGroupedMM",
+    "attach_auxiliary_loss",
+    "build_grouped_mm",
+    "load_balancing_loss",
+]

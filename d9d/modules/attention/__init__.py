@@ -1,0 +1,28 @@
+"""Attention: masks, SDPA backends and grouped-query attention."""
+
+from d9d.modules.attention.backends import (
+    ATTENTION_BACKEND_ENV,
+    AutoSdpa,
+    EagerSdpa,
+    FlashAttnSdpa,
+    SdpaBackend,
+    SdpaBackendName,
+    TorchSdpa,
+    build_sdpa_backend,
+)
+from d9d.modules.attention.gqa import GroupedQueryAttention
+from d9d.modules.attention.mask import AttentionMask, segment_ids_from_position_ids
+
+__all__ = [
+    "ATTENTION_BACKEND_ENV",
+    "AttentionMask",
+    "AutoSdpa",
+    "EagerSdpa",
+    "FlashAttnSdpa",
+    "GroupedQueryAttention",
+    "SdpaBackend",
+    "SdpaBackendName",
+    "TorchSdpa",
+    "build_sdpa_backend",
+    "segment_ids_from_position_ids",
+]

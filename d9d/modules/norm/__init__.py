@@ -1,0 +1,5 @@
+"""Normalization layers."""
+
+from d9d.modules.norm.rms_norm import RMSNorm
+
+__all__ = ["RMSNorm"]

@@ -1,0 +1,245 @@
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from d9d.modules.checkpointing import checkpointed
+from d9d.modules.mlp import SwiGLU
+from d9d.modules.moe import (
+    GROUPED_MM_ENV,
+    AutoGroupedMM,
+    EagerGroupedMM,
+    GroupedExperts,
+    LocalMoECommunication,
+    MoECommunication,
+    MoELayer,
+    TopKRouter,
+    TorchGroupedMM,
+    build_grouped_mm,
+    load_balancing_loss,
+)
+
+
+def _torch_grouped_mm_works_on_cpu() -> bool:
+    try:
+        TorchGroupedMM()(torch.ones(2, 2), torch.ones(1, 2, 2), torch.tensor([2]))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+def _backends_here() -> list[tuple[str, object]]:
+    backends: list[tuple[str, object]] = [("auto", AutoGroupedMM())]
+    if _torch_grouped_mm_works_on_cpu():
+        backends.append(("torch", TorchGroupedMM()))
+    return backends
+
+
+def _grouped_mm_case(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 8], device=device)  # an empty group included
+    x = torch.randn(16, 32, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(4, 32, 16, device=device, dtype=dtype, requires_grad=True)
+    return x, weight, counts
+
+
+def _check_against_eager(backend: object, device: str, dtype: torch.dtype, tol: float) -> None:
+    x, weight, counts = _grouped_mm_case(device, dtype)
+    grad_out = torch.randn(16, 16, device=device, dtype=dtype)
+    out = backend(x, weight, counts)  # type: ignore[operator]
+    (out * grad_out).sum().backward()
+    got = (out.float(), x.grad.float(), weight.grad.float())  # type: ignore[union-attr]
+    x32, w32 = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    ref = EagerGroupedMM()(x32, w32, counts)
+    (ref * grad_out.float()).sum().backward()
+    for a, b in zip(got, (ref, x32.grad, w32.grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_eager_grouped_mm_is_a_per_expert_matmul() -> None:
+    x, weight, counts = _grouped_mm_case("cpu", torch.float64)
+    out = EagerGroupedMM()(x, weight, counts)
+    torch.testing.assert_close(out[:3], x[:3] @ weight[0])
+    torch.testing.assert_close(out[3:8], x[3:8] @ weight[2])
+    torch.testing.assert_close(out[8:], x[8:] @ weight[3])
+
+
+@pytest.mark.parametrize(("name", "backend"), _backends_here(), ids=lambda v: v if isinstance(v, str) else "")
+def test_cpu_grouped_mm_backends_match_eager(name: str, backend: object) -> None:
+    _check_against_eager(backend, "cpu", torch.float32, 1e-5)
+
+
+@pytest.mark.gpu
+def test_torch_grouped_mm_on_cuda_matches_eager() -> None:
+    _check_against_eager(TorchGroupedMM(), "cuda", torch.bfloat16, 2e-2)
+    _check_against_eager(AutoGroupedMM(), "cuda", torch.bfloat16, 2e-2)
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_on_cuda_matches_eager() -> None:
+    pytest.importorskip("grouped_gemm")
+    _check_against_eager(build_grouped_mm("grouped_gemm"), "cuda", torch.bfloat16, 2e-2)
+
+
+def test_build_grouped_mm_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(build_grouped_mm("eager"), EagerGroupedMM)
+    monkeypatch.setenv(GROUPED_MM_ENV, "eager")
+    assert isinstance(build_grouped_mm(), EagerGroupedMM)
+    monkeypatch.setenv(GROUPED_MM_ENV, "fast")
+    with pytest.raises(ValueError, match="D9D_GROUPED_MM='fast'"):
+        build_grouped_mm()
+    monkeypatch.delenv(GROUPED_MM_ENV)
+    assert isinstance(build_grouped_mm(), AutoGroupedMM)
+    if importlib.util.find_spec("grouped_gemm") is None:
+        with pytest.raises(ValueError, match="'grouped_gemm' requested but the package is not installed"):
+            build_grouped_mm("grouped_gemm")
+
+
+def _softmax(values: list[float]) -> list[float]:
+    exps = [math.exp(v) for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+def test_router_against_hand_computed_values() -> None:
+    router = TopKRouter(2, 3, 2, renormalize=False)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+    x = torch.tensor([[2.0, -1.0], [0.5, 0.25]])
+    routing = router(x)
+    p0 = _softmax([2.0, -1.0, 1.0])  # expert logits for token 0
+    p1 = _softmax([0.5, 0.25, 0.75])
+    torch.testing.assert_close(routing.probs, torch.tensor([p0, p1]))
+    assert routing.topk_ids.tolist() == [[0, 2], [2, 0]]
+    torch.testing.assert_close(routing.topk_weights, torch.tensor([[p0[0], p0[2]], [p1[2], p1[0]]]))
+    assert router.expert_load.tolist() == [2.0, 0.0, 2.0]
+
+    router.renormalize = True
+    renormed = router(x).topk_weights
+    torch.testing.assert_close(renormed[0], torch.tensor([p0[0], p0[2]]) / (p0[0] + p0[2]))
+
+
+def test_expert_bias_changes_selection_not_weights_and_updates_from_load() -> None:
+    router = TopKRouter(2, 4, 1, renormalize=False, expert_bias=True, bias_update_rate=0.5)
+    with torch.no_grad():
+        router.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [-1.0, 0.0]]))
+    x = torch.tensor([[1.0, 0.1]] * 5 + [[0.0, 1.0]] + [[-1.0, -1.0]] * 6)
+    first = router(x)
+    # logits [1, .1, 0, -1] → expert 0 (5 tokens); [0, 1, 0, 0] → expert 1; [-1, -1, 0, 1] → expert 3 (6)
+    assert router.expert_load.tolist() == [5.0, 1.0, 0.0, 6.0]
+    router.update_expert_bias()
+    assert router.expert_bias is not None
+    # mean load 3: over-loaded experts 0 and 3 go down, 1 and 2 go up
+    assert router.expert_bias.tolist() == [-0.5, 0.5, 0.5, -0.5]
+    assert router.expert_load.tolist() == [0.0, 0.0, 0.0, 0.0]
+    second = router(x)
+    # token 0: probs softmax([1, .1, 0, -1]) ≈ [.52, .21, .19, .07] + bias → expert 1 wins the selection ...
+    assert second.topk_ids[0].item() == 1
+    # ... but its weight is the unbiased probability
+    torch.testing.assert_close(second.topk_weights[0, 0], first.probs[0, 1])
+
+
+def test_load_balancing_loss_hand_computed() -> None:
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
+    # f = [0.5, 0.5, 0]; P = [0.4, 0.4, 0.2]; E · Σ f·P = 3 · 0.4
+    torch.testing.assert_close(load_balancing_loss(probs, torch.tensor([[0], [1]])), torch.tensor(1.2))
+    # top-2: copies 0,1 | 1,2 → f = [0.25, 0.5, 0.25]; 3 · (0.1 + 0.2 + 0.05)
+    torch.testing.assert_close(load_balancing_loss(probs, torch.tensor([[0, 1], [1, 2]])), torch.tensor(1.05))
+    uniform = torch.full((4, 4), 0.25)
+    torch.testing.assert_close(
+        load_balancing_loss(uniform, torch.tensor([[0], [1], [2], [3]])), torch.tensor(1.0)
+    )
+
+
+def _moe(hidden: int = 8, experts: int = 4, top_k: int = 2, **kwargs: object) -> MoELayer:
+    torch.manual_seed(0)
+    return MoELayer(
+        TopKRouter(hidden, experts, top_k, renormalize=True, init_std=0.5),
+        GroupedExperts(experts, hidden, 6, grouped_mm=EagerGroupedMM(), init_std=0.3),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def _reference_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """float64, token by token: Σ_k w_k · SwiGLU_{e_k}(x)."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    probs = torch.softmax(flat @ layer.gate.weight.double().t(), -1)
+    out = torch.zeros_like(flat)
+    e = layer.experts
+    for t in range(flat.shape[0]):
+        top = torch.topk(probs[t], layer.gate.top_k)
+        weights = top.values / top.values.sum()
+        for w, i in zip(weights, top.indices, strict=True):
+            h = flat[t]
+            act = torch.nn.functional.silu(h @ e.gate_proj[i].double()) * (h @ e.up_proj[i].double())
+            out[t] += w * (act @ e.down_proj[i].double())
+    return out.view(x.shape)
+
+
+def test_moe_layer_matches_token_by_token_reference_and_counts_exactly() -> None:
+    layer = _moe()
+    x = torch.randn(2, 5, 8)
+    out = layer(x)
+    torch.testing.assert_close(out.double(), _reference_moe(layer, x), rtol=1e-5, atol=1e-6)
+    probs = torch.softmax(x.reshape(-1, 8) @ layer.gate.weight.t(), -1)
+    expected_counts = torch.bincount(torch.topk(probs, 2).indices.flatten(), minlength=4).float()
+    assert torch.equal(layer.gate.expert_load, expected_counts)
+    assert layer.gate.expert_load.sum().item() == 20
+
+
+def test_local_communication_satisfies_contract() -> None:
+    comm = LocalMoECommunication()
+    assert isinstance(comm, MoECommunication)
+    hidden = torch.arange(3, dtype=torch.float32)[:, None].expand(3, 2)
+    ids = torch.tensor([[2, 0], [0, 1], [2, 1]])
+    weights = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5]])
+    d = comm.dispatch(hidden, ids, weights, 4)
+    assert d.tokens_per_expert.tolist() == [2, 2, 2, 0]
+    assert d.hidden_states[:, 0].tolist() == [0, 1, 1, 2, 0, 2]  # grouped by expert, token order inside
+    assert d.row_weights.tolist() == pytest.approx([0.4, 0.9, 0.1, 0.5, 0.6, 0.5])
+    combined = comm.combine(d.hidden_states * d.row_weights[:, None], d)
+    torch.testing.assert_close(combined, hidden * weights.sum(1, keepdim=True))
+
+
+def test_aux_loss_gradient_is_injected_with_coefficient() -> None:
+    x = torch.randn(3, 4, 8)
+    grad_out = torch.randn(3, 4, 8)
+    with_aux = _moe(aux_loss_coef=0.25)
+    (with_aux(x) * grad_out).sum().backward()
+    assert with_aux.last_aux_loss is not None
+
+    plain = _moe()
+    out = plain(x)
+    routing = plain.gate(x.reshape(-1, 8))
+    explicit = (out * grad_out).sum() + 0.25 * load_balancing_loss(routing.probs, routing.topk_ids)
+    explicit.backward()
+    torch.testing.assert_close(with_aux.last_aux_loss, load_balancing_loss(routing.probs, routing.topk_ids))
+    for (name, a), (_, b) in zip(with_aux.named_parameters(), plain.named_parameters(), strict=True):
+        assert a.grad is not None, name
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_checkpointed_layer_counts_tokens_once() -> None:
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    plain, ckpt = _moe(), _moe()
+    plain(x).sum().backward()
+    plain_grad = x.grad.clone()  # type: ignore[union-attr]
+    x.grad = None
+    checkpointed(ckpt, x).sum().backward()
+    assert torch.equal(ckpt.gate.expert_load, plain.gate.expert_load)
+    torch.testing.assert_close(x.grad, plain_grad)
+
+
+def test_gated_shared_expert() -> None:
+    torch.manual_seed(1)
+    shared = SwiGLU(8, 5, init_std=0.3)
+    layer = _moe(shared_expert=shared, shared_expert_gate=True)
+    routed_only = _moe()
+    routed_only.load_state_dict(layer.state_dict(), strict=False)
+    x = torch.randn(4, 8)
+    gate = torch.sigmoid(x @ layer.shared_expert_gate.weight.t())  # type: ignore[union-attr]
+    torch.testing.assert_close(layer(x), routed_only(x) + gate * shared(x))
+    with pytest.raises(ValueError, match="shared_expert_gate=True needs a shared_expert"):
+        _moe(shared_expert_gate=True)
