@@ -1,0 +1,22 @@
+"""Gradient synchronization: bucketed, backward-overlapped all-reduce over each parameter's replicate mesh."""
+
+from d9d.parallel.grad_sync.bucket import GradBucket
+from d9d.parallel.grad_sync.config import GradSyncConfig
+from d9d.parallel.grad_sync.reduce_mesh import (
+    SyncedParam,
+    collect_synced_params,
+    grad_reduce_mesh,
+    mark_grad_reduce_mesh,
+)
+from d9d.parallel.grad_sync.synchronizer import GradientSynchronizer, mesh_group
+
+__all__ = [
+    "GradBucket",
+    "GradSyncConfig",
+    "GradientSynchronizer",
+    "SyncedParam",
+    "collect_synced_params",
+    "grad_reduce_mesh",
+    "mark_grad_reduce_mesh",
+    "mesh_group",
+]

@@ -1,0 +1,80 @@
+"""A bucket: one flat gradient buffer, its parameters' views into it, and its in-flight all-reduce."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[no-any-return]
+
+
+class GradBucket:
+    """Gradients of some parameters, accumulated into one buffer so a single collective reduces them all.
+
+    Accumulating straight into the buffer (instead of reducing `param.grad` tensors) lets microbatches add
+    up in `dtype` (e.g. float32 for bf16 weights) and frees each `param.grad` as soon as it was consumed.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.params = params
+        self.group = group
+        shapes = [local_tensor(p).shape for p in params]
+        numels = [s.numel() for s in shapes]
+        self.buffer = torch.zeros(sum(numels), dtype=dtype, device=device)
+        self._views: list[torch.Tensor] = []
+        offset = 0
+        for shape, numel in zip(shapes, numels, strict=True):
+            self._views.append(self.buffer[offset : offset + numel].view(shape))
+            offset += numel
+        self.touched = False
+        self._missing = len(params)
+        self._work: dist.Work | None = None
+        self.launched = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def ready(self) -> bool:
+        return self._missing == 0
+
+    def view(self, index: int) -> torch.Tensor:
+        return self._views[index]
+
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        if not self.touched:
+            self.buffer.zero_()
+            self.touched = True
+        self._views[index].add_(grad.view(self._views[index].shape))
+
+    def mark_complete(self) -> None:
+        self._missing -= 1
+
+    def launch(self) -> None:
+        if not self.touched:  # nothing arrived this step (unused parameters): reduce zeros, not stale data
+            self.buffer.zero_()
+            self.touched = True
+        if self.group is not None:
+            self._work = dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.launched = True
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def reset(self) -> None:
+        self.touched = False
+        self.launched = False
+        self._missing = len(self.params)

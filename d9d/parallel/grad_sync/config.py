@@ -1,0 +1,28 @@
+"""Settings of the gradient synchronizer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+GradDTypeName = Literal["float32", "bfloat16", "float16", "float64"]
+
+
+class GradSyncConfig(BaseModel):
+    """`bucket_size_mb`: the largest bucket (in MiB of gradient data); smaller buckets start reducing
+    earlier in backward, larger ones make fewer, more efficient collectives.
+
+    `grad_dtype`: the dtype gradients are accumulated over microbatches and all-reduced in (e.g. float32
+    for bf16 parameters); None keeps each parameter's dtype. The optimizer always sees gradients in the
+    parameter's dtype.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bucket_size_mb: float = Field(25.0, gt=0)
+    grad_dtype: GradDTypeName | None = None
+
+    def resolve_grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return param_dtype if self.grad_dtype is None else getattr(torch, self.grad_dtype)

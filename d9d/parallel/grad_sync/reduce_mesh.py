@@ -1,0 +1,73 @@
+"""Which mesh each parameter's gradient must be summed over, recorded by the strategies that know it.
+
+A strategy that replicates a parameter (`parallelize_replicate`, the replicate dim of HSDP, the
+`ep_replicate` dim of expert parallelism) records the mesh on the *owning module* under the parameter's
+name, not on the parameter object: FSDP swaps parameter objects for sharded ones and late
+initialization may rebuild them, while module names stay put. `collect_synced_params` resolves the
+records against the parameters that exist when the synchronizer is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+_ATTR = "_d9d_grad_reduce_meshes"
+
+
+def mark_grad_reduce_mesh(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
+    """Record that the gradient of the direct parameter `module.<name>` is summed over all ranks of `mesh`."""
+    if name not in module._parameters:
+        raise KeyError(f"{type(module).__name__} has no direct parameter {name!r}")
+    records: dict[str, DeviceMesh] = module.__dict__.setdefault(_ATTR, {})
+    previous = records.get(name)
+    if previous is not None and previous != mesh:
+        raise ValueError(
+            f"parameter {name!r} of {type(module).__name__} is already reduced over mesh "
+            f"{previous.mesh_dim_names}; a second strategy tried to reduce it over {mesh.mesh_dim_names}"
+        )
+    records[name] = mesh
+
+
+def grad_reduce_mesh(module: nn.Module, name: str) -> DeviceMesh | None:
+    records: dict[str, DeviceMesh] = module.__dict__.get(_ATTR, {})
+    return records.get(name)
+
+
+@dataclass(frozen=True)
+class SyncedParam:
+    """A parameter the synchronizer owns: its replicate mesh (None: nothing to reduce) and optimizer group."""
+
+    name: str
+    param: nn.Parameter
+    reduce_mesh: DeviceMesh | None
+    group: int = 0
+
+
+def collect_synced_params(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> list[SyncedParam]:
+    """Every trainable parameter of `model` in registration order, with its recorded reduce mesh.
+
+    With an optimizer, parameters it does not optimize are left out and each keeps its param-group index,
+    so buckets never mix groups.
+    """
+    group_of: dict[int, int] | None = None
+    if optimizer is not None:
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    out: list[SyncedParam] = []
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param is None or not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if group_of is not None and id(param) not in group_of:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            group = group_of[id(param)] if group_of is not None else 0
+            out.append(SyncedParam(full_name, param, grad_reduce_mesh(module, name), group))
+    return out

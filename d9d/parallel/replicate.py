@@ -1,0 +1,41 @@
+"""Data parallelism by replication: every rank holds the full weights, gradients are summed across.
+
+Composition rather than a wrapper: `parallelize_replicate` only changes how parameters are stored and
+records where their gradients must be reduced; the reduction itself is done by `GradientSynchronizer`,
+which also serves FSDP shards and experts.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from d9d.parallel.grad_sync import mark_grad_reduce_mesh
+from d9d.parallel.local_params import compute_with_local_parameters
+
+
+def parallelize_replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Replicate every parameter of `module` (recursively) over all ranks of `mesh`.
+
+    - A plain parameter becomes a DTensor replicated on `mesh`; its module's forward sees the local tensor.
+    - A parameter that already is a DTensor (placed by tensor or expert parallelism on another mesh) keeps
+      its layout and forward behaviour; it is only recorded for gradient reduction over `mesh`.
+
+    Ranks must hold identical values (same seed, or weights loaded afterwards): nothing is broadcast.
+    """
+    replaced: dict[int, nn.Parameter] = {}  # keeps parameters shared between modules shared
+    for sub in module.modules():
+        converted: set[str] = set()
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                if id(param) not in replaced:
+                    replaced[id(param)] = nn.Parameter(
+                        DTensor.from_local(param.detach(), mesh, [Replicate()] * mesh.ndim, run_check=False),
+                        requires_grad=param.requires_grad,
+                    )
+                sub.register_parameter(name, replaced[id(param)])
+                converted.add(name)
+            mark_grad_reduce_mesh(sub, name, mesh)
+        if converted:
+            compute_with_local_parameters(sub, converted)

@@ -1,0 +1,142 @@
+"""Reference methodology shared by the parallelism tests, and a check of the helpers themselves.
+
+A distributed run must match a single-process run on the same global batch: same initial weights (every
+rank builds the full model from one seed, then keeps its shard), the loss is a weighted *sum* per
+microbatch, and the gradient synchronizer divides by the global weight sum, which is exactly the
+single-process weighted mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from d9d.parallel import GradientSynchronizer, clip_grad_norm_, global_grad_norm
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full (unsharded) tensor, gathered where sharded."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into (possibly sharded) parameters: each rank keeps its own shard."""
+    for name, p in model.named_parameters():
+        full = state[name]
+        if isinstance(p, DTensor):
+            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(full)
+
+
+def assert_state_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == want.keys(), (what, sorted(got.keys() ^ want.keys()))
+    for name in want:
+        torch.testing.assert_close(
+            got[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{what} {n}: {m}"
+        )
+
+
+def assert_values_close(got: Sequence[float], want: Sequence[float], what: str) -> None:
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(want, dtype=torch.float64),
+        rtol=RTOL,
+        atol=0,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    weights: torch.Tensor  # per-sample loss weight
+
+
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # weighted *sum* of the batch's losses
+
+
+def reference_run(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    loss_fn: LossFn,
+    *,
+    max_norm: float | None = None,
+    lr: float = 1e-2,
+) -> tuple[list[float], list[float], list[dict[str, torch.Tensor]]]:
+    """Single process: weighted-mean loss of each global batch, AdamW; returns losses, norms, states."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses, norms, states = [], [], []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch) / batch.weights.sum()
+        loss.backward()
+        if max_norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        losses.append(float(loss.detach()))
+        norms.append(float(norm))
+        states.append(full_state(model))
+    return losses, norms, states
+
+
+def distributed_run(
+    model: nn.Module,
+    sync: GradientSynchronizer,
+    local_microbatches: Sequence[Sequence[Batch]],
+    loss_fn: LossFn,
+    *,
+    max_norm: float | None = None,
+    lr: float = 1e-2,
+    pp_group: dist.ProcessGroup | None = None,
+) -> tuple[list[float], list[float], list[dict[str, torch.Tensor]]]:
+    """Per step: weighted-sum loss per microbatch, synchronizer wait with the local weight sum, global
+    norm (clipping when asked), AdamW. The returned loss is the global weighted mean: this rank's loss sum
+    scaled by the synchronizer's global weight, summed over the same ranks the weights were."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses, norms, states = [], [], []
+    for microbatches in local_microbatches:
+        opt.zero_grad(set_to_none=True)
+        sync.set_num_microbatches(len(microbatches))
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        weight = torch.zeros((), dtype=torch.float64)
+        for mb in microbatches:
+            loss = loss_fn(model, mb)
+            loss.backward()
+            loss_sum += loss.detach().double()
+            weight += mb.weights.sum().double()
+        total_weight = sync.wait(weight)
+        assert total_weight is not None
+        if max_norm is None:
+            norm = global_grad_norm(model.parameters(), pp_group=pp_group)
+        else:
+            norm = clip_grad_norm_(model.parameters(), max_norm, pp_group=pp_group)
+        opt.step()
+        losses.append(sync.global_sum(loss_sum) / total_weight.cpu())
+        norms.append(float(norm))
+        states.append(full_state(model))
+    return [float(x) for x in losses], norms, states
+
+
+def test_load_full_state_roundtrip() -> None:
+    model = nn.Linear(3, 2)
+    state = {k: torch.randn_like(v) for k, v in full_state(model).items()}
+    load_full_state(model, state)
+    assert_state_close(full_state(model), state, "roundtrip")
