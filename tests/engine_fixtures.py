@@ -58,7 +58,10 @@ class TinyLMProvider:
         return TinyLM(self.config.width)
 
     def parallelize(self, module, ctx) -> None:
-        return None
+        from d9d.parallel import parallelize_replicate
+
+        if ctx.params.data_parallel > 1:
+            parallelize_replicate(module, ctx.mesh_for("batch")["dp"])
 
     def initialize(self, module, ctx) -> None:
         torch.manual_seed(self.config.seed)

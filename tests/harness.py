@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,7 @@ def _child(
     results: Any,
     init_pg: bool,
     pg_timeout_s: float,
+    store_name: str,
 ) -> None:
     stack_file = open(Path(tmp_dir) / f".stack-rank{rank}.txt", "w")  # noqa: SIM115 - lives with the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -85,7 +87,7 @@ def _child(
 
     try:
         if init_pg:
-            store = dist.FileStore(str(Path(tmp_dir) / ".rendezvous"), world_size)
+            store = dist.FileStore(str(Path(tmp_dir) / store_name), world_size)
             dist.init_process_group(
                 "gloo",
                 store=store,
@@ -135,10 +137,22 @@ def run_distributed(
     results = ctx.Queue()
     # Collectives give up a little before the harness does, so a rank stuck on a dead peer raises on its own.
     pg_timeout_s = max(5.0, timeout - 2.0)
+    # A fresh store file per run: runs may share `tmp_dir`, and a FileStore file outlives its run.
+    store_name = f".rendezvous-{uuid.uuid4().hex}"
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, str(tmp), args, results, init_process_group, pg_timeout_s),
+            args=(
+                fn,
+                rank,
+                world_size,
+                str(tmp),
+                args,
+                results,
+                init_process_group,
+                pg_timeout_s,
+                store_name,
+            ),
             daemon=True,
         )
         for rank in range(world_size)

@@ -38,9 +38,17 @@ def _config(run_dir: Path, **overrides: Any) -> dict[str, Any]:
     return config
 
 
-def _train(env: RankEnv, run_dir: Path, out: str, overrides: dict[str, Any]) -> None:
+def _train(
+    env: RankEnv, run_dir: Path, out: str, overrides: dict[str, Any], dp_override: int | None = None
+) -> None:
     config = parse_config(_config(run_dir, **overrides))
-    runtime = RankRuntime(rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=run_dir)
+    runtime = RankRuntime(
+        rank=env.rank,
+        world_size=env.world_size,
+        local_rank=env.rank,
+        run_dir=run_dir,
+        data_parallel_override=dp_override,
+    )
     reporter = LocalRunReporter(config.checkpoint_dir, config.checkpointing.keep_last)
     result = run_rank(config, runtime, reporter)
     if env.rank == 0:
@@ -147,3 +155,22 @@ def test_kill_during_checkpoint_keeps_previous_latest(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert read_latest(root).name == "step-00000012"
     assert (root / "step-00000010" / "manifest.json").exists()
+
+
+def test_data_parallel_matches_single_process_and_resumes_on_fewer_ranks(tmp_path: Path) -> None:
+    dp2 = {"mesh__data_parallel_replicate": 2}
+    run_distributed(
+        _train, 1, tmp_path / "single", "single.pt", {"checkpointing__period": 10}, tmp_dir=tmp_path
+    )
+    run_distributed(
+        _train, 2, tmp_path / "dp2", "dp2.pt", {**dp2, "checkpointing__period": 10}, tmp_dir=tmp_path
+    )
+    single = torch.tensor(torch.load(tmp_path / "single.pt")["losses"])
+    both = torch.tensor(torch.load(tmp_path / "dp2.pt")["losses"])
+    torch.testing.assert_close(both, single, rtol=1e-5, atol=0)
+    # Elastic: 10 steps on dp2, then the rest on one rank with the same global batch.
+    elastic = tmp_path / "elastic"
+    run_distributed(_train, 2, elastic, "e1.pt", {**dp2, "trainer__total_steps": 10}, tmp_dir=tmp_path)
+    run_distributed(_train, 1, elastic, "e2.pt", dp2, 1, tmp_dir=tmp_path)
+    resumed = torch.tensor(torch.load(tmp_path / "e2.pt")["losses"])
+    torch.testing.assert_close(resumed, single, rtol=1e-5, atol=0)

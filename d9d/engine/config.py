@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.parallel.grad_sync import GradSyncConfig
 
 
 class _Section(BaseModel):
@@ -84,11 +85,6 @@ class GradientClippingConfig(_Section):
     max_norm: float | None = Field(1.0, gt=0)
 
 
-class GradientManagerConfig(_Section):
-    grad_dtype: Literal["float32", "bfloat16"] | None = None
-    bucket_size_mb: float = Field(25.0, gt=0)
-
-
 class DeterminismConfig(_Section):
     seed: int = 0
 
@@ -130,7 +126,7 @@ class TrainConfig(_Section):
     pipelining: dict[str, Any] | None = None
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     gradient_clipping: GradientClippingConfig = Field(default_factory=GradientClippingConfig)
-    gradient_manager: GradientManagerConfig = Field(default_factory=GradientManagerConfig)
+    gradient_manager: GradSyncConfig = Field(default_factory=GradSyncConfig)
     determinism: DeterminismConfig = Field(default_factory=DeterminismConfig)
     gc: GCConfig = Field(default_factory=GCConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)

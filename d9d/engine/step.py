@@ -17,6 +17,7 @@ from torch import nn
 
 from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput, TrainTask
+from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, collect_synced_params
 
 
 class StepRunner(Protocol):
@@ -61,6 +62,38 @@ class SequentialStepRunner:
                 if self.metrics:
                     self.task.update_metrics(self.metrics, outputs, microbatch, loss)
         return loss_total, weight_total
+
+
+class SynchronizedGradientReducer:
+    """Data-parallel gradients: the synchronizer reduces buckets during backward; `finish` waits and scales.
+
+    The engine already knows the global loss weight (summed over every rank that computes a loss, pipeline
+    stages included), so the synchronizer is given that total and only divides by it.
+    """
+
+    def __init__(self, synchronizer: GradientSynchronizer) -> None:
+        self.synchronizer = synchronizer
+
+    def begin_step(self) -> None:
+        return None
+
+    def finish(self, global_weight: torch.Tensor) -> None:
+        self.synchronizer.wait(global_weight)
+
+
+def build_gradient_reducer(
+    modules: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    config: GradSyncConfig,
+    num_microbatches: int,
+) -> GradientReducer:
+    """Use the synchronizer when any strategy marked a parameter for reduction, else a local scale."""
+    synced = [sp for m, o in zip(modules, optimizers, strict=True) for sp in collect_synced_params(m, o)]
+    if any(sp.reduce_mesh is not None for sp in synced):
+        return SynchronizedGradientReducer(
+            GradientSynchronizer(synced, config, num_microbatches=num_microbatches)
+        )
+    return LocalGradientReducer(sp.param for sp in synced)
 
 
 class LocalGradientReducer:

@@ -38,7 +38,8 @@ from d9d.engine.progress import StepProgress
 from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTask
 from d9d.engine.registry import build_component
 from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankResult, RunReporter
-from d9d.engine.step import GradientReducer, LocalGradientReducer, SequentialStepRunner, StepRunner
+from d9d.engine.step import GradientReducer, SequentialStepRunner, StepRunner, build_gradient_reducer
+from d9d.parallel import clip_grad_norm_
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.profiling import NullProfiler, StepHook, StepProfiler
 
@@ -91,12 +92,13 @@ class Trainer:
         )
         self.model_provider: ModelProvider = build_component("model", c.model, "model")
         self.modules = self._build_stages()
-        params = [p for m in self.modules for p in m.parameters()]
-        self.reducer: GradientReducer = LocalGradientReducer(params)
         optimizer_provider = build_component("optimizer", c.optimizer, "optimizer")
         self.optimizers: list[torch.optim.Optimizer] = [
             optimizer_provider.build(m.parameters()) for m in self.modules
         ]
+        self.reducer: GradientReducer = build_gradient_reducer(
+            self.modules, self.optimizers, c.gradient_manager, self.grad_accumulation
+        )
         self.schedulers: list[torch.optim.lr_scheduler.LRScheduler] = []
         if c.lr_scheduler is not None:
             scheduler_provider = build_component("lr_scheduler", c.lr_scheduler, "lr_scheduler")
@@ -245,10 +247,13 @@ class Trainer:
 
     def _clip(self) -> float | None:
         max_norm = self.config.gradient_clipping.max_norm
-        params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
+        params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
         if max_norm is None or not params:
             return None
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        pp_group = None
+        if self.ctx.is_distributed and self.ctx.params.pipeline_parallel > 1:
+            pp_group = self.ctx.mesh_for(MeshDomain.REGULAR).get_group("pp")
+        return float(clip_grad_norm_(params, max_norm, pp_group=pp_group))
 
     def _current_lr(self) -> float:
         return float(self.optimizers[0].param_groups[0]["lr"]) if self.optimizers else 0.0
