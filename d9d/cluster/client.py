@@ -1,0 +1,205 @@
+"""`TrainingJob`: start and steer a run from any Ray driver — `d9d train`, a notebook on a `ray://` client,
+or a script inside the cluster. All state lives in the coordinator actor; this object is a thin handle, so
+losing it (or the whole driver, with `cluster.detach: true`) does not stop training, and
+`TrainingJob.attach(run_name)` picks the run up again.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from d9d.cluster.coordinator import NAMESPACE, Coordinator, coordinator_name
+from d9d.cluster.sink import build_sink
+from d9d.cluster.spec import JobSpec, build_job, load_job
+from d9d.cluster.state import JobStatus, RunSummary
+from d9d.engine.runtime import Command, CommandKind, MetricPoint
+
+_CALL_S = 10.0  # server-side wait per long-poll call; clients loop around it
+
+
+def connect(address: str | None = None, *, local_cpus: int = 1) -> None:
+    """Join the cluster at `address` (or RAY_ADDRESS); with neither, start a local Ray instance big enough
+    for `local_cpus` rank CPUs even on a small laptop (Ray's CPUs are a scheduling unit, not cores)."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, local_cpus), include_dashboard=False)
+
+
+class TrainingJob:
+    def __init__(
+        self,
+        config: JobSpec | str | Path | Mapping[str, Any],
+        *,
+        overrides: tuple[str, ...] | list[str] = (),
+        num_workers: int | None = None,
+        cpu: bool = False,
+    ) -> None:
+        if isinstance(config, JobSpec):
+            self.spec = config
+        elif isinstance(config, Mapping):
+            from d9d.engine.config import apply_overrides
+
+            self.spec = build_job(apply_overrides(dict(config), overrides), num_workers=num_workers, cpu=cpu)
+        else:
+            self.spec = load_job(config, overrides, num_workers=num_workers, cpu=cpu)
+        self._handle: Any = None
+        self._seq = 0
+
+    @classmethod
+    def attach(cls, run_name: str, address: str | None = None) -> TrainingJob:
+        """A handle to a run that is already going (started elsewhere, detached)."""
+        connect(address)
+        handle: Any = ray.get_actor(coordinator_name(run_name), namespace=NAMESPACE)
+        job = cls.__new__(cls)
+        spec: JobSpec = ray.get(handle.spec.remote())
+        job.spec = spec
+        job._handle = handle
+        job._seq = 0
+        return job
+
+    @property
+    def run_name(self) -> str:
+        return self.spec.run_name
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self, address: str | None = None) -> TrainingJob:
+        if self._handle is not None:
+            raise RuntimeError(f"run {self.run_name} was already started")
+        spec = self.spec
+        connect(address, local_cpus=int(spec.max_workers * spec.cluster.resources.cpus + 0.999))
+        name = coordinator_name(spec.run_name)
+        _release_finished(name)
+        options: dict[str, Any] = {
+            "name": name,
+            "namespace": NAMESPACE,
+            "num_cpus": 0,
+            "max_restarts": 0,
+            "lifetime": "detached" if spec.cluster.detach else None,
+        }
+        head = _head_node_id()
+        if head is not None:
+            # The head outlives worker nodes; in coordinator-storage mode it also holds the checkpoints.
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+        try:
+            self._handle = (
+                ray.remote(Coordinator).options(**options).remote(spec, functools.partial(build_sink, spec))
+            )
+        except ValueError as e:
+            raise RuntimeError(
+                f"run {spec.run_name!r} is already running (actor {name!r} in namespace {NAMESPACE!r}): "
+                "attach to it with TrainingJob.attach or choose another run.name"
+            ) from e
+        ray.get(self._handle.start.remote())
+        return self
+
+    def status(self) -> JobStatus:
+        status: JobStatus = ray.get(self._coordinator.status.remote())
+        return status
+
+    def metrics(self, timeout: float | None = None) -> Iterator[MetricPoint]:
+        """New metric points as they arrive (train, eval, per-rank health, and the cluster's own under
+        rank -1); ends when the job has ended and everything was delivered, or after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            wait = _CALL_S if deadline is None else max(0.0, min(_CALL_S, deadline - time.monotonic()))
+            seq, points, ended = ray.get(self._coordinator.metrics_since.remote(self._seq, wait))
+            self._seq = seq
+            yield from points
+            if ended and not points:
+                return
+
+    def wait(self, step: int | None = None, timeout: float | None = None) -> JobStatus:
+        """Block until `step` is completed (or, without a step, until the job ends)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = _CALL_S if deadline is None else max(0.0, min(_CALL_S, deadline - time.monotonic()))
+            status: JobStatus = ray.get(self._coordinator.wait.remote(step, wait))
+            if status.state.terminal or (step is not None and status.step >= step):
+                return status
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"run {self.run_name} did not reach {step or 'the end'} within {timeout}s")
+
+    def result(self, timeout: float | None = None) -> RunSummary:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = _CALL_S if deadline is None else max(0.0, min(_CALL_S, deadline - time.monotonic()))
+            summary: RunSummary | None = ray.get(self._coordinator.result.remote(wait))
+            if summary is not None:
+                return summary
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"run {self.run_name} did not end within {timeout}s")
+
+    # -- commands (take effect at the next step boundary) ------------------------------------------------
+
+    def pause(self) -> None:
+        self._send(Command(CommandKind.PAUSE))
+
+    def resume(self) -> None:
+        self._send(Command(CommandKind.RESUME))
+
+    def checkpoint_now(self) -> None:
+        self._send(Command(CommandKind.CHECKPOINT_NOW))
+
+    def update(self, **values: Any) -> None:
+        """Change settings that are safe to change live (the engine applies `lr`, ignores the rest)."""
+        self._send(Command(CommandKind.UPDATE, dict(values)))
+
+    def stop(self, *, force: bool = False) -> None:
+        """Stop at the next step boundary; `force` kills the ranks at once (nothing is saved)."""
+        if force:
+            ray.get(self._coordinator.kill.remote())
+        else:
+            self._send(Command(CommandKind.STOP))
+
+    def close(self) -> None:
+        """Let a finished detached coordinator go now instead of after `cluster.linger_s`."""
+        ray.get(self._coordinator.close.remote())
+
+    @property
+    def _coordinator(self) -> Any:
+        if self._handle is None:
+            raise RuntimeError(f"run {self.run_name} is not started; call start() first")
+        return self._handle
+
+    def _send(self, command: Command) -> None:
+        ray.get(self._coordinator.send.remote(command))
+
+
+def _head_node_id() -> str | None:
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            node_id: str = node["NodeID"]
+            return node_id
+    return None
+
+
+def _release_finished(name: str) -> None:
+    """A detached coordinator of an earlier run with this name that already ended is let go."""
+    try:
+        old: Any = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return
+    old_status: JobStatus = ray.get(old.status.remote())
+    if not old_status.state.terminal:
+        return
+    ray.kill(old, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)

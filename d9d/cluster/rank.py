@@ -1,0 +1,143 @@
+"""One Ray actor per rank: rendezvous, process group, heartbeats, then the engine entrypoint.
+
+Rendezvous is race-free: rank 0 binds a TCPStore on port 0 before any other rank runs, the coordinator
+learns the real port from it and hands it to everyone else. The process group is initialized here (gloo on
+CPU, NCCL with gloo alongside on GPU) so the engine's `DistributedContext.create` finds it ready and only
+builds the meshes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported by c10d, not re-declared
+
+from d9d.cluster.reporter import CoordinatorTransfer, RayRunReporter
+from d9d.engine.runtime import RankResult, RankRuntime
+
+
+@dataclass(frozen=True)
+class RankNode:
+    node_id: str
+    ip: str
+    gpu_ids: tuple[str, ...]  # what Ray assigned to this actor
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """Everything a rank needs to join the job; built by the coordinator per attempt."""
+
+    entrypoint: str
+    config: dict[str, Any]
+    runtime: RankRuntime
+    master_addr: str
+    master_port: int
+    local_world_size: int
+    backend: Literal["gloo", "nccl"]
+    # GPU ranks on one node see all of that node's job GPUs (NCCL needs its peers for P2P/NVLink);
+    # the rank drives the one Ray assigned to it, at index `runtime.local_rank`.
+    cuda_visible_devices: str | None
+    init_timeout_s: float
+    heartbeat_interval_s: float
+    command_seq: int
+    transfer: CoordinatorTransfer | None
+
+
+def resolve_entrypoint(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class RankActor:
+    def __init__(self, coordinator: Any) -> None:
+        self._coordinator = coordinator
+        self._store: TCPStore | None = None
+
+    def node(self) -> RankNode:
+        ctx = ray.get_runtime_context()
+        return RankNode(
+            node_id=ctx.get_node_id(),
+            ip=ray.util.get_node_ip_address(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+        )
+
+    def open_store(self, world_size: int, timeout_s: float) -> int:
+        """Rank 0: bind the rendezvous store on a free port and return it."""
+        self._store = TCPStore(
+            ray.util.get_node_ip_address(),
+            0,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        port: int = self._store.port
+        return port
+
+    def run(self, launch: RankLaunch) -> RankResult:
+        rt = launch.runtime
+        os.environ.update(
+            RANK=str(rt.rank),
+            WORLD_SIZE=str(rt.world_size),
+            LOCAL_RANK=str(rt.local_rank),
+            LOCAL_WORLD_SIZE=str(launch.local_world_size),
+            MASTER_ADDR=launch.master_addr,
+            MASTER_PORT=str(launch.master_port),
+        )
+        if launch.cuda_visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = launch.cuda_visible_devices
+        self._init_process_group(launch)
+        stop = threading.Event()
+        beat = threading.Thread(
+            target=self._heartbeat, args=(stop, rt.attempt, rt.rank, launch.heartbeat_interval_s), daemon=True
+        )
+        beat.start()
+        reporter = RayRunReporter(self._coordinator, rt.attempt, rt.rank, launch.command_seq, launch.transfer)
+        try:
+            entrypoint = resolve_entrypoint(launch.entrypoint)
+            result: RankResult = entrypoint(launch.config, rt, reporter)
+            return result
+        finally:
+            stop.set()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _init_process_group(self, launch: RankLaunch) -> None:
+        rt = launch.runtime
+        timeout = datetime.timedelta(seconds=launch.init_timeout_s)
+        store = self._store
+        if store is None:
+            store = TCPStore(
+                launch.master_addr, launch.master_port, rt.world_size, is_master=False, timeout=timeout
+            )
+        if launch.backend == "nccl":
+            device = torch.device("cuda", rt.local_rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group(
+                "cuda:nccl,cpu:gloo",
+                store=store,
+                rank=rt.rank,
+                world_size=rt.world_size,
+                timeout=timeout,
+                device_id=device,
+            )
+        else:
+            dist.init_process_group(
+                "gloo", store=store, rank=rt.rank, world_size=rt.world_size, timeout=timeout
+            )
+
+    def _heartbeat(self, stop: threading.Event, attempt: int, rank: int, interval_s: float) -> None:
+        while not stop.is_set():
+            self._coordinator.heartbeat.remote(attempt, rank)
+            stop.wait(interval_s)
