@@ -1,0 +1,25 @@
+"""Hugging Face interop: config conversion, state mappers, `from_pretrained` / `save_pretrained`."""
+
+from d9d.models.hf.config import config_from_hf, config_to_hf
+from d9d.models.hf.io import build_causal_lm, check_checkpoint_matches, from_pretrained, save_pretrained
+from d9d.models.hf.mapping import (
+    ExpertLayout,
+    d9d_to_hf_mapper,
+    detect_expert_layout,
+    expected_hf_shapes,
+    hf_to_d9d_mapper,
+)
+
+__all__ = [
+    "ExpertLayout",
+    "build_causal_lm",
+    "check_checkpoint_matches",
+    "config_from_hf",
+    "config_to_hf",
+    "d9d_to_hf_mapper",
+    "detect_expert_layout",
+    "expected_hf_shapes",
+    "from_pretrained",
+    "hf_to_d9d_mapper",
+    "save_pretrained",
+]

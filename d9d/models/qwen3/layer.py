@@ -1,0 +1,60 @@
+"""One Qwen3 decoder layer: pre-norm attention and pre-norm SwiGLU, both residual."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from d9d.models.qwen3.config import Qwen3Config
+from d9d.modules.attention import AttentionMask, GroupedQueryAttention, SdpaBackend
+from d9d.modules.mlp import SwiGLU
+from d9d.modules.moe import MoELayer
+from d9d.modules.norm import RMSNorm
+from d9d.modules.rotary import RotaryTables
+
+
+def qwen3_attention(config: Qwen3Config, layer: int, backend: SdpaBackend) -> GroupedQueryAttention:
+    return GroupedQueryAttention(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        qk_norm=True,
+        norm_eps=config.rms_norm_eps,
+        bias=config.attention_bias,
+        sliding_window=config.layer_window(layer),
+        backend=backend,
+        init_std=config.initializer_range,
+        output_init_std=config.output_init_std,
+    )
+
+
+def qwen3_mlp(config: Qwen3Config, intermediate_size: int) -> SwiGLU:
+    return SwiGLU(
+        config.hidden_size,
+        intermediate_size,
+        init_std=config.initializer_range,
+        output_init_std=config.output_init_std,
+    )
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """`mlp` is injected: a dense SwiGLU in Qwen3, an `MoELayer` (or SwiGLU) in Qwen3-MoE."""
+
+    def __init__(self, config: Qwen3Config, layer: int, backend: SdpaBackend, mlp: SwiGLU | MoELayer) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = qwen3_attention(config, layer, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def reset_parameters(self) -> None:
+        self.input_layernorm.reset_parameters()
+        self.self_attn.reset_parameters()
+        self.post_attention_layernorm.reset_parameters()
+        self.mlp.reset_parameters()
+
+    def forward(self, hidden: torch.Tensor, rotary: RotaryTables, mask: AttentionMask) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, mask)
+        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return out

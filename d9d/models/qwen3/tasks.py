@@ -1,0 +1,189 @@
+"""Qwen3 with task heads: causal LM, sequence classification, embeddings. Each is pipeline-stage aware."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from d9d.models.qwen3.config import Qwen3Config
+from d9d.models.qwen3.model import Qwen3Model
+from d9d.modules.heads import CausalLMHead, EmbeddingHead, Pooling, SequenceClassificationHead
+from d9d.pipeline.api import PipelineStageInfo, TensorMeta
+
+
+class Qwen3StageModel(nn.Module):
+    """What every task model shares: the backbone for its stage and the stage-boundary contract.
+
+    A non-last stage returns `{"hidden_states": ...}` for the next stage; the last stage returns the
+    head's outputs. `activation_dtype` overrides the dtype declared for stage boundaries when compute runs
+    in another dtype than the parameters (mixed precision); by default it is the parameters' dtype.
+    """
+
+    backbone_class: ClassVar[type[Qwen3Model]] = Qwen3Model
+
+    def __init__(self, config: Qwen3Config, stage: PipelineStageInfo | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.stage = stage if stage is not None else PipelineStageInfo()
+        self.model = self.backbone_class(config, self.stage)
+        self.activation_dtype: torch.dtype | None = None
+
+    def reset_parameters(self) -> None:
+        self.model.reset_parameters()
+
+    def stage_output_meta(self, microbatch_inputs: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
+        if self.stage.is_last:
+            return {}
+        batch, seq = microbatch_inputs["input_ids"].shape[:2]
+        dtype = self.activation_dtype or next(self.model.parameters()).dtype
+        return {"hidden_states": TensorMeta((batch, seq, self.config.hidden_size), dtype)}
+
+    def backbone(
+        self,
+        input_ids: torch.Tensor | None,
+        hidden_states: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        segment_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        hidden: torch.Tensor = self.model(
+            input_ids=input_ids,
+            hidden_states=hidden_states,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            segment_ids=segment_ids,
+        )
+        return hidden
+
+
+class Qwen3ForCausalLM(Qwen3StageModel):
+    """Last stage: `{"logits": [batch, seq, vocab]}` without labels, `{"loss": [batch, seq]}` (float32
+    per-token loss, 0 where the label is -100) with labels. Labels are aligned with positions:
+    `labels[:, t]` is the token that should follow position t (shift once in the data pipeline)."""
+
+    def __init__(self, config: Qwen3Config, stage: PipelineStageInfo | None = None) -> None:
+        super().__init__(config, stage)
+        self.lm_head: CausalLMHead | None = None
+        if self.stage.is_last:
+            self.lm_head = CausalLMHead(
+                config.hidden_size,
+                config.splits,
+                init_std=config.initializer_range,
+                loss_chunk_size=config.loss_chunk_size,
+            )
+            if config.tie_word_embeddings:
+                if self.model.embed_tokens is None:
+                    raise ValueError(
+                        "tie_word_embeddings needs the embeddings and the head on one stage, but they are "
+                        f"split over {self.stage.num_stages} pipeline stages"
+                    )
+                self.lm_head.tie_to(self.model.embed_tokens)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.lm_head is not None:
+            self.lm_head.reset_parameters()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        hidden = self.backbone(input_ids, hidden_states, position_ids, attention_mask, segment_ids)
+        if self.lm_head is None:
+            return {"hidden_states": hidden}
+        if labels is None:
+            return {"logits": self.lm_head(hidden)}
+        return {"loss": self.lm_head(hidden, labels)}
+
+
+class Qwen3ForSequenceClassification(Qwen3StageModel):
+    """Last stage: `{"logits": [batch, num_labels]}`, or `{"loss": [batch]}` with labels."""
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        num_labels: int,
+        stage: PipelineStageInfo | None = None,
+        *,
+        pooling: Pooling = "last",
+    ) -> None:
+        super().__init__(config, stage)
+        self.score = (
+            SequenceClassificationHead(
+                config.hidden_size, num_labels, pooling=pooling, init_std=config.initializer_range
+            )
+            if self.stage.is_last
+            else None
+        )
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.score is not None:
+            self.score.reset_parameters()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        hidden = self.backbone(input_ids, hidden_states, position_ids, attention_mask, segment_ids)
+        if self.score is None:
+            return {"hidden_states": hidden}
+        out = self.score(hidden, attention_mask, labels)
+        return {"logits": out} if labels is None else {"loss": out}
+
+
+class Qwen3ForEmbedding(Qwen3StageModel):
+    """Last stage: `{"embeddings": [batch, dim]}` (pooled, optionally projected and L2-normalized)."""
+
+    def __init__(
+        self,
+        config: Qwen3Config,
+        stage: PipelineStageInfo | None = None,
+        *,
+        pooling: Pooling = "last",
+        projection_dim: int | None = None,
+        normalize: bool = True,
+    ) -> None:
+        super().__init__(config, stage)
+        self.embedding_head = (
+            EmbeddingHead(
+                config.hidden_size,
+                pooling=pooling,
+                projection_dim=projection_dim,
+                normalize=normalize,
+                init_std=config.initializer_range,
+            )
+            if self.stage.is_last
+            else None
+        )
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.embedding_head is not None:
+            self.embedding_head.reset_parameters()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        hidden = self.backbone(input_ids, hidden_states, position_ids, attention_mask, segment_ids)
+        if self.embedding_head is None:
+            return {"hidden_states": hidden}
+        return {"embeddings": self.embedding_head(hidden, attention_mask)}
