@@ -49,7 +49,6 @@ class TinyLM(nn.Module):
 class TinyLMProvider:
     class Config(_Opts):
         width: int = Field(16, ge=1)
-        seed: int = 0
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -64,8 +63,7 @@ class TinyLMProvider:
             parallelize_replicate(module, ctx.mesh_for("batch")["dp"])
 
     def initialize(self, module, ctx) -> None:
-        torch.manual_seed(self.config.seed)
-        module.reset_parameters()
+        module.reset_parameters()  # the engine has seeded the parameter RNG for this stage
 
     def export(self, modules, ctx, path) -> None:
         return None

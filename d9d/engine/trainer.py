@@ -20,9 +20,17 @@ import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
+from d9d.determinism import (
+    RankSeeds,
+    capture_rng_state,
+    parameter_init_rng,
+    restore_rng_state,
+    seed_everything,
+)
 from d9d.engine.checkpoint import Checkpointer
 from d9d.engine.config import TrainConfig
 from d9d.engine.events import (
@@ -74,7 +82,7 @@ class Trainer:
         c = self.config
         ctx = self.ctx
         ctx.set_timeout(timedelta(seconds=c.timeouts.init_s))
-        torch.manual_seed(c.determinism.seed)
+        self.seeds = RankSeeds.for_rank(ctx.params, ctx.rank, c.determinism.seed)
         self.task: TrainTask = build_component("task", c.task, "task")
         self.dp_size = ctx.params.data_parallel
         self.dp_rank = ctx.coordinates(MeshDomain.BATCH)["dp"]
@@ -92,6 +100,7 @@ class Trainer:
         )
         self.model_provider: ModelProvider = build_component("model", c.model, "model")
         self.modules = self._build_stages()
+        seed_everything(self.seeds.activations)
         optimizer_provider = build_component("optimizer", c.optimizer, "optimizer")
         self.optimizers: list[torch.optim.Optimizer] = [
             optimizer_provider.build(m.parameters()) for m in self.modules
@@ -117,11 +126,17 @@ class Trainer:
                 module = self.model_provider.build_stage(info)
             self.model_provider.parallelize(module, self.ctx)
             module.to_empty(device=self.ctx.device)
-            with torch.no_grad():
+            with torch.no_grad(), parameter_init_rng(self.seeds.parameters, self._stage_mesh()):
                 self.model_provider.initialize(module, self.ctx)
             module.train()
             modules.append(module)
         return modules
+
+    def _stage_mesh(self) -> DeviceMesh | None:
+        """All ranks of this rank's pipeline stage: they share the parameter-init seed."""
+        if not self.ctx.is_distributed:
+            return None
+        return self.ctx.mesh_for(MeshDomain.REGULAR)["dp_replicate", "dp_shard", "cp", "tp"]
 
     def _resume(self) -> None:
         latest = self.checkpointer.latest()
@@ -134,7 +149,7 @@ class Trainer:
             scheduler.load_state_dict(sd)
         self.data.load_state_dict(engine_state["data"])
         if rank_state is not None:
-            _restore_rng(rank_state["rng"])
+            restore_rng_state(rank_state["rng"])
         self.ctx.logger.info("resumed from %s at step %d", latest, self.state.step)
 
     # -- loop ---------------------------------------------------------------------------------------
@@ -354,7 +369,7 @@ class Trainer:
             "data": self.data.state_dict(),
         }
         path = self.checkpointer.save(
-            step, self.modules, self.optimizers, engine_state, {"rng": _capture_rng()}
+            step, self.modules, self.optimizers, engine_state, {"rng": capture_rng_state()}
         )
         self._last_saved = step
         self.events.publish(CheckpointSaved(step, path))
@@ -366,16 +381,3 @@ class Trainer:
     @property
     def stages(self) -> Sequence[nn.Module]:
         return self.modules
-
-
-def _capture_rng() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
