@@ -67,6 +67,28 @@ class Batch:
     targets: torch.Tensor
     weights: torch.Tensor  # per-sample loss weight
 
+    def shard(self, parts: int, index: int) -> Batch:
+        """The `index`-th of `parts` equal slices along the sample dim (a data-parallel rank's share)."""
+        n = self.inputs.shape[0]
+        if n % parts:
+            raise ValueError(f"{n} samples do not split into {parts} parts")
+        sl = slice(index * n // parts, (index + 1) * n // parts)
+        return Batch(self.inputs[sl], self.targets[sl], self.weights[sl])
+
+    def split(self, microbatches: int) -> list[Batch]:
+        return [self.shard(microbatches, i) for i in range(microbatches)]
+
+
+RunResult = tuple[list[float], list[float], list[dict[str, torch.Tensor]]]
+
+
+def assert_runs_close(got: RunResult, want: RunResult, what: str) -> None:
+    """Losses, global grad norms and every full parameter after every step."""
+    assert_values_close(got[0], want[0], f"{what} losses")
+    assert_values_close(got[1], want[1], f"{what} grad norms")
+    for step, (g, w) in enumerate(zip(got[2], want[2], strict=True)):
+        assert_state_close(g, w, f"{what} step {step}")
+
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # weighted *sum* of the batch's losses
 
@@ -78,7 +100,7 @@ def reference_run(
     *,
     max_norm: float | None = None,
     lr: float = 1e-2,
-) -> tuple[list[float], list[float], list[dict[str, torch.Tensor]]]:
+) -> RunResult:
     """Single process: weighted-mean loss of each global batch, AdamW; returns losses, norms, states."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses, norms, states = [], [], []
@@ -106,7 +128,7 @@ def distributed_run(
     max_norm: float | None = None,
     lr: float = 1e-2,
     pp_group: dist.ProcessGroup | None = None,
-) -> tuple[list[float], list[float], list[dict[str, torch.Tensor]]]:
+) -> RunResult:
     """Per step: weighted-sum loss per microbatch, synchronizer wait with the local weight sum, global
     norm (clipping when asked), AdamW. The returned loss is the global weighted mean: this rank's loss sum
     scaled by the synchronizer's global weight, summed over the same ranks the weights were."""

@@ -18,8 +18,7 @@ from d9d.parallel import (
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_reference import (
     Batch,
-    assert_state_close,
-    assert_values_close,
+    assert_runs_close,
     distributed_run,
     reference_run,
 )
@@ -48,16 +47,6 @@ def _global_batches(steps: int, size: int, seed: int = 1) -> list[Batch]:
     return out
 
 
-def _shard(batch: Batch, parts: int, index: int) -> Batch:
-    n = batch.inputs.shape[0] // parts
-    sl = slice(index * n, (index + 1) * n)
-    return Batch(batch.inputs[sl], batch.targets[sl], batch.weights[sl])
-
-
-def _microbatches(batch: Batch, n: int) -> list[Batch]:
-    return [_shard(batch, n, i) for i in range(n)]
-
-
 def _dp_cases(env: RankEnv) -> None:
     ctx = DistributedContext.create(
         DeviceMeshParameters(data_parallel_replicate=env.world_size), backend="gloo"
@@ -66,7 +55,7 @@ def _dp_cases(env: RankEnv) -> None:
     batches = _global_batches(3, 16)
     for max_norm, microbatches, bucket_mb in ((None, 2, 25.0), (0.05, 4, 1e-6)):
         case = f"max_norm={max_norm} microbatches={microbatches} bucket_mb={bucket_mb}"
-        ref_losses, ref_norms, ref_states = reference_run(_mlp(), batches, _loss, max_norm=max_norm)
+        ref = reference_run(_mlp(), batches, _loss, max_norm=max_norm)
         model = _mlp()
         parallelize_replicate(model, mesh)
         assert all(isinstance(p, DTensor) and p.placements == (Replicate(),) for p in model.parameters())
@@ -77,12 +66,9 @@ def _dp_cases(env: RankEnv) -> None:
         )
         if bucket_mb < 1e-5:
             assert len(sync.buckets) == len(list(model.parameters())), case  # one parameter per bucket
-        local = [_microbatches(_shard(b, env.world_size, env.rank), microbatches) for b in batches]
-        losses, norms, states = distributed_run(model, sync, local, _loss, max_norm=max_norm)
-        assert_values_close(losses, ref_losses, f"{case} losses")
-        assert_values_close(norms, ref_norms, f"{case} grad norms")
-        for step, (got, want) in enumerate(zip(states, ref_states, strict=True)):
-            assert_state_close(got, want, f"{case} step {step}")
+        local = [b.shard(env.world_size, env.rank).split(microbatches) for b in batches]
+        got = distributed_run(model, sync, local, _loss, max_norm=max_norm)
+        assert_runs_close(got, ref, case)
         sync.close()
 
 

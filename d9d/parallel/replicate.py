@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from d9d.parallel.grad_sync import mark_grad_reduce_mesh
+from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_mesh
 from d9d.parallel.local_params import compute_with_local_parameters
 
 
@@ -19,8 +19,10 @@ def parallelize_replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     """Replicate every parameter of `module` (recursively) over all ranks of `mesh`.
 
     - A plain parameter becomes a DTensor replicated on `mesh`; its module's forward sees the local tensor.
-    - A parameter that already is a DTensor (placed by tensor or expert parallelism on another mesh) keeps
-      its layout and forward behaviour; it is only recorded for gradient reduction over `mesh`.
+    - A parameter that already is a DTensor (placed by tensor parallelism on another mesh) keeps its layout
+      and forward behaviour; it is only recorded for gradient reduction over `mesh`.
+    - A parameter whose gradient reduction is already decided (experts, see `parallelize_expert_parallel`)
+      is left alone, so the whole model can be replicated after the experts were sharded.
 
     Ranks must hold identical values (same seed, or weights loaded afterwards): nothing is broadcast.
     """
@@ -28,6 +30,8 @@ def parallelize_replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     for sub in module.modules():
         converted: set[str] = set()
         for name, param in list(sub.named_parameters(recurse=False)):
+            if is_grad_reduce_marked(sub, name):
+                continue
             if not isinstance(param, DTensor):
                 if id(param) not in replaced:
                     replaced[id(param)] = nn.Parameter(

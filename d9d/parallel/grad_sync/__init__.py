@@ -6,6 +6,7 @@ from d9d.parallel.grad_sync.reduce_mesh import (
     SyncedParam,
     collect_synced_params,
     grad_reduce_mesh,
+    is_grad_reduce_marked,
     mark_grad_reduce_mesh,
 )
 from d9d.parallel.grad_sync.synchronizer import GradientSynchronizer, mesh_group
@@ -17,6 +18,7 @@ __all__ = [
     "SyncedParam",
     "collect_synced_params",
     "grad_reduce_mesh",
+    "is_grad_reduce_marked",
     "mark_grad_reduce_mesh",
     "mesh_group",
 ]

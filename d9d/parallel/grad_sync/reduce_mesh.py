@@ -18,22 +18,34 @@ from torch.distributed.device_mesh import DeviceMesh
 _ATTR = "_d9d_grad_reduce_meshes"
 
 
-def mark_grad_reduce_mesh(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
-    """Record that the gradient of the direct parameter `module.<name>` is summed over all ranks of `mesh`."""
+def mark_grad_reduce_mesh(module: nn.Module, name: str, mesh: DeviceMesh | None) -> None:
+    """Record that the gradient of the direct parameter `module.<name>` is summed over all ranks of `mesh`.
+
+    `None` records that it needs no reduction at all (e.g. experts sharded over every rank), so that a
+    later, broader strategy such as `parallelize_replicate` leaves it alone.
+    """
     if name not in module._parameters:
         raise KeyError(f"{type(module).__name__} has no direct parameter {name!r}")
-    records: dict[str, DeviceMesh] = module.__dict__.setdefault(_ATTR, {})
-    previous = records.get(name)
-    if previous is not None and previous != mesh:
+    records: dict[str, DeviceMesh | None] = module.__dict__.setdefault(_ATTR, {})
+    if name in records and records[name] != mesh:
+        previous = records[name]
         raise ValueError(
-            f"parameter {name!r} of {type(module).__name__} is already reduced over mesh "
-            f"{previous.mesh_dim_names}; a second strategy tried to reduce it over {mesh.mesh_dim_names}"
+            f"parameter {name!r} of {type(module).__name__} is already reduced over "
+            f"{_describe(previous)}; a second strategy tried to reduce it over {_describe(mesh)}"
         )
     records[name] = mesh
 
 
+def _describe(mesh: DeviceMesh | None) -> str:
+    return "no mesh" if mesh is None else f"mesh {mesh.mesh_dim_names}"
+
+
+def is_grad_reduce_marked(module: nn.Module, name: str) -> bool:
+    return name in module.__dict__.get(_ATTR, {})
+
+
 def grad_reduce_mesh(module: nn.Module, name: str) -> DeviceMesh | None:
-    records: dict[str, DeviceMesh] = module.__dict__.get(_ATTR, {})
+    records: dict[str, DeviceMesh | None] = module.__dict__.get(_ATTR, {})
     return records.get(name)
 
 

@@ -1,0 +1,25 @@
+"""Expert parallelism: experts sharded over `ep_shard`, tokens exchanged by a pluggable backend."""
+
+from d9d.parallel.expert.all_to_all import AllToAllMoECommunication, all_to_all
+from d9d.parallel.expert.backend import (
+    AllToAllBackendConfig,
+    AutoBackendConfig,
+    DeepEPBackendConfig,
+    ExpertCommunicationConfig,
+    build_moe_communication,
+)
+from d9d.parallel.expert.deepep import DeepEPMoECommunication, deep_ep_available
+from d9d.parallel.expert.parallelize import parallelize_expert_parallel
+
+__all__ = [
+    "AllToAllBackendConfig",
+    "AllToAllMoECommunication",
+    "AutoBackendConfig",
+    "DeepEPBackendConfig",
+    "DeepEPMoECommunication",
+    "ExpertCommunicationConfig",
+    "all_to_all",
+    "build_moe_communication",
+    "deep_ep_available",
+    "parallelize_expert_parallel",
+]

@@ -1,0 +1,301 @@
+"""Expert-parallel token exchange against the single-process permutation, and backend selection."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from pydantic import TypeAdapter, ValidationError
+from torch import nn
+
+from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
+from d9d.modules.mlp import SwiGLU
+from d9d.modules.moe.experts import GroupedExperts
+from d9d.modules.moe.layer import MoELayer
+from d9d.modules.moe.router import TopKRouter
+from d9d.parallel import GradientSynchronizer, collect_synced_params, parallelize_replicate
+from d9d.parallel.expert import (
+    AllToAllBackendConfig,
+    AllToAllMoECommunication,
+    AutoBackendConfig,
+    DeepEPBackendConfig,
+    DeepEPMoECommunication,
+    ExpertCommunicationConfig,
+    build_moe_communication,
+    deep_ep_available,
+    parallelize_expert_parallel,
+)
+from tests.harness import RankEnv, run_distributed
+from tests.test_parallel_reference import (
+    Batch,
+    assert_runs_close,
+    distributed_run,
+    full_state,
+    load_full_state,
+    reference_run,
+)
+
+HIDDEN = 5
+
+
+def _routing(
+    rank: int, num_experts: int, k: int, case: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-rank tokens and routing; `case` shapes the imbalance."""
+    g = torch.Generator().manual_seed(1000 * rank + sum(map(ord, case)))
+    tokens = {"uneven": 3 + 4 * rank, "empty_rank": 0 if rank == 1 else 6, "one_expert": 7}[case]
+    x = torch.randn(tokens, HIDDEN, generator=g, dtype=torch.float64)
+    if case == "one_expert":  # every copy goes to expert 1: all other experts (and ranks) receive nothing
+        ids = torch.stack([torch.full((tokens,), 1), torch.full((tokens,), num_experts - 1)], 1)[:, :k]
+    else:  # experts 0 and 2 are never chosen: zero counts inside a rank's expert range
+        allowed = torch.tensor([e for e in range(num_experts) if e not in (0, 2)])
+        picks = [allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(tokens)]
+        ids = torch.stack(picks) if picks else torch.empty(0, k, dtype=torch.long)
+    w = torch.rand(tokens, k, generator=g, dtype=torch.float64)
+    return x, ids.long(), w
+
+
+def _expert_weights(num_experts: int) -> torch.Tensor:
+    return torch.randn(
+        num_experts, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
+
+
+def _reference(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    # out[t] = Σ_k w[t,k] · tanh(x[t] @ W_{id[t,k]}), written without any permutation
+    return torch.einsum("tk,tkh->th", w, torch.tanh(torch.einsum("th,tkhj->tkj", x, experts[ids])))
+
+
+def _exchange(env: RankEnv) -> None:
+    for ep in (2, env.world_size):
+        groups = [dist.new_group(list(range(s, s + ep))) for s in range(0, env.world_size, ep)]
+        group = groups[env.rank // ep]
+        ep_rank = env.rank % ep
+        comm = AllToAllMoECommunication(group)
+        for num_experts, k in ((2 * ep, 2), (3 * ep, 1)):
+            full_experts = _expert_weights(num_experts)
+            local_n = num_experts // ep
+            for case in ("uneven", "empty_rank", "one_expert"):
+                what = f"ep={ep} experts={num_experts} k={k} case={case}"
+                x, ids, w = _routing(env.rank, num_experts, k, case)
+                x.requires_grad_()
+                w.requires_grad_()
+                local_experts = (
+                    full_experts[ep_rank * local_n : (ep_rank + 1) * local_n].clone().requires_grad_()
+                )
+                d = comm.dispatch(x, ids, w, num_experts)
+                assert d.tokens_per_expert.shape == (local_n,), what
+                assert int(d.tokens_per_expert.sum()) == d.hidden_states.shape[0] == d.row_weights.shape[0], (
+                    what
+                )
+                outs = [
+                    torch.tanh(rows @ local_experts[e])
+                    for e, rows in enumerate(d.hidden_states.split(d.tokens_per_expert.tolist()))
+                ]
+                rows_out = torch.cat(outs) * d.row_weights[:, None]
+                out = comm.combine(rows_out, d)
+                dy = torch.randn(
+                    out.shape, generator=torch.Generator().manual_seed(env.rank), dtype=torch.float64
+                )
+                (out * dy).sum().backward()
+
+                # Reference: the same math on this rank's tokens, and on every rank's tokens for expert grads.
+                xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+                experts_ref = full_experts.clone().requires_grad_()
+                want = _reference(xr, ids, wr, experts_ref)
+                (want * dy).sum().backward()
+                torch.testing.assert_close(out, want, msg=what)
+                torch.testing.assert_close(x.grad, xr.grad, msg=what)
+                torch.testing.assert_close(w.grad, wr.grad, msg=what)
+                expert_grad_ref = torch.zeros_like(full_experts)
+                for r in range(env.world_size):
+                    if r // ep != env.rank // ep:
+                        continue
+                    xo, io, wo = _routing(r, num_experts, k, case)
+                    eo = full_experts.clone().requires_grad_()
+                    dyo = torch.randn(
+                        xo.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64
+                    )
+                    (_reference(xo, io, wo, eo) * dyo).sum().backward()
+                    expert_grad_ref += eo.grad
+                mine = expert_grad_ref[ep_rank * local_n : (ep_rank + 1) * local_n]
+                torch.testing.assert_close(local_experts.grad, mine, msg=what)
+
+
+@pytest.mark.distributed
+def test_all_to_all_matches_local_permutation() -> None:
+    run_distributed(_exchange, 4, timeout=120)
+
+
+# -- training an MoE model with expert parallelism against one process ---------------------------------
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, num_experts: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.inp = nn.Linear(4, 8)
+        self.moe = MoELayer(
+            TopKRouter(8, num_experts, 2), GroupedExperts(num_experts, 8, 6), shared_expert=SwiGLU(8, 6)
+        )
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(h + self.moe(h))
+
+
+def _moe_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return ((model(batch.inputs) - batch.targets).pow(2).sum(-1) * batch.weights).sum()
+
+
+def _moe_batches(steps: int, size: int) -> list[Batch]:
+    g = torch.Generator().manual_seed(21)
+    return [
+        Batch(
+            torch.randn(size, 4, generator=g),
+            torch.randn(size, 3, generator=g),
+            torch.randint(0, 3, (size,), generator=g).float(),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _ep_training(env: RankEnv) -> None:
+    batches = _moe_batches(3, 16)
+    ref_model = TinyMoE()
+    init = full_state(ref_model)
+    ref = reference_run(ref_model, batches, _moe_loss, max_norm=0.5)
+    for ep in (2, env.world_size):
+        case = f"dp_replicate={env.world_size} ep={ep}"
+        ctx = DistributedContext.create(
+            DeviceMeshParameters(data_parallel_replicate=env.world_size, expert_parallel=ep), backend="gloo"
+        )
+        model = TinyMoE()
+        expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
+        parallelize_expert_parallel(model.moe, expert_mesh, backend=AllToAllBackendConfig())
+        parallelize_replicate(model, ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"])
+        assert isinstance(model.moe.communication, AllToAllMoECommunication)
+        assert model.moe.experts.gate_proj.to_local().shape[0] == 8 // ep, case
+        load_full_state(model, init)
+        sync = GradientSynchronizer(
+            collect_synced_params(model), loss_weight_mesh=ctx.mesh_for(MeshDomain.BATCH)["dp"]
+        )
+        local = [b.shard(env.world_size, env.rank).split(2) for b in batches]
+        got = distributed_run(model, sync, local, _moe_loss, max_norm=0.5)
+        assert_runs_close(got, ref, case)
+        sync.close()
+
+
+@pytest.mark.distributed
+def test_expert_parallel_training_matches_single_process() -> None:
+    run_distributed(_ep_training, 4, timeout=180)
+
+
+# -- backend selection -------------------------------------------------------------------------------
+
+
+def _selection(env: RankEnv) -> None:
+    group = dist.new_group(list(range(env.world_size)))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    build = build_moe_communication
+    assert isinstance(
+        build(AutoBackendConfig(), group, device=cpu, dtype=torch.bfloat16), AllToAllMoECommunication
+    )
+    assert isinstance(
+        build(AllToAllBackendConfig(), group, device=cuda, dtype=torch.bfloat16), AllToAllMoECommunication
+    )
+    if not deep_ep_available():
+        with pytest.raises(RuntimeError, match="deep_ep package cannot be imported"):
+            build(DeepEPBackendConfig(), group, device=cuda, dtype=torch.bfloat16)
+        assert isinstance(
+            build(AutoBackendConfig(), group, device=cuda, dtype=torch.bfloat16), AllToAllMoECommunication
+        )
+    # With a stand-in `deep_ep` module: selection only, no CUDA kernel runs (buffers are created lazily).
+    fake = types.ModuleType("deep_ep")
+    fake.Buffer = type("Buffer", (), {})  # type: ignore[attr-defined]
+    sys.modules["deep_ep"] = fake
+    try:
+        assert isinstance(
+            build(AutoBackendConfig(), group, device=cuda, dtype=torch.bfloat16), DeepEPMoECommunication
+        )
+        assert isinstance(
+            build(AutoBackendConfig(), group, device=cuda, dtype=torch.float32), AllToAllMoECommunication
+        )
+        assert isinstance(
+            build(AutoBackendConfig(), group, device=cpu, dtype=torch.bfloat16), AllToAllMoECommunication
+        )
+        assert isinstance(
+            build(DeepEPBackendConfig(), group, device=cuda, dtype=torch.bfloat16), DeepEPMoECommunication
+        )
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            build(DeepEPBackendConfig(), group, device=cpu, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="needs bfloat16"):
+            build(DeepEPBackendConfig(), group, device=cuda, dtype=torch.float32)
+        handler = DeepEPMoECommunication(group)
+        x = torch.zeros(3, 4)
+        with pytest.raises(TypeError, match="bfloat16"):
+            handler.dispatch(x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), 4)
+    finally:
+        del sys.modules["deep_ep"]
+
+
+@pytest.mark.distributed
+def test_backend_selection() -> None:
+    adapter = TypeAdapter(ExpertCommunicationConfig)
+    assert isinstance(adapter.validate_python({"kind": "deep_ep", "num_sms": 24}), DeepEPBackendConfig)
+    assert isinstance(adapter.validate_python({"kind": "auto"}), AutoBackendConfig)
+    with pytest.raises(ValidationError, match="multiple of 2"):
+        adapter.validate_python({"kind": "deep_ep", "num_sms": 3})
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"kind": "nvshmem"})
+    run_distributed(_selection, 2, timeout=60)
+
+
+# -- DeepEP on GPUs ----------------------------------------------------------------------------------
+
+
+def _deepep_vs_all_to_all(env: RankEnv) -> None:
+    torch.cuda.set_device(env.rank)
+    group = dist.new_group(list(range(env.world_size)), backend="nccl")
+    device = torch.device("cuda", env.rank)
+    num_experts, k, hidden, tokens = 8, 2, 256, 64 + 16 * env.rank
+    g = torch.Generator().manual_seed(env.rank)
+    x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+    ids = torch.stack([torch.randperm(num_experts - 2, generator=g)[:k] + 1 for _ in range(tokens)]).to(
+        device
+    )
+    w = torch.rand(tokens, k, generator=g).to(device)
+    local_n = num_experts // env.world_size
+    experts = (
+        torch.randn(num_experts, hidden, hidden, generator=torch.Generator().manual_seed(9)) / hidden**0.5
+    )
+    mine = experts[env.rank * local_n : (env.rank + 1) * local_n].to(device, torch.bfloat16)
+    results = []
+    for comm in (AllToAllMoECommunication(group), DeepEPMoECommunication(group)):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        d = comm.dispatch(xi, ids, wi, num_experts)
+        rows = torch.cat(
+            [r @ mine[e] for e, r in enumerate(d.hidden_states.split(d.tokens_per_expert.tolist()))]
+        ) * d.row_weights[:, None].to(torch.bfloat16)
+        out = comm.combine(rows, d)
+        out.float().pow(2).sum().backward()
+        results.append((out.float(), xi.grad.float(), wi.grad.float(), d.tokens_per_expert.cpu()))
+    (o1, gx1, gw1, t1), (o2, gx2, gw2, t2) = results
+    assert torch.equal(t1, t2)
+    torch.testing.assert_close(o2, o1, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gx2, gx1, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(gw2, gw1, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_deepep_matches_all_to_all_on_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if not deep_ep_available():
+        pytest.skip("deep_ep is not installed on this machine")
+    run_distributed(_deepep_vs_all_to_all, 2, timeout=300)
