@@ -1,0 +1,231 @@
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from d9d.optim import StochasticAdamW
+from tests.harness import RankEnv, run_distributed
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # Tiny tensors: extra threads only contend on a shared CI machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _grads(shape: tuple[int, ...], steps: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_step_matches_torch_adamw_in_expectation(state_dtype: torch.dtype) -> None:
+    rows, cols, steps = 4096, 48, 4
+    generator = torch.Generator().manual_seed(0)
+    magnitude = torch.rand(cols, generator=generator) * 1.5 + 0.5
+    start = (magnitude * torch.randn(cols, generator=generator).sign()).bfloat16()
+    grads = _grads((cols,), steps, seed=1)
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+    reference = nn.Parameter(start.float())  # fp32 master weights
+    torch_adamw = torch.optim.AdamW([reference], **hyper)  # type: ignore[arg-type]
+    # Every row holds the same value and gets the same gradient: rows are independent rounding trials.
+    param = nn.Parameter(start.expand(rows, cols).clone())
+    ours = StochasticAdamW([param], **hyper, state_dtype=state_dtype, seed=5)  # type: ignore[arg-type]
+    for grad in grads:
+        g = grad.bfloat16()  # bf16 gradients, identical on both sides
+        reference.grad = g.float()
+        param.grad = g.expand(rows, cols).clone()
+        torch_adamw.step()
+        ours.step()
+
+    values = param.detach().double()
+    mean, std = values.mean(dim=0), values.std(dim=0)
+    expected = reference.detach().double()
+    tolerance = 5 * std / rows**0.5 + 1e-6 * expected.abs()
+    assert bool(((mean - expected).abs() <= tolerance).all()), ((mean - expected).abs() / tolerance).max()
+    # The test has power: each update is below half a bf16 ulp, so round-to-nearest does not move the
+    # weights at all, and that result fails the tolerance on most columns.
+    nearest = nn.Parameter(start.float())
+    nearest_adamw = torch.optim.AdamW([nearest], **hyper)  # type: ignore[arg-type]
+    for grad in grads:
+        nearest.grad = grad.bfloat16().float()
+        nearest_adamw.step()
+        nearest.data = nearest.data.bfloat16().float()
+    assert torch.equal(nearest.detach(), start.float())
+    assert float(((start.double() - expected).abs() > tolerance).double().mean()) > 0.8
+
+    ref_state = torch_adamw.state[reference]
+    state = ours.state[param]
+    assert int(state["step"]) == steps
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert state[key].dtype == state_dtype
+        if state_dtype == torch.float32:
+            torch.testing.assert_close(state[key], ref_state[key].expand(rows, cols), rtol=1e-5, atol=1e-12)
+        else:
+            m = state[key].double()
+            spread = 5 * m.std(dim=0) / rows**0.5 + 1e-7 * ref_state[key].double().abs()
+            assert bool(((m.mean(dim=0) - ref_state[key].double()).abs() <= spread).all()), key
+
+
+def test_fp32_params_take_the_exact_update() -> None:
+    generator = torch.Generator().manual_seed(3)
+    start = torch.randn(10, 7, generator=generator)
+    grads = _grads((10, 7), 3, seed=4)
+    reference = nn.Parameter(start.clone())
+    torch_adamw = torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.05)
+    param = nn.Parameter(start.clone())
+    ours = StochasticAdamW([param], lr=1e-2, weight_decay=0.05)
+    for grad in grads:
+        reference.grad, param.grad = grad.clone(), grad.clone()
+        torch_adamw.step()
+        ours.step()
+    torch.testing.assert_close(param.detach(), reference.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _params(seed: int) -> list[nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        nn.Parameter(torch.randn(33, 5, generator=generator).bfloat16()),
+        nn.Parameter(torch.randn(17, generator=generator)),
+        nn.Parameter(torch.randn(4, 3, generator=generator).bfloat16().t()),  # non-contiguous
+    ]
+
+
+def _run(params: list[nn.Parameter], optimizer: StochasticAdamW, steps: range) -> None:
+    for step in steps:
+        for i, p in enumerate(params):
+            p.grad = _grads(tuple(p.shape), 1, seed=1000 * step + i)[0].to(p.dtype)
+        optimizer.step()
+
+
+def _bits(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [
+        p.detach().clone().view(torch.int16 if p.dtype == torch.bfloat16 else torch.int32) for p in params
+    ]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_resume_reproduces_bitwise(state_dtype: torch.dtype) -> None:
+    straight = _params(0)
+    straight_opt = StochasticAdamW(straight, lr=3e-3, state_dtype=state_dtype, seed=11)
+    _run(straight, straight_opt, range(6))
+
+    first = _params(0)
+    first_opt = StochasticAdamW(first, lr=3e-3, state_dtype=state_dtype, seed=11)
+    _run(first, first_opt, range(3))
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in first], "optim": first_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    resumed = [nn.Parameter(t.clone()) for t in saved["params"]]
+    resumed_opt = StochasticAdamW(
+        resumed, lr=3e-3, state_dtype=state_dtype, seed=999
+    )  # seed comes from state
+    resumed_opt.load_state_dict(saved["optim"])
+    assert resumed_opt.state[resumed[0]]["exp_avg"].dtype == state_dtype  # not cast to the param dtype
+    _run(resumed, resumed_opt, range(3, 6))
+    for a, b in zip(_bits(straight), _bits(resumed), strict=True):
+        assert torch.equal(a, b)
+
+    # Without the saved state (fresh moments and counter) the run diverges: the comparison has teeth.
+    fresh = [nn.Parameter(t.clone()) for t in saved["params"]]
+    _run(fresh, StochasticAdamW(fresh, lr=3e-3, state_dtype=state_dtype, seed=11), range(3, 6))
+    assert not torch.equal(_bits(straight)[0], _bits(fresh)[0])
+
+
+def test_seed_changes_rounding_but_not_the_moments() -> None:
+    a, b = _params(0), _params(0)
+    opt_a = StochasticAdamW(a, lr=3e-3, seed=1)
+    opt_b = StochasticAdamW(b, lr=3e-3, seed=2)
+    _run(a, opt_a, range(2))
+    _run(b, opt_b, range(2))
+    assert not torch.equal(_bits(a)[0], _bits(b)[0])
+    assert (a[0].float() - b[0].float()).abs().max() <= 2 * a[0].float().abs().max() * 2**-7
+    assert torch.equal(opt_a.state[a[0]]["exp_avg"], opt_b.state[b[0]]["exp_avg"])
+    assert torch.equal(_bits(a)[1], _bits(b)[1])  # fp32 params are not rounded
+
+
+def test_invalid_arguments_are_named() -> None:
+    p = [nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError, match=r"betas\[1\]=1.0"):
+        StochasticAdamW(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"state_dtype=torch\.float16"):
+        StochasticAdamW(p, state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="seed=-3"):
+        StochasticAdamW(p, seed=-3)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        StochasticAdamW(p, backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"param_groups\[1\]\.params\[0\] has dtype torch\.float16"):
+        StochasticAdamW([{"params": p}, {"params": [nn.Parameter(torch.zeros(2, dtype=torch.float16))]}])
+
+
+# --- distributed: DTensor shards and replicas --------------------------------------------------------
+
+
+def _dtensor_body(env: RankEnv) -> None:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    generator = torch.Generator().manual_seed(0)
+    # 9 rows over 2 ranks: an uneven Shard(0) (5 + 4 rows) still numbers elements globally. The Shard(1)
+    # tensor repeats its left half on the right, so both column shards see identical data.
+    half = [torch.randn(9, 3, generator=generator) for _ in range(4)]
+    fulls = [torch.randn(9, 6, generator=generator).bfloat16() for _ in range(2)]
+    fulls.append(torch.cat([half[0], half[0]], dim=1).bfloat16())
+    grads = [
+        [torch.randn(9, 6, generator=generator).bfloat16() for _ in range(2)]
+        + [torch.cat([half[step + 1], half[step + 1]], dim=1).bfloat16()]
+        for step in range(3)
+    ]
+    placements = [[Shard(0)], [Replicate()], [Shard(1)]]
+
+    dparams = [
+        nn.Parameter(distribute_tensor(f.clone(), mesh, pl)) for f, pl in zip(fulls, placements, strict=True)
+    ]
+    local = [nn.Parameter(f.clone()) for f in fulls]
+    dist_opt = StochasticAdamW(dparams, lr=3e-3, seed=77)
+    local_opt = StochasticAdamW(local, lr=3e-3, seed=77)
+    for step in range(3):
+        for i in range(3):
+            dparams[i].grad = distribute_tensor(grads[step][i].clone(), mesh, placements[i])
+            local[i].grad = grads[step][i].clone()
+        dist_opt.step()
+        local_opt.step()
+
+    gathered = [p.detach().full_tensor().view(torch.int16) for p in dparams]
+    unsharded = [p.detach().view(torch.int16) for p in local]
+    # Dim-0 shards and replicas round exactly like the unsharded tensor, so replicas also agree.
+    assert torch.equal(gathered[0], unsharded[0])
+    assert torch.equal(gathered[1], unsharded[1])
+    replicas = [torch.empty_like(dparams[1].to_local()) for _ in range(env.world_size)]
+    dist.all_gather(replicas, dparams[1].to_local().contiguous())
+    assert all(torch.equal(r, replicas[0]) for r in replicas)
+    for i in range(3):
+        exp_avg = dist_opt.state[dparams[i]]["exp_avg"]
+        assert isinstance(exp_avg, DTensor)
+        assert tuple(exp_avg.placements) == tuple(placements[i])
+        assert torch.equal(exp_avg.full_tensor(), local_opt.state[local[i]]["exp_avg"])
+    # Column shards cannot be numbered globally: each draws its own stream, so identical shard data
+    # rounds differently on the two ranks, while staying within a few ulps of the unsharded run.
+    left, right = gathered[2][:, :3], gathered[2][:, 3:]
+    assert not torch.equal(left, right)
+    assert int((left.int() - right.int()).abs().max()) <= 3
+    dparams[0].grad = distribute_tensor(grads[0][0].clone(), mesh, [Replicate()])
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\.params\[0\]: grad placements"):
+        dist_opt.step()
+
+
+@pytest.mark.distributed
+def test_dtensor_shards_round_like_the_full_tensor() -> None:
+    run_distributed(_dtensor_body, 2, timeout=120)
