@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -344,3 +347,48 @@ def test_progress_bar_only_when_asked_or_interactive(tmp_path, capsys):
     save_model_state(tmp_path / "d", {"a": torch.ones(4)})  # pytest's stderr is not a tty
     list(read_model_state(tmp_path / "d", Identity(["a"])))
     assert capsys.readouterr().err == ""
+
+
+_SLOW_WRITER = """
+import sys, time, torch
+from d9d.state import Identity, StateWriter
+keys = [f"t{i:03d}" for i in range(200)]
+# max_shard_bytes=1: a file per tensor
+with StateWriter(sys.argv[1], Identity(keys), max_shard_bytes=1, overwrite=True) as writer:
+    for i, key in enumerate(keys):
+        writer.add(key, torch.full((1000,), float(i)))
+        print(key, flush=True)
+        time.sleep(0.02)
+"""
+
+
+def _kill_mid_save(dest: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_WRITER, str(dest)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == "t010":  # several shard files are on disk by now
+                break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_killed_writer_leaves_no_checkpoint_a_reader_accepts(tmp_path):
+    dest = tmp_path / "ckpt"
+    _kill_mid_save(dest)
+    assert not dest.exists()
+    (partial,) = tmp_path.glob(".ckpt.partial-*")
+    assert len(list(partial.glob("*.safetensors"))) >= 10  # the save really was interrupted mid-way
+    for path in (dest, partial):
+        with pytest.raises(CheckpointFormatError, match="no checkpoint here"):
+            StateReader(path, Identity(["t000"]))
+    # With a previous checkpoint in place, an interrupted overwrite leaves it intact.
+    old = {"t000": torch.full((3,), 42.0)}
+    save_model_state(dest, old)
+    _kill_mid_save(dest)
+    assert_bitwise(load_dir(dest), old)
+    assert_bitwise(dict(read_model_state(dest, Identity(["t000"]))), old)

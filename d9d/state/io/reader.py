@@ -74,9 +74,10 @@ class StateReader:
                         origin[group].add(path)
                         remaining[group] -= 1
                         if remaining[group] == 0:
-                            inputs = {k: pending.pop(k) for k in group.inputs}
                             files = frozenset(origin.pop(group))
-                            yield group, self._apply(group, inputs, files), files
+                            # No local keeps the inputs alive while suspended: the consumer owns them.
+                            outputs = self._apply(group, {k: pending.pop(k) for k in group.inputs}, files)
+                            yield group, outputs, files
 
     def _apply(self, group: StateGroup, inputs: TensorMap, files: frozenset[Path]) -> TensorMap:
         try:

@@ -182,6 +182,8 @@ class StateWriter:
         self._bar.close()
         if failures or outcome is not None:
             self._remove_tmp()
+            if self.distributed:  # when commit raises, every rank sees the same (clean) filesystem
+                dist.barrier(self.group)
             raise CheckpointFormatError(f"saving {self.dest} failed: {'; '.join(failures) or outcome}")
         return self.dest
 
