@@ -97,3 +97,25 @@ def balance_layers(
             f"split over {n} stages: stages {empty} would hold no layer"
         )
     return ranges[stage.current_stage]
+
+
+def needed_input_grads(ctx: torch.autograd.function.FunctionCtx) -> tuple[bool, ...]:
+    """Which input gradients a custom autograd function's backward must compute in *this* backward call.
+
+    `ctx.needs_input_grad` is fixed at forward time, so under split backward (input gradients in one pass,
+    weight gradients in a later one) a function that trusts it computes its weight gradient in both passes.
+    This asks the autograd engine whether the node consuming each gradient will run; functions with costly
+    gradients (grouped matmul) should skip the others and return None for them.
+    """
+    needed = []
+    # At backward time ctx is the function's backward node, whose edges lead to the inputs' consumers.
+    edges = ctx.next_functions  # type: ignore[attr-defined]
+    for (node, _), static in zip(edges, ctx.needs_input_grad, strict=True):  # type: ignore[attr-defined]
+        if node is None or not static:
+            needed.append(False)
+            continue
+        try:
+            needed.append(bool(torch._C._will_engine_execute_node(node)))
+        except RuntimeError:  # a leaf requested by torch.autograd.grad: the engine cannot say, so compute it
+            needed.append(True)
+    return tuple(needed)
