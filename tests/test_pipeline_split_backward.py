@@ -101,7 +101,7 @@ def test_first_stage_without_differentiable_inputs_defers_everything() -> None:
     assert all(p.grad is None for p in [*emb.parameters(), *lin.parameters()])
     deferred.run()
     for p, p_ref in zip(
-        [*emb.parameters(), *lin.parameters()], [*emb_ref.parameters(), *lin_ref.parameters()]
+        [*emb.parameters(), *lin.parameters()], [*emb_ref.parameters(), *lin_ref.parameters()], strict=True
     ):
         torch.testing.assert_close(p.grad, p_ref.grad)
 
