@@ -229,3 +229,91 @@ def _dtensor_body(env: RankEnv) -> None:
 @pytest.mark.distributed
 def test_dtensor_shards_round_like_the_full_tensor() -> None:
     run_distributed(_dtensor_body, 2, timeout=120)
+
+
+def test_dcp_flattened_state_dict_resumes_bitwise() -> None:
+    # The engine checkpoints optimizers through DCP's flattened state dict (`state.<fqn>.exp_avg`,
+    # `param_groups.<fqn>.seed`): the rounding stream must survive that path too.
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).bfloat16()
+
+    def train(m: nn.Module, optimizer: StochasticAdamW, steps: range) -> None:
+        for step in steps:
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step)).bfloat16()
+            optimizer.zero_grad()
+            m(x).float().pow(2).mean().backward()
+            optimizer.step()
+
+    straight = model()
+    train(straight, StochasticAdamW(straight.parameters(), lr=1e-3, seed=3), range(6))
+    first = model()
+    first_opt = StochasticAdamW(first.parameters(), lr=1e-3, seed=3)
+    train(first, first_opt, range(3))
+    saved = get_optimizer_state_dict(first, first_opt, options=options)
+    assert saved["param_groups.0.weight.seed"] == 3
+    assert saved["state.0.weight.exp_avg"].dtype == torch.float32
+
+    resumed = model()
+    resumed.load_state_dict(first.state_dict())
+    resumed_opt = StochasticAdamW(resumed.parameters(), lr=1e-3, seed=99)
+    set_optimizer_state_dict(resumed, resumed_opt, saved, options=options)
+    train(resumed, resumed_opt, range(3, 6))
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bf16_training_with_stochastic_rounding_tracks_fp32_master_weights() -> None:
+    """Fine-tune a perturbed 2-layer MLP back toward its teacher at a small LR (numbers in docs/optim.md)."""
+    d_in, hidden, d_out, samples, steps, lr = 32, 64, 4, 2048, 500, 5e-4
+    generator = torch.Generator().manual_seed(1)
+    teacher = [
+        torch.randn(d_in, hidden, generator=generator),
+        torch.randn(hidden, d_out, generator=generator),
+    ]
+    x = torch.randn(samples, d_in, generator=generator) / d_in**0.5
+
+    def forward(weights: list[torch.Tensor]) -> torch.Tensor:
+        w1, w2 = (w.float() for w in weights)
+        return torch.tanh(x @ w1) @ w2 / hidden**0.5
+
+    y = forward(teacher) + 0.1 * torch.randn(samples, d_out, generator=generator)
+    start = [w + 0.2 * torch.randn(w.shape, generator=generator) for w in teacher]
+
+    def train(kind: str) -> float:
+        # "nearest" keeps bf16 values in fp32 storage and rounds them back after each torch AdamW step.
+        storage = {"fp32": torch.float32, "stochastic": torch.bfloat16, "nearest": torch.float32}[kind]
+        values = start if kind == "fp32" else [w.bfloat16() for w in start]
+        weights = [nn.Parameter(w.to(storage, copy=True)) for w in values]
+        if kind == "stochastic":
+            optimizer: torch.optim.Optimizer = StochasticAdamW(weights, lr=lr, weight_decay=0.0, seed=3)
+        else:
+            optimizer = torch.optim.AdamW(weights, lr=lr, weight_decay=0.0)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            ((forward(weights) - y) ** 2).mean().backward()  # type: ignore[arg-type]
+            optimizer.step()
+            if kind == "nearest":
+                with torch.no_grad():
+                    for w in weights:
+                        w.copy_(w.bfloat16().float())
+        with torch.no_grad():
+            return float(((forward(weights) - y) ** 2).mean())  # type: ignore[arg-type]
+
+    with torch.no_grad():
+        initial = float(((forward(start) - y) ** 2).mean())
+    fp32, stochastic, nearest = train("fp32"), train("stochastic"), train("nearest")
+    print(
+        f"initial {initial:.5f} fp32 {fp32:.5f} bf16+stochastic {stochastic:.5f} bf16+nearest {nearest:.5f}"
+    )
+    assert fp32 < initial / 3
+    assert abs(stochastic - fp32) <= 0.02 * fp32
+    assert nearest > 1.5 * fp32  # round-to-nearest stalls: most updates are below half an ulp
