@@ -367,6 +367,41 @@ def test_collector_without_distributed_computes_windows_in_order() -> None:
     assert collector.results() == []
 
 
+class Perplexity(Metric[torch.Tensor]):
+    """The custom-metric example of docs/metrics.md, verbatim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nll = self.add_state("nll", torch.zeros((), dtype=torch.float64), "sum")
+        self.tokens = self.add_state("tokens", torch.zeros((), dtype=torch.int64), "sum")
+
+    def update(self, nll_sum: torch.Tensor, num_tokens: torch.Tensor | int) -> None:
+        self.nll.value += nll_sum.detach().to(self.device, torch.float64)
+        self.tokens.value += torch.as_tensor(num_tokens, device=self.device)
+
+    def compute(self) -> torch.Tensor:
+        return torch.exp(self.nll.value / self.tokens.value)
+
+
+def test_custom_metric_from_the_guide() -> None:
+    g = _gen(19)
+    nll = [torch.rand(n, generator=g) * 5 for n in (7, 3, 12)]
+    metric = Perplexity()
+    for chunk in nll:
+        metric.update(chunk.sum(), chunk.numel())
+    sums = [float(chunk.sum()) for chunk in nll]  # the float32 sums the metric is fed, added in float64
+    _close(metric.compute(), np.exp(sum(sums) / sum(c.numel() for c in nll)), atol=1e-12)
+    assert set(metric.state_dict()) == {"nll", "tokens"}
+    metric.reset()
+    assert metric.tokens.value == 0
+    with pytest.raises(ValueError, match="already has a state named 'nll'"):
+        metric.add_state("nll", torch.zeros(()), "sum")
+    with pytest.raises(ValueError, match=r"dtype torch\.bool cannot be reduced"):
+        metric.add_state("flag", torch.zeros((), dtype=torch.bool), "max")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        metric.add_state("x", torch.zeros(()), "mean")  # type: ignore[arg-type]
+
+
 class _Failing(SumMetric):
     def compute(self) -> torch.Tensor:
         raise RuntimeError("compute exploded")

@@ -20,7 +20,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from mlflow import MlflowClient  # imported after the telemetry switch
 
-from d9d.tracking import MlflowTrackerConfig, RunSpec, build_tracker
+from d9d.tracking import MlflowTrackerConfig, RunSpec, Tracker, build_tracker
 from d9d.tracking.mlflow_tracker import MlflowTracker
 
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
@@ -46,7 +46,7 @@ def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, flo
 def test_default_store_round_trip(run_dir: Path, store_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     tracker = build_tracker(MlflowTrackerConfig(experiment="roundtrip"), run_dir)
-    assert isinstance(tracker, MlflowTracker)
+    assert isinstance(tracker, MlflowTracker) and isinstance(tracker, Tracker)
     assert tracker.tracking_uri == store_uri.replace(str(run_dir), str(run_dir.resolve()))
     tracker.open(RunSpec("first", params=_PARAMS, tags={"team": "d9d"}))
     run_id = tracker.resume_state()["run_id"]
