@@ -1,0 +1,1 @@
+"""Running a program: stage runtimes, P2P channels, the executor."""
