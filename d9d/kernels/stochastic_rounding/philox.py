@@ -4,8 +4,9 @@ A counter-based generator makes the random bits a pure function of (key, counter
 the same function per element group, so the reference path and the kernel draw identical bits, and no
 generator state has to be stored besides the key and the counter inputs.
 
-uint32 values live in int64 tensors. Products are split into 16-bit halves so no intermediate exceeds
-2**49: signed int64 overflow is never relied upon.
+uint32 values live in int64 tensors. A 32x32-bit product can exceed 2**63; torch's int64 multiply wraps
+modulo 2**64 (two's complement) on CPU and CUDA, and the high/low words are read back with masks, which is
+correct under wrapping. The Random123 known-answer tests (one of which overflows) check this per platform.
 """
 
 from __future__ import annotations
@@ -23,11 +24,8 @@ ROUNDS = 10
 
 def _mulhilo(x: Tensor, multiplier: int) -> tuple[Tensor, Tensor]:
     """High and low 32 bits of `x * multiplier` for uint32 `x` and a 32-bit constant."""
-    low_product = (x & 0xFFFF) * multiplier
-    middle = (x >> 16) * multiplier + (low_product >> 16)
-    high = middle >> 16
-    low = ((middle & 0xFFFF) << 16) | (low_product & 0xFFFF)
-    return high, low
+    product = x * multiplier
+    return (product >> 32) & MASK32, product & MASK32
 
 
 def philox4x32(
@@ -69,6 +67,9 @@ def philox_bits16(
         )
     c0 = torch.arange(first_group, first_group + groups, dtype=torch.int64, device=device)
     tail = [torch.full_like(c0, value) for value in counter_tail]
-    words = torch.stack(philox4x32((c0, tail[0], tail[1], tail[2]), split_key(seed)), dim=1)
-    halves = torch.stack((words & 0xFFFF, words >> 16), dim=2).reshape(-1)
-    return halves[head : head + numel].to(torch.int32)
+    words = philox4x32((c0, tail[0], tail[1], tail[2]), split_key(seed))
+    halves = torch.empty(groups, 8, dtype=torch.int32, device=device)
+    for w, word in enumerate(words):
+        halves[:, 2 * w] = word & 0xFFFF
+        halves[:, 2 * w + 1] = word >> 16
+    return halves.view(-1)[head : head + numel]
