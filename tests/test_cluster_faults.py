@@ -1,0 +1,154 @@
+"""Fault restart on one local Ray instance: a killed rank, a hung rank, a crash in the middle of a checkpoint
+write; and the interactive client. Every faulty run must reproduce the failure-free run bit for bit."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from d9d.cluster import JobState, TrainingJob
+from d9d.cluster.coordinator import NAMESPACE, rank_name
+from d9d.cluster.spec import build_job
+from d9d.engine.checkpoint import read_latest, verify_manifest
+from tests.cluster_fixtures import run_local, toy_job, trained_samples
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray() -> Iterator[None]:
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """Per-step losses of the failure-free run, from bare gloo processes (no Ray)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    return list(run_local(toy_job("reference", run_dir, steps=STEPS))["losses"])
+
+
+def _losses(summary: Any) -> list[float]:
+    return [summary.losses[s] for s in range(1, STEPS + 1)]
+
+
+def _wait_for_step(job: TrainingJob, step: int) -> None:
+    for point in job.metrics(timeout=120):
+        if point.kind == "train" and point.step >= step:
+            return
+    raise AssertionError(f"run {job.run_name} never reached step {step}")
+
+
+def test_killed_rank_restarts_from_checkpoint_with_identical_losses(
+    tmp_path: Path, reference: list[float]
+) -> None:
+    job = TrainingJob(
+        build_job(toy_job("kill", tmp_path, steps=STEPS, model={"options": {"step_sleep_s": 0.3}}))
+    )
+    job.start()
+    _wait_for_step(job, 5)
+    ray.kill(ray.get_actor(rank_name("kill", 1), namespace=NAMESPACE))
+    killed = time.monotonic()
+    while job.status().state in (JobState.RUNNING, JobState.PAUSED):
+        assert time.monotonic() - killed < 3.0, "the dead rank was not noticed within 3 s"
+        time.sleep(0.02)
+    summary = job.result(timeout=180)
+
+    assert summary.status == "finished"
+    assert summary.restarts == 1 and len(summary.failures) == 1
+    assert "rank 1" in summary.failures[0]
+    assert summary.resumed_from[0] is None and summary.resumed_from[1] in (4, 6, 8)
+    assert len(summary.recovery_times_s) == 1 and 0 < summary.recovery_times_s[0] < 60
+    assert _losses(summary) == reference  # bitwise: resumed state and data position are exact
+    on_disk = json.loads((tmp_path / "run_summary.json").read_text())
+    assert on_disk["status"] == "finished" and on_disk["steps"] == STEPS and on_disk["restarts"] == 1
+    assert on_disk["recovery_times_s"] == summary.recovery_times_s
+    assert on_disk["final_loss"] == reference[-1] and on_disk["tokens_per_s"] > 0
+    assert sorted(trained_samples(tmp_path)) == list(range(1, STEPS + 1))
+
+
+def test_hung_rank_is_detected_by_the_step_timeout(tmp_path: Path, reference: list[float]) -> None:
+    hang = {"kind": "hang", "step": 5, "rank": 1}
+    job = toy_job(
+        "hang", tmp_path, steps=STEPS, model={"options": {"faults": [hang]}}, timeouts={"step_s": 2}
+    )
+    started = time.monotonic()
+    summary = TrainingJob(build_job(job)).start().result(timeout=180)
+
+    assert summary.status == "finished", summary.error
+    assert len(summary.failures) == 1 and "hang" in summary.failures[0]
+    assert summary.resumed_from == [None, 4]
+    assert _losses(summary) == reference
+    assert time.monotonic() - started < 120  # the hang itself sleeps for an hour
+
+
+def test_crash_during_checkpoint_write_keeps_previous_checkpoint(
+    tmp_path: Path, reference: list[float]
+) -> None:
+    crash = {"kind": "exit_in_checkpoint", "step": 4, "rank": 1}
+    job = toy_job("commit", tmp_path, steps=STEPS, model={"options": {"faults": [crash]}})
+    summary = TrainingJob(build_job(job)).start().result(timeout=180)
+
+    assert summary.status == "finished", summary.error
+    assert len(summary.failures) == 1 and "rank 1" in summary.failures[0]
+    assert summary.resumed_from == [None, 2]  # the half-written step 4 never became latest
+    assert _losses(summary) == reference
+    latest = read_latest(tmp_path / "checkpoints")
+    assert latest is not None and latest.name.endswith(f"{STEPS:08d}")
+    verify_manifest(latest)
+
+
+def test_interactive_pause_checkpoint_update_resume_stop(tmp_path: Path) -> None:
+    job = TrainingJob(
+        build_job(
+            toy_job(
+                "interactive",
+                tmp_path,
+                steps=100_000,
+                model={"options": {"step_sleep_s": 0.05}},
+                checkpointing={"period": None},
+            )
+        )
+    ).start()
+    _wait_for_step(job, 3)
+
+    job.pause()
+    deadline = time.monotonic() + 30
+    while job.status().state is not JobState.PAUSED:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)  # the pause lands at the next step boundary
+    paused_step = job.status().step
+    time.sleep(1.0)
+    assert job.status().step == paused_step, "training went on while paused"
+
+    job.checkpoint_now()
+    while job.status().latest_checkpoint_step != paused_step:
+        assert time.monotonic() < deadline + 30
+        time.sleep(0.05)
+    latest = read_latest(tmp_path / "checkpoints")
+    assert latest is not None and latest.name.endswith(f"{paused_step:08d}")
+
+    job.update(lr=0.0125)
+    job.resume()
+    job.wait(step=paused_step + 5, timeout=60)
+    job.stop()
+    summary = job.result(timeout=60)
+
+    assert summary.status == "stopped"
+    assert paused_step + 5 <= summary.steps < 100_000
+    lrs = {}
+    for point in TrainingJob.attach("interactive").metrics(timeout=5):  # a fresh handle replays the buffer
+        if point.kind == "train":
+            lrs[point.step] = point.values["lr"]
+    assert {lrs[s] for s in lrs if s <= paused_step} == {0.05}
+    assert {lrs[s] for s in lrs if s > paused_step} == {0.0125}
