@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Literal
 
@@ -14,6 +15,11 @@ from d9d.kernels.stochastic_rounding.stream import RoundingStream
 KernelBackend = Literal["auto", "triton", "torch"]
 
 
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def resolve_backend(backend: KernelBackend, device: torch.device) -> Literal["triton", "torch"]:
     """`auto` takes Triton on CUDA when it is installed, the reference elsewhere.
 
@@ -22,14 +28,13 @@ def resolve_backend(backend: KernelBackend, device: torch.device) -> Literal["tr
     """
     if backend == "torch":
         return "torch"
-    has_triton = importlib.util.find_spec("triton") is not None
-    if backend == "triton":
-        if not has_triton:
-            raise RuntimeError("backend='triton' was requested but triton is not installed")
-        return "triton"
-    if backend != "auto":
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _has_triton() else "torch"
+    if backend != "triton":
         raise ValueError(f"backend={backend!r} must be one of 'auto', 'triton', 'torch'")
-    return "triton" if device.type == "cuda" and has_triton else "torch"
+    if not _has_triton():
+        raise RuntimeError("backend='triton' was requested but triton is not installed")
+    return "triton"
 
 
 def adamw_step(
