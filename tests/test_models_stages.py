@@ -222,3 +222,25 @@ def test_vocab_splits_train_separately() -> None:
     assert model.model.embed_tokens.weights["regular"].grad is None
     special = model.model.embed_tokens.weights["special"].grad
     assert special is not None and special.abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_model_with_auto_backends_tracks_cpu_float32() -> None:
+    """On the GPU `auto` picks the fused kernels (torch grouped mm on sm90+, SDPA flash); the bf16 model
+    must stay close to the float32 eager reference."""
+    torch.manual_seed(0)
+    config = _config("qwen3_moe", attention_backend="auto", grouped_mm="auto")
+    reference = _causal_lm(config.model_copy(update={"attention_backend": "eager", "grouped_mm": "eager"}))
+    with torch.device("meta"):
+        fast = _causal_lm(config)
+    fast.to_empty(device="cuda")
+    fast.load_state_dict(reference.state_dict())
+    fast.to(torch.bfloat16)
+    batch = _batch()
+    batch.pop("attention_mask")  # plain causal: the flash path
+    expected = reference(**{k: v for k, v in batch.items() if k != "labels"})["logits"]
+    got = fast(**{k: v.cuda() for k, v in batch.items() if k != "labels"})["logits"].float().cpu()
+    assert float((got - expected).abs().max() / expected.abs().max()) < 5e-2
+    loss = fast(**{k: v.cuda() for k, v in batch.items()})["loss"]
+    loss.mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in fast.parameters())

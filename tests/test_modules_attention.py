@@ -119,3 +119,22 @@ def test_gqa_derives_local_heads_from_projections() -> None:
 def test_gqa_head_count_validation() -> None:
     with pytest.raises(ValueError, match="num_heads=6 must be a multiple of num_kv_heads=4"):
         GroupedQueryAttention(32, num_heads=6, num_kv_heads=4, head_dim=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["causal", "padding"])
+def test_cuda_backends_match_eager_in_bf16(kind: str) -> None:
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 64, 32, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 64, 32, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    padding = torch.ones(2, 64, dtype=torch.bool, device="cuda")
+    padding[1, :10] = False
+    mask = AttentionMask(padding=padding if kind == "padding" else None)
+    reference = EagerSdpa()(q.float(), k.float(), v.float(), mask=mask, window=16, scale=0.2)
+    for backend in (TorchSdpa(), AutoSdpa()):
+        out = backend(q, k, v, mask=mask, window=16, scale=0.2)
+        torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+        out_full = backend(q, k, v, mask=mask, window=None, scale=0.2)
+        ref_full = EagerSdpa()(q.float(), k.float(), v.float(), mask=mask, window=None, scale=0.2)
+        torch.testing.assert_close(out_full.float(), ref_full, rtol=2e-2, atol=2e-2)

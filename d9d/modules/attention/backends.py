@@ -31,7 +31,9 @@ class SdpaBackend(Protocol):
 
 
 class TorchSdpa:
-    """`F.scaled_dot_product_attention`; a plain causal pattern uses `is_causal` so the flash kernel runs."""
+    """`F.scaled_dot_product_attention`. A plain causal pattern uses `is_causal` so the flash kernel runs
+    (with native GQA); with an explicit mask, k/v are expanded to the query heads first because the
+    memory-efficient kernel, the one that takes masks, has no GQA support and would fall back to math."""
 
     def __call__(
         self,
@@ -46,8 +48,11 @@ class TorchSdpa:
         gqa = q.shape[1] != k.shape[1]
         if mask.is_plain_causal and window is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if gqa:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         dense = mask.dense(q.shape[2], window, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale)
 
 
 class EagerSdpa:
