@@ -35,6 +35,9 @@ _MULTIPLIER_A = tl.constexpr(MULTIPLIER_A)
 _MULTIPLIER_B = tl.constexpr(MULTIPLIER_B)
 _KEY_BUMP_A = tl.constexpr(KEY_BUMP_A)
 _KEY_BUMP_B = tl.constexpr(KEY_BUMP_B)
+_PARAM = tl.constexpr(int(Target.PARAM))
+_EXP_AVG = tl.constexpr(int(Target.EXP_AVG))
+_EXP_AVG_SQ = tl.constexpr(int(Target.EXP_AVG_SQ))
 
 
 @triton.jit
@@ -120,14 +123,14 @@ def _adamw_kernel(
     lanes_u = lanes[None, :].to(tl.uint32)
 
     if PARAM_BF16:
-        bits = _bits16(groups, lanes_u, step_u, index_u, shard_u | 0, key0, key1, ROUNDS)
+        bits = _bits16(groups, lanes_u, step_u, index_u, shard_u | _PARAM, key0, key1, ROUNDS)
         tl.store(param_ptr + index, _round_bf16(p, bits), mask=mask)
     else:
         tl.store(param_ptr + index, p, mask=mask)
     if STATE_BF16:
-        bits_m = _bits16(groups, lanes_u, step_u, index_u, shard_u | 1, key0, key1, ROUNDS)
+        bits_m = _bits16(groups, lanes_u, step_u, index_u, shard_u | _EXP_AVG, key0, key1, ROUNDS)
         tl.store(exp_avg_ptr + index, _round_bf16(m, bits_m), mask=mask)
-        bits_v = _bits16(groups, lanes_u, step_u, index_u, shard_u | 2, key0, key1, ROUNDS)
+        bits_v = _bits16(groups, lanes_u, step_u, index_u, shard_u | _EXP_AVG_SQ, key0, key1, ROUNDS)
         tl.store(exp_avg_sq_ptr + index, _round_bf16(v, bits_v), mask=mask)
     else:
         tl.store(exp_avg_ptr + index, m, mask=mask)
@@ -161,7 +164,7 @@ def adamw_step_triton(
     first_group = stream.first_index // 8
     if first_group + (head + numel + 7) // 8 > 2**32:
         raise ValueError(f"element index {stream.first_index + numel} exceeds the 2**35 a stream can number")
-    step_word, tensor_index, tail = stream.counter_tail(Target.PARAM)
+    step_word, tensor_index, shard_bits = stream.counter_tail(Target.PARAM)  # the kernel ORs in the target
     k0, k1 = split_key(stream.seed)
     s = scalars
     grid = (triton.cdiv(head + numel, 8 * _ROWS),)
@@ -183,7 +186,7 @@ def adamw_step_triton(
         s.bias2_sqrt,
         _as_int32(step_word),
         _as_int32(tensor_index),
-        _as_int32(tail),
+        _as_int32(shard_bits),
         _as_int32(k0),
         _as_int32(k1),
         PARAM_BF16=param.dtype == torch.bfloat16,
