@@ -72,12 +72,18 @@ class StochasticAdamW(Optimizer):
         self.state_dtype = state_dtype
         self.backend: KernelBackend = backend
         self._numbering: dict[int, tuple[int, int]] = {}
-        for gi, group in enumerate(self.param_groups):
-            for pi, param in enumerate(group["params"]):
-                if param.dtype not in PARAM_DTYPES:
-                    raise TypeError(
-                        f"param_groups[{gi}].params[{pi}] has dtype {param.dtype}; use bfloat16 or float32"
-                    )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refuse unsupported dtypes when parameters arrive, not at the first step."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for pi, param in enumerate(params):
+            if param.dtype not in PARAM_DTYPES:
+                raise TypeError(
+                    f"param_groups[{len(self.param_groups)}].params[{pi}] has dtype {param.dtype}; "
+                    "use bfloat16 or float32"
+                )
+        super().add_param_group({**param_group, "params": params})
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
