@@ -101,6 +101,11 @@ class Trainer:
         self.model_provider: ModelProvider = build_component("model", c.model, "model")
         self.modules = self._build_stages()
         seed_everything(self.seeds.activations)
+        # Values that event subscribers (e.g. MoE load balancing) record during a step, logged with it.
+        self.step_metrics: dict[str, float] = {}
+        subscribe = getattr(self.model_provider, "subscribe", None)
+        if subscribe is not None:
+            subscribe(self.events, self.modules, ctx, self.step_metrics)
         optimizer_provider = build_component("optimizer", c.optimizer, "optimizer")
         self.optimizers: list[torch.optim.Optimizer] = [
             optimizer_provider.build(m.parameters()) for m in self.modules
@@ -350,6 +355,7 @@ class Trainer:
                 values["grad_norm"] = grad_norm
             if tokens_per_s is not None:
                 values["tokens_per_s"] = tokens_per_s
+            values.update(self.step_metrics)
             self.reporter.metrics(MetricPoint(step=step, rank=0, values=values, kind="train", wall_time=now))
         health = {"step_time_s": step_time, "rss_bytes": float(psutil.Process().memory_info().rss)}
         if self.ctx.device.type == "cuda":

@@ -1,0 +1,157 @@
+"""Built-in model providers: Qwen3 and Qwen3-MoE causal LMs from the d9d catalogue.
+
+Weights come from a random init or a Hugging Face checkpoint (`source_checkpoint`), streamed through the
+HF→d9d state mapper directly into the (possibly sharded) stage; `export` writes Hugging Face format back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, model_validator
+from torch import nn
+
+from d9d.core.context import DistributedContext
+from d9d.core.domains import MeshDomain
+from d9d.engine.events import EventBus, OptimizerStepFinished
+from d9d.models.hf.config import config_from_hf, config_to_hf
+from d9d.models.hf.io import build_causal_lm
+from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, hf_to_d9d_mapper
+from d9d.models.qwen3 import Qwen3Config
+from d9d.models.qwen3_moe import Qwen3MoEConfig
+from d9d.modules.moe import TopKRouter
+from d9d.pipeline.api import PipelineStageInfo
+from d9d.state import load_model_state, read_header, resolve_checkpoint, save_model_state
+
+
+class _CausalLMOptions(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    architecture_class: ClassVar[type[Qwen3Config]] = Qwen3Config
+
+    # Architecture (d9d config fields), or None to take it from `source_checkpoint`'s config.json.
+    architecture: dict[str, Any] | None = None
+    # A Hugging Face directory to initialize from; `architecture` then overrides d9d-only fields.
+    source_checkpoint: Path | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _need_one(self) -> _CausalLMOptions:
+        if self.architecture is None and self.source_checkpoint is None:
+            raise ValueError(
+                "give `architecture` (random init) or `source_checkpoint` (a Hugging Face directory)"
+            )
+        if self.source_checkpoint is not None and not (self.source_checkpoint / "config.json").is_file():
+            raise ValueError(f"source_checkpoint {self.source_checkpoint} has no config.json")
+        if self.source_checkpoint is None:
+            self.architecture_class.model_validate(self.architecture)  # fail at config time, with field names
+        return self
+
+
+class _CausalLMProvider:
+    def __init__(self, config: _CausalLMOptions) -> None:
+        self.options = config
+        self.model_config = self._resolve_config()
+
+    def _resolve_config(self) -> Qwen3Config:
+        o = self.options
+        if o.source_checkpoint is not None:
+            hf = json.loads((o.source_checkpoint / "config.json").read_text())
+            config = config_from_hf(hf, **(o.architecture or {}))
+            wanted = o.architecture_class
+            if not isinstance(config, wanted):
+                raise ValueError(f"source_checkpoint holds a {type(config).__name__}, not {wanted.__name__}")
+            return config
+        return o.architecture_class.model_validate(o.architecture)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.options.dtype)  # type: ignore[no-any-return]
+
+    def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
+        module = build_causal_lm(self.model_config, stage)
+        return module.to(self.dtype)
+
+    def parallelize(self, module: nn.Module, ctx: DistributedContext) -> None:
+        from d9d.parallel import parallelize_replicate
+
+        if ctx.is_distributed and ctx.params.data_parallel > 1:
+            parallelize_replicate(module, ctx.mesh_for(MeshDomain.BATCH)["dp"])
+
+    def initialize(self, module: nn.Module, ctx: DistributedContext) -> None:
+        module.reset_parameters()  # type: ignore[operator]
+        source = self.options.source_checkpoint
+        if source is None:
+            return
+        key_to_file, _ = resolve_checkpoint(source)
+        keys = {k for f in set(key_to_file.values()) for k in read_header(f).entries if k in key_to_file}
+        mapper = hf_to_d9d_mapper(
+            self.model_config,
+            expert_layout=detect_expert_layout(keys),
+            checkpoint_has_lm_head="lm_head.weight" in keys,
+        )
+        load_model_state(source, module, mapper, strict=True, allow_cast=True)
+
+    def export(self, modules: Sequence[nn.Module], ctx: DistributedContext, path: Path) -> None:
+        mapper = d9d_to_hf_mapper(self.model_config)
+        for module in modules:
+            save_model_state(path, module, mapper, distributed=ctx.is_distributed, overwrite=True)
+        if ctx.is_main_process:
+            (path / "config.json").write_text(json.dumps(config_to_hf(self.model_config), indent=2) + "\n")
+
+    def subscribe(
+        self,
+        events: EventBus,
+        modules: Sequence[nn.Module],
+        ctx: DistributedContext,
+        metrics: dict[str, float],
+    ) -> None:
+        routers = [
+            (name, m) for module in modules for name, m in module.named_modules() if isinstance(m, TopKRouter)
+        ]
+        if routers:
+            balancer = ExpertLoadBalancer(routers, ctx, metrics)
+            events.subscribe(OptimizerStepFinished, lambda _event: balancer.after_optimizer_step())
+
+
+class ExpertLoadBalancer:
+    """After each optimizer step: sum every router's expert load over the ranks that saw different tokens,
+    update the aux-loss-free expert bias from it (identically on every replica), and record balance metrics.
+    """
+
+    def __init__(
+        self, routers: Sequence[tuple[str, TopKRouter]], ctx: DistributedContext, metrics: dict[str, float]
+    ) -> None:
+        self.routers = routers
+        self.ctx = ctx
+        self.metrics = metrics
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        loads = torch.stack([r.expert_load for _, r in self.routers])
+        if self.ctx.is_distributed:
+            batch = self.ctx.mesh_for(MeshDomain.BATCH)
+            for dim in ("dp", "cp"):
+                if batch.size(batch.mesh_dim_names.index(dim)) > 1:  # type: ignore[union-attr]
+                    torch.distributed.all_reduce(loads, group=batch.get_group(dim))
+        for (name, router), load in zip(self.routers, loads, strict=True):
+            router.expert_load.copy_(load)
+            router.update_expert_bias()
+            mean = float(load.mean())
+            if mean > 0:
+                layer = name.rpartition(".")[0] or name  # the MoE block owning the router
+                self.metrics[f"moe/{layer}/max_load_ratio"] = float(load.max()) / mean
+                self.metrics[f"moe/{layer}/min_load_ratio"] = float(load.min()) / mean
+
+
+class Qwen3Provider(_CausalLMProvider):
+    class Config(_CausalLMOptions):
+        architecture_class = Qwen3Config
+
+
+class Qwen3MoEProvider(_CausalLMProvider):
+    class Config(_CausalLMOptions):
+        architecture_class = Qwen3MoEConfig
