@@ -138,3 +138,22 @@ def test_cuda_backends_match_eager_in_bf16(kind: str) -> None:
         out_full = backend(q, k, v, mask=mask, window=None, scale=0.2)
         ref_full = EagerSdpa()(q.float(), k.float(), v.float(), mask=mask, window=None, scale=0.2)
         torch.testing.assert_close(out_full.float(), ref_full, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_flash_attn_backend_matches_eager() -> None:
+    pytest.importorskip("flash_attn")
+    from d9d.modules.attention import FlashAttnSdpa
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 64, 32, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 64, 32, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for window in (None, 16):
+        out = FlashAttnSdpa()(q, k, v, mask=AttentionMask(), window=window, scale=0.2)
+        ref = EagerSdpa()(q.float(), k.float(), v.float(), mask=AttentionMask(), window=window, scale=0.2)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="supports plain causal masks only"):
+        FlashAttnSdpa()(
+            q, k, v, mask=AttentionMask(padding=torch.ones(2, 64, device="cuda")), window=None, scale=0.2
+        )
