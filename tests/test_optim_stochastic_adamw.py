@@ -317,3 +317,25 @@ def test_bf16_training_with_stochastic_rounding_tracks_fp32_master_weights() -> 
     assert fp32 < initial / 3
     assert abs(stochastic - fp32) <= 0.02 * fp32
     assert nearest > 1.5 * fp32  # round-to-nearest stalls: most updates are below half an ulp
+
+
+@pytest.mark.gpu
+def test_cuda_optimizer_uses_the_kernel_and_matches_the_cpu_run() -> None:
+    from d9d.kernels.stochastic_rounding import resolve_backend
+
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    cpu = _params(0)
+    cuda = [nn.Parameter(p.detach().cuda()) for p in cpu]
+    cpu_opt = StochasticAdamW(cpu, lr=3e-3, state_dtype=torch.bfloat16, seed=5)
+    cuda_opt = StochasticAdamW(cuda, lr=3e-3, state_dtype=torch.bfloat16, seed=5)
+    for step in range(4):
+        for i, (a, b) in enumerate(zip(cpu, cuda, strict=True)):
+            a.grad = _grads(tuple(a.shape), 1, seed=1000 * step + i)[0].to(a.dtype)
+            b.grad = a.grad.cuda()
+        cpu_opt.step()
+        cuda_opt.step()
+    # Same random bits on both devices; only fp32 rounding differences (FMA) may flip a rounding.
+    for a, b in zip(_bits(cpu), _bits([nn.Parameter(p.detach().cpu()) for p in cuda]), strict=True):
+        assert float((a != b).double().mean()) < 0.02
+        if a.dtype == torch.int16:
+            assert int((a.int() - b.int()).abs().max()) <= 2
