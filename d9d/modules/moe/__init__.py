@@ -2,6 +2,7 @@
 
 from d9d.modules.moe.aux_loss import attach_auxiliary_loss, load_balancing_loss
 from d9d.modules.moe.communication import DispatchedTokens, MoECommunication
+from d9d.modules.moe.counting import tokens_per_expert
 from d9d.modules.moe.experts import GroupedExperts
 from d9d.modules.moe.grouped_mm import (
     GROUPED_MM_ENV,
@@ -35,4 +36,5 @@ __all__ = [
     "attach_auxiliary_loss",
     "build_grouped_mm",
     "load_balancing_loss",
+    "tokens_per_expert",
 ]

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from d9d.modules.moe.counting import tokens_per_expert
+
 
 def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """`E · Σ_e f_e · P_e` with `f_e` the fraction of token copies routed to expert e (no gradient) and `P_e`
@@ -13,7 +15,7 @@ def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Te
     with probability 1 gives E."""
     num_experts = probs.shape[1]
     with torch.no_grad():
-        fraction = torch.bincount(topk_ids.reshape(-1), minlength=num_experts).float() / topk_ids.numel()
+        fraction = tokens_per_expert(topk_ids, num_experts).float() / topk_ids.numel()
     return num_experts * (fraction * probs.mean(dim=0)).sum()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from d9d.modules.moe.communication import DispatchedTokens
+from d9d.modules.moe.counting import tokens_per_expert
 
 
 class LocalMoECommunication:
@@ -23,7 +24,7 @@ class LocalMoECommunication:
         source_token = order // topk_ids.shape[1]
         return DispatchedTokens(
             hidden_states=hidden_states[source_token],
-            tokens_per_expert=torch.bincount(flat_ids, minlength=num_experts),
+            tokens_per_expert=tokens_per_expert(flat_ids, num_experts),
             row_weights=topk_weights.reshape(-1)[order],
             state=(source_token, hidden_states.shape[0]),
         )

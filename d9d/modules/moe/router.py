@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from d9d.modules.checkpointing import is_recomputing
+from d9d.modules.moe.counting import tokens_per_expert
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class TopKRouter(nn.Module):
             topk_probs = topk_probs / topk_probs.sum(dim=-1, keepdim=True)
         if not is_recomputing():
             with torch.no_grad():
-                self.expert_load += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+                self.expert_load += tokens_per_expert(topk_ids, self.num_experts)
         return Routing(probs=probs, topk_ids=topk_ids, topk_weights=topk_probs.to(logits.dtype))
 
     @torch.no_grad()
