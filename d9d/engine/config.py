@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.parallel.grad_sync import GradSyncConfig
+from d9d.tracking import TrackerConfig
 
 
 class _Section(BaseModel):
@@ -63,8 +64,9 @@ class DataLoadingConfig(_Section):
 
 class LoggingConfig(_Section):
     period: int = Field(1, ge=1)
-    # A tracker config as understood by d9d.tracking.build_tracker; None = log to stdout/jsonl.
-    tracker: dict[str, Any] | None = None
+    # Where metrics go (d9d.tracking); None = the launcher's default (stdout + metrics.jsonl without a
+    # coordinator, MLflow in the run directory under Ray).
+    tracker: TrackerConfig | None = None
     progress_bar: Literal["auto", "on", "off"] = "auto"
 
 

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,8 +21,10 @@ from d9d.core.context import DistributedContext
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import TrainConfig, load_config, parse_config
-from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime, RunReporter
+from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
+from d9d.engine.tracking_sink import TrackerSink
 from d9d.engine.trainer import Trainer
+from d9d.tracking import LogTrackerConfig, RunSpec
 
 
 def with_data_parallel(params: DeviceMeshParameters, data_parallel: int) -> DeviceMeshParameters:
@@ -57,9 +58,12 @@ def run_rank(
     return trainer.train()
 
 
-def _print_point(point: MetricPoint) -> None:
-    if point.kind == "train":
-        print(json.dumps({"step": point.step, **point.values}), flush=True)
+def run_params(config: TrainConfig) -> dict[str, Any]:
+    """What a tracker records as the run's parameters: the user's hparams plus the whole config."""
+    return {
+        "hparams": config.run.hparams,
+        "config": config.model_dump(mode="json", exclude={"run": {"hparams"}}),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,10 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         run_dir=config.run_dir,
     )
-    reporter = LocalRunReporter(
-        config.checkpoint_dir, config.checkpointing.keep_last, _print_point if rank == 0 else None
-    )
+    sink = None
+    if rank == 0:
+        tracker_config = config.logging.tracker or LogTrackerConfig()
+        sink = TrackerSink(tracker_config, config.run_dir, RunSpec(config.run.name, run_params(config)))
+    reporter = LocalRunReporter(config.checkpoint_dir, config.checkpointing.keep_last, sink)
     result = run_rank(config, runtime, reporter)
+    if sink is not None:
+        sink.close("finished" if result.status == "finished" else "killed")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if result.status == "finished" else 1
