@@ -174,6 +174,22 @@ def test_all_dtypes_and_odd_shapes_roundtrip(tmp_path):
     )
 
 
+def test_misaligned_tensors_are_read_by_copy(tmp_path):
+    """Another writer may place an f32 at an odd offset; the reader must not map it misaligned."""
+    data = (
+        torch.tensor([1, 2, 3], dtype=torch.uint8).numpy().tobytes()
+        + torch.tensor([1.5, -2.0]).numpy().tobytes()
+    )
+    header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}}
+    header["b"] = {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-aligned, so "b" sits at an offset of 3 mod 8
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    got = dict(read_model_state(tmp_path / "m.safetensors", Identity(["a", "b"])))
+    assert_bitwise(got, load_file(str(tmp_path / "m.safetensors")))
+    assert_bitwise(got, {"a": torch.tensor([1, 2, 3], dtype=torch.uint8), "b": torch.tensor([1.5, -2.0])})
+
+
 def test_groups_fire_as_soon_as_their_file_is_read(tmp_path, monkeypatch):
     """Two files; the layer-0 group must be yielded before any layer-1 key is read."""
     hf = hf_state()

@@ -2,8 +2,8 @@
 
 We read headers ourselves instead of trusting the library to fail well: every way a file can be broken
 (truncated, garbage header, offsets past the end, unknown dtype) becomes a `CheckpointFormatError` that
-names the file and the key, before any tensor data is read. Data is read with `readinto` into a fresh
-tensor, so freed tensors really leave memory (no mmap pages lingering in RSS).
+names the file and the key, before any tensor data is read. Each tensor is then its own private
+mapping of the file (see `read_tensor`).
 
 A checkpoint is either one `model.safetensors` or shards listed by `model.safetensors.index.json`
 (`{"metadata": {"total_size": N}, "weight_map": {key: file}}`), as Hugging Face writes them.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -131,15 +132,41 @@ def _entry(path: Path, key: str, spec: Any, data_start: int, size: int) -> Tenso
 
 
 def read_tensor(f: io.BufferedReader, path: Path, key: str, entry: TensorEntry) -> torch.Tensor:
-    """Read one tensor's bytes into a fresh CPU tensor."""
+    """One tensor, backed by its own private (copy-on-write) mapping of the file.
+
+    A mapping per tensor, not per file: it is unmapped when the tensor dies, so RSS follows the live
+    tensors, and no bytes are copied before the consumer copies them into parameters. Checkpoints are
+    never modified in place (the writer renames new files in), which makes mapping them safe.
+    """
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    if entry.start % entry.dtype.itemsize:  # misaligned for its dtype: copy instead of mapping
+        return _read_copy(f, path, key, entry)
+    base = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(
+        f.fileno(),
+        entry.end - base,
+        flags=mmap.MAP_PRIVATE,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        offset=base,
+    )
+    if _WILLNEED is not None:
+        mapped.madvise(_WILLNEED)  # start readahead of the whole tensor now
+    flat = torch.frombuffer(mapped, dtype=torch.uint8, offset=entry.start - base, count=entry.nbytes)
+    return flat.view(entry.dtype).reshape(entry.shape)
+
+
+_WILLNEED: int | None = getattr(mmap, "MADV_WILLNEED", None)
+
+
+def _read_copy(f: io.BufferedReader, path: Path, key: str, entry: TensorEntry) -> torch.Tensor:
     buf = torch.empty(entry.nbytes, dtype=torch.uint8)
-    if entry.nbytes:
-        f.seek(entry.start)
-        got = f.readinto(buf.numpy())  # type: ignore[arg-type]  # an ndarray is a writable buffer
-        if got != entry.nbytes:
-            raise CheckpointFormatError(
-                f"{path}: truncated while reading {key!r} ({got} of {entry.nbytes} bytes)"
-            )
+    f.seek(entry.start)
+    got = f.readinto(buf.numpy())  # type: ignore[arg-type]  # an ndarray is a writable buffer
+    if got != entry.nbytes:
+        raise CheckpointFormatError(
+            f"{path}: truncated while reading {key!r} ({got} of {entry.nbytes} bytes)"
+        )
     return buf.view(entry.dtype).reshape(entry.shape)
 
 
@@ -172,9 +199,14 @@ def resolve_checkpoint(source: Path) -> tuple[dict[str, Path], Path]:
     )
 
 
-def write_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
-    """Write a safetensors file (header padded to 8 bytes), fsynced; returns the bytes of tensor data."""
+def write_file(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *, fsync: bool = True
+) -> int:
+    """Write a safetensors file (header padded to 8 bytes); returns the bytes of tensor data."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    # Widest dtypes first: every tensor then starts aligned to its element size (the format allows no
+    # padding), so readers can map it instead of copying.
+    tensors = dict(sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0])))
     offset = 0
     for key, t in tensors.items():
         name = DTYPE_NAMES.get(t.dtype)
@@ -195,14 +227,16 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappin
                 flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
                 f.write(flat.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     return offset
 
 
-def write_index(path: Path, weight_map: Mapping[str, str], total_size: int) -> None:
+def write_index(path: Path, weight_map: Mapping[str, str], total_size: int, *, fsync: bool = True) -> None:
     body = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     with open(path, "w") as f:
         json.dump(body, f, indent=2)
         f.write("\n")
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())

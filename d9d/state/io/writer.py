@@ -5,9 +5,11 @@ runs and its outputs join the current shard buffer, which is written when the ne
 past `max_shard_bytes`. Host memory is therefore one shard plus one group.
 
 Atomicity: everything goes to a hidden temp directory beside `dest` (`.<name>.partial-<id>`), which is
-renamed into place only after every file and the index are written and fsynced. A reader pointed at
+renamed into place only after every file and the index are written. A reader pointed at
 `dest` finds nothing (or the previous checkpoint) until then, and never accepts the temp directory,
-which has no index under the final names until the last step.
+which has no index under the final names until the last step. With `fsync=True` (default) files, index
+and directories are fsynced before the rename, so the commit also survives a node crash; `fsync=False`
+keeps atomicity against a killed process only and leaves flushing to the OS.
 
 Distributed mode (every rank of `group` constructs a writer): ranks share one temp directory, each
 writes its own shards (`write=False` ranks still run the mapper, for DTensor gathers, but keep
@@ -61,6 +63,7 @@ class StateWriter:
         group: dist.ProcessGroup | None = None,
         write: bool = True,
         metadata: Mapping[str, str] | None = None,
+        fsync: bool = True,
         progress: bool | None = None,
     ) -> None:
         if max_shard_bytes <= 0:
@@ -72,6 +75,7 @@ class StateWriter:
         self.max_shard_bytes = max_shard_bytes
         self.overwrite = overwrite
         self.write = write
+        self.fsync = fsync
         self.metadata = {"format": "pt", **(metadata or {})}
         self.distributed = dist.is_initialized() if distributed is None else distributed
         self.group = group
@@ -151,7 +155,7 @@ class StateWriter:
         if not self._buffer:
             return
         name = f"part-r{self.rank:05d}-{len(self._records):05d}.safetensors"
-        size = write_file(self.tmp / name, self._buffer, self.metadata)
+        size = write_file(self.tmp / name, self._buffer, self.metadata, fsync=self.fsync)
         self._records.append((name, list(self._buffer), size))
         self._buffer, self._buffer_bytes = {}, 0
 
@@ -213,8 +217,11 @@ class StateWriter:
                 os.replace(self.tmp / name, self.tmp / final)
                 weight_map.update(dict.fromkeys(keys, final))
             if len(files) != 1:
-                write_index(self.tmp / INDEX_NAME, weight_map, sum(size for _, _, size in files))
-            _fsync_dir(self.tmp)
+                write_index(
+                    self.tmp / INDEX_NAME, weight_map, sum(size for _, _, size in files), fsync=self.fsync
+                )
+            if self.fsync:
+                _fsync_dir(self.tmp)
             self._swap_into_place()
         except Exception as e:
             return f"{type(e).__name__}: {e}"
@@ -228,7 +235,8 @@ class StateWriter:
             old = self.dest.parent / f".{self.dest.name}.replaced-{uuid.uuid4().hex[:12]}"
             os.replace(self.dest, old)
         os.replace(self.tmp, self.dest)
-        _fsync_dir(self.dest.parent)
+        if self.fsync:
+            _fsync_dir(self.dest.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
