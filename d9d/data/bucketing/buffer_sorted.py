@@ -98,10 +98,12 @@ class BufferSortedDataset(Generic[T]):
         # Stable sort: equal lengths keep their shuffled order, so ties do not bias the result.
         by_length = sorted(members, key=lambda idx: -self.length_fn(samples[idx]))
         packs = [by_length[i : i + self.pack_size] for i in range(0, len(by_length), self.pack_size)]
-        pack_order = torch.randperm(
-            len(packs), generator=_generator(self.seed, "packs", self.epoch, buffer_id)
-        )
-        self._buffer_order = [idx for p in pack_order.tolist() for idx in packs[p]]
+        # Only the dataset's last buffer can end in a short pack; it stays last so packs stay aligned.
+        full = len(by_length) // self.pack_size
+        shuffled = torch.randperm(
+            full, generator=_generator(self.seed, "packs", self.epoch, buffer_id)
+        ).tolist()
+        self._buffer_order = [idx for p in [*shuffled, *range(full, len(packs))] for idx in packs[p]]
         self._buffer_samples = samples
         self._buffer_id = buffer_id
 
@@ -115,7 +117,8 @@ class BufferSortedDataset(Generic[T]):
         return self._buffer_order[offset]
 
     def __getitem__(self, index: int) -> T:
-        return self._buffer_samples[self.source_index(index)]
+        source = self.source_index(index)  # may load the next buffer: look it up afterwards
+        return self._buffer_samples[source]
 
     def _fingerprint(self) -> dict[str, Any]:
         return {
