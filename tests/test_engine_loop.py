@@ -174,3 +174,40 @@ def test_data_parallel_matches_single_process_and_resumes_on_fewer_ranks(tmp_pat
     run_distributed(_train, 1, elastic, "e2.pt", dp2, 1, tmp_dir=tmp_path)
     resumed = torch.tensor(torch.load(tmp_path / "e2.pt")["losses"])
     torch.testing.assert_close(resumed, single, rtol=1e-5, atol=0)
+
+
+def _lr_run(env: RankEnv, run_dir: Path, out: str, optimizer: str) -> None:
+    config = parse_config(
+        {
+            **_config(run_dir, trainer__total_steps=6, checkpointing__period=None),
+            "optimizer": {"provider": optimizer, "options": {"lr": 1e-2, "weight_decay": 0.01}},
+            "lr_scheduler": {
+                "provider": "piecewise",
+                "options": {
+                    "initial_multiplier": 0.0,
+                    "phases": [
+                        {"kind": "steps", "steps": 2, "target": 1.0, "curve": {"type": "linear"}},
+                        {"kind": "rest", "target": 0.0, "curve": {"type": "linear"}},
+                    ],
+                },
+            },
+        }
+    )
+    points: list[Any] = []
+    reporter = LocalRunReporter(config.checkpoint_dir, 1, points.append)
+    runtime = RankRuntime(rank=0, world_size=1, local_rank=0, run_dir=run_dir)
+    result = run_rank(config, runtime, reporter)
+    lrs = [p.values["lr"] for p in points if p.kind == "train"]
+    torch.save({"losses": list(result.losses), "lrs": lrs}, env.tmp_dir / out)
+
+
+def test_piecewise_schedule_and_stochastic_adamw_providers(tmp_path: Path) -> None:
+    run_distributed(_lr_run, 1, tmp_path / "a", "adamw.pt", "adamw", tmp_dir=tmp_path)
+    run_distributed(_lr_run, 1, tmp_path / "s", "sr.pt", "stochastic_adamw", tmp_dir=tmp_path)
+    adamw, sr = torch.load(tmp_path / "adamw.pt"), torch.load(tmp_path / "sr.pt")
+    # Logged after each step's scheduler update: warmup 0 -> 1 over 2 steps, then linear to 0 at step 6.
+    expected = [1e-2 * m for m in (0.5, 1.0, 0.75, 0.5, 0.25, 0.0)]
+    torch.testing.assert_close(torch.tensor(adamw["lrs"]), torch.tensor(expected), rtol=1e-9, atol=1e-12)
+    assert sr["lrs"] == adamw["lrs"]
+    # fp32 parameters: the stochastic optimizer takes the exact AdamW step.
+    torch.testing.assert_close(torch.tensor(sr["losses"]), torch.tensor(adamw["losses"]), rtol=1e-5, atol=0)

@@ -86,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sink = None
     if rank == 0:
-        tracker_config = config.logging.tracker or LogTrackerConfig()
+        # Default: metrics.jsonl in the run dir; the progress reporter already prints to the terminal.
+        tracker_config = config.logging.tracker or LogTrackerConfig(stdout=False)
         sink = TrackerSink(tracker_config, config.run_dir, RunSpec(config.run.name, run_params(config)))
     reporter = LocalRunReporter(config.checkpoint_dir, config.checkpointing.keep_last, sink)
     result = run_rank(config, runtime, reporter)

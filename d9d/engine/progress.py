@@ -19,8 +19,11 @@ class StepProgress:
         logger: RankLoggerAdapter,
         enabled: bool,
         mode: Literal["auto", "on", "off"] = "auto",
+        log_period: int = 1,
     ) -> None:
         self.logger = logger
+        self.log_period = log_period
+        self.total_steps = total_steps
         self.enabled = enabled
         interactive = sys.stderr.isatty() if mode == "auto" else mode == "on"
         self._bar: Progress | None = None
@@ -44,8 +47,8 @@ class StepProgress:
         info = f"loss {loss:.4f} lr {lr:.3g}{tps}"
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=step, info=info)
-        else:
-            self.logger.info("step %d %s", step, info)
+        elif step % self.log_period == 0 or step == self.total_steps:
+            self.logger.info("step %d/%d %s", step, self.total_steps, info)
 
     def close(self) -> None:
         if self._bar is not None:

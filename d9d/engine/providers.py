@@ -122,7 +122,9 @@ class InferenceTask(Protocol):
 class OptimizerProvider(Protocol):
     Config: ClassVar[type[BaseModel]]
 
-    def build(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer: ...
+    def build(self, parameters: Iterable[nn.Parameter], *, seed: int) -> torch.optim.Optimizer:
+        """`seed`: this stage's parameter seed (shared by replicas), for optimizers with randomness."""
+        ...
 
 
 @runtime_checkable

@@ -108,7 +108,7 @@ class Trainer:
             subscribe(self.events, self.modules, ctx, self.step_metrics)
         optimizer_provider = build_component("optimizer", c.optimizer, "optimizer")
         self.optimizers: list[torch.optim.Optimizer] = [
-            optimizer_provider.build(m.parameters()) for m in self.modules
+            optimizer_provider.build(m.parameters(), seed=self.seeds.parameters) for m in self.modules
         ]
         self.reducer: GradientReducer = build_gradient_reducer(
             self.modules, self.optimizers, c.gradient_manager, self.grad_accumulation
@@ -163,7 +163,12 @@ class Trainer:
         c = self.config
         total = c.trainer.total_steps
         progress = StepProgress(
-            total, self.state.step, self.ctx.logger, self.ctx.is_main_process, c.logging.progress_bar
+            total,
+            self.state.step,
+            self.ctx.logger,
+            self.ctx.is_main_process,
+            c.logging.progress_bar,
+            c.logging.period,
         )
         if c.gc.period is not None:
             gc.disable()
