@@ -287,6 +287,8 @@ class Coordinator:
             self._machine.to(JobState.STARTING)
             await self._notify()
             self._attempt = await self._reserve(target)
+            if self._attempt is None:
+                return JobState.STOPPED
             outcome = await self._run_attempt(self._attempt)
             await self._teardown()
             if outcome.kind == "finished":
@@ -313,8 +315,9 @@ class Coordinator:
             await self._wait_until(lambda: self._stop, backoff)
             target = self._spec.initial_workers
 
-    async def _reserve(self, target: int) -> _Attempt:
-        """A placement group for the largest valid world size ≤ target that the cluster can hold."""
+    async def _reserve(self, target: int) -> _Attempt | None:
+        """A placement group for the largest valid world size ≤ target that the cluster can hold (None:
+        the job was stopped meanwhile)."""
         spec = self._spec
         plans = spec.plans(max_workers=target) if spec.elastic else [spec.plan(target)]
         capacity = node_capacity(ray.nodes(), spec.cluster.resources)
@@ -324,17 +327,32 @@ class Coordinator:
             pg = placement_group(
                 [dict(bundle) for _ in range(plan.world_size)], strategy=spec.cluster.placement_strategy
             )
-            try:
-                await asyncio.wait_for(pg.ready(), spec.cluster.placement_timeout_s)
-            except TimeoutError:
-                remove_placement_group(pg)
-                continue
-            latest = await asyncio.to_thread(self._prepare_store)
-            return _Attempt(index=self._attempts, plan=plan, pg=pg, resumed_from=latest)
+            if await self._placed(pg, plan, smaller_exists=plan is not candidates[-1]):
+                latest = await asyncio.to_thread(self._prepare_store)
+                return _Attempt(index=self._attempts, plan=plan, pg=pg, resumed_from=latest)
+            remove_placement_group(pg)
+            if self._stop:
+                return None
         raise NoResources(
             f"no placement group of {[p.world_size for p in candidates]} × {bundle} became ready within "
             f"cluster.placement_timeout_s={spec.cluster.placement_timeout_s}"
         )
+
+    async def _placed(self, pg: PlacementGroup, plan: WorldPlan, *, smaller_exists: bool) -> bool:
+        """Wait for `pg`; give up early when the job is stopped or, with a smaller layout to fall back
+        to, when Ray reports that the alive nodes can no longer hold this one (a node was lost)."""
+        ready = asyncio.ensure_future(pg.ready())
+        deadline = time.monotonic() + self._spec.cluster.placement_timeout_s
+        while time.monotonic() < deadline:
+            done, _ = await asyncio.wait({ready}, timeout=0.5)
+            if done:
+                return True
+            if self._stop:
+                break
+            if smaller_exists and node_capacity(ray.nodes(), self._spec.cluster.resources) < plan.world_size:
+                break
+        ready.cancel()
+        return False
 
     def _prepare_store(self) -> int:
         self._store.clear_uncommitted()
