@@ -2,7 +2,8 @@
 
 Both sides handle the same synthetic state in the same process, `--repeats` runs each, alternating raw
 and d9d so drift (page cache, other load) hits both alike; the median and the best run are reported
-(on a shared machine the best run is the least disturbed one).
+(on a shared machine the best run is the least disturbed one). Ratios are the median over runs of
+raw time / d9d time of the same round (robust to load that drifts between rounds), and best/best.
 
 - Reads copy every tensor into a preallocated destination, as loading into a model does: raw
   `load_file` returns lazily mmapped tensors, so timing it alone would measure nothing. The file was
@@ -123,7 +124,8 @@ def main() -> None:
         ("write d9d/raw", "d9d write (fsync=False)", "raw write"),
         ("write d9d/raw, both fsync", "d9d write (fsync)", "raw write + fsync"),
     ):
-        print(f"  ratio {label:26s} {med[ours] / med[raw]:5.2f}x median {best[ours] / best[raw]:5.2f}x best")
+        paired = statistics.median(r / o for r, o in zip(times[raw], times[ours], strict=True))
+        print(f"  ratio {label:26s} {paired:5.2f}x paired median  {best[ours] / best[raw]:5.2f}x best/best")
 
 
 if __name__ == "__main__":
