@@ -23,7 +23,7 @@ from d9d.models.hf.io import build_causal_lm
 from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, hf_to_d9d_mapper
 from d9d.models.qwen3 import Qwen3Config
 from d9d.models.qwen3_moe import Qwen3MoEConfig
-from d9d.modules.moe import TopKRouter
+from d9d.modules.moe import MoELayer, TopKRouter
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import load_model_state, read_header, resolve_checkpoint, save_model_state
 
@@ -73,6 +73,9 @@ class _CausalLMProvider:
 
     def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
         module = build_causal_lm(self.model_config, stage)
+        for sub in module.modules():
+            if isinstance(sub, MoELayer):
+                sub.aux_loss_per_token = True  # the causal-LM loss is a token sum divided by the token count
         return module.to(self.dtype)
 
     def parallelize(self, module: nn.Module, ctx: DistributedContext) -> None:

@@ -48,6 +48,9 @@ class MoELayer(nn.Module):
         if shared_expert_gate and shared_expert is None:
             raise ValueError("shared_expert_gate=True needs a shared_expert")
         self.aux_loss_coef = aux_loss_coef
+        # When the training objective is a *sum* over tokens later divided by the global token count (as the
+        # engine does), the balancing loss must be summed over tokens too, or it shrinks by that count.
+        self.aux_loss_per_token = False
         self.init_std = init_std
         self.last_aux_loss: torch.Tensor | None = None
         if self.shared_expert_gate is not None:  # the injected blocks arrive initialized
@@ -80,5 +83,6 @@ class MoELayer(nn.Module):
             aux = load_balancing_loss(routing.probs, routing.topk_ids)
             if not is_recomputing():
                 self.last_aux_loss = aux.detach()
-            out = attach_auxiliary_loss(out, aux, self.aux_loss_coef)
+            coef = self.aux_loss_coef * (flat.shape[0] if self.aux_loss_per_token else 1)
+            out = attach_auxiliary_loss(out, aux, coef)
         return out.view_as(x)
