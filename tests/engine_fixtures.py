@@ -127,3 +127,33 @@ class TokenCETask:
 
     def update_metrics(self, metrics, outputs, microbatch, loss) -> None:
         return None
+
+
+class FiniteTokens:
+    """`num_samples` deterministic sequences (`sample_tokens`), split over DP ranks, then exhausted."""
+
+    class Config(_Opts):
+        num_samples: int = Field(10, ge=1)
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.position = 0
+
+    def setup(self, setup) -> None:
+        self.s = setup
+        mine = range(setup.dp_rank, self.config.num_samples, setup.dp_size)
+        self.samples = list(mine)
+
+    def next_step(self):
+        if self.position >= len(self.samples):
+            return []
+        ids = self.samples[self.position : self.position + self.s.microbatch_size]
+        self.position += len(ids)
+        batch = torch.stack([sample_tokens(i) for i in ids])
+        return [{"input_ids": batch[:, :-1], "labels": batch[:, 1:]}]
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state) -> None:
+        self.position = int(state["position"])
