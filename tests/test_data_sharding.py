@@ -111,10 +111,20 @@ def test_remaining_view_and_advance_match_iteration() -> None:
         stream.advance(1)
 
 
-def test_loading_another_shards_state_is_refused() -> None:
-    a, b = _shards(10, 2, "sequential", "keep")
-    with pytest.raises(ValueError, match="belongs to shard 0"):
-        b.load_state_dict(a.state_dict())
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("uneven", ["keep", "pad", "drop"])
+@pytest.mark.parametrize("rounds", [0, 2, 3, 4])
+def test_every_shard_resumes_from_shard_zeros_state(mode: str, uneven: str, rounds: int) -> None:
+    # 11 samples over 3 shards: shard lengths 4/4/3 (keep), so at rounds=4 shard 2 is already read out.
+    old = _shards(11, 3, mode, uneven)
+    _lockstep_consume(old, rounds)
+    state = _roundtrip(old[0].state_dict())
+    for original in old:
+        resumed = ShardedDataset(
+            list(range(11)), num_shards=3, shard_index=original.shard_index, mode=mode, uneven=uneven
+        )
+        resumed.load_state_dict(state)
+        assert list(resumed) == list(original)
 
 
 def test_loading_over_a_different_dataset_is_refused() -> None:

@@ -5,10 +5,15 @@ rank), so it does not depend on the DP size; this layer only deals that order ou
 and remembers how far this rank has read. Being the outermost per-rank layer, it is the one stateful
 object a data provider checkpoints.
 
-Re-sharding (`on_reshard="keep_position"`): when an elastic restart changes the DP size, the state saved
-by old shard 0 is loaded on every new rank. The samples the old shards had consumed in lockstep are
-removed from the pass's pool and the rest is dealt to the new shards — nothing is skipped or repeated. In
-`sequential` mode the remainder is exactly the tail of the global stream after its saved position.
+The state is the *job's* position, not just this rank's: DP ranks consume in lockstep (every step takes
+the same number of samples on every rank), so one rank's cursor says how many rounds all of them have
+read. Save the state of shard 0 (dp rank 0; in `uneven="keep"` mode it is the longest shard, so its
+cursor is the round count even at the end of a pass) and load it on every rank.
+
+Re-sharding (`on_reshard="keep_position"`): when an elastic restart changes the DP size, the samples the
+old shards had consumed are removed from the pass's pool and the rest is dealt to the new shards —
+nothing is skipped or repeated. In `sequential` mode the remainder is exactly the tail of the global
+stream after its saved position.
 """
 
 from __future__ import annotations
@@ -163,7 +168,6 @@ class ShardedDataset(Generic[T]):
             "position": self.position,
             "pool": self._pool.to_list(),
             "num_shards": self.num_shards,
-            "shard_index": self.shard_index,
             "mode": self.mode,
             "uneven": self.uneven,
         }
@@ -185,12 +189,8 @@ class ShardedDataset(Generic[T]):
         if isinstance(self.dataset, EpochAware):
             self.dataset.set_epoch(self.epoch)
         if saved_layout == self._layout_for(saved_pool):
-            if state["shard_index"] != self.shard_index:
-                raise ValueError(
-                    f"this state belongs to shard {state['shard_index']}, not to shard {self.shard_index} "
-                    f"(same num_shards={self.num_shards}): each rank must load its own state"
-                )
-            self._pool, self._layout, self.position = saved_pool, saved_layout, int(state["position"])
+            self._pool, self._layout = saved_pool, saved_layout
+            self.position = min(int(state["position"]), len(self))  # a shorter shard may be read out already
             return
         changes = ", ".join(
             f"{key}={state[key]!r}→{getattr(self, key)!r}"
@@ -202,7 +202,7 @@ class ShardedDataset(Generic[T]):
                 f"sharding changed since the checkpoint ({changes}); build the dataset with "
                 "on_reshard='keep_position' to re-deal the unread samples of this pass to the new shards"
             )
-        # Lockstep: old shard 0's position is the number of rounds every old shard has consumed.
+        # Lockstep: the saved position is the number of rounds every old shard has consumed.
         consumed = saved_layout.consumed(int(state["position"]))
         self._pool = saved_pool.select(complement(consumed, len(saved_pool)))
         self._layout = self._layout_for(self._pool)
