@@ -78,3 +78,45 @@ def test_bad_architecture_fails_at_config_time(tmp_path: Path) -> None:
     bad["model"]["options"] = {}
     with pytest.raises(ConfigError, match="give `architecture`"):
         parse_config(bad)
+
+
+def _train_and_export(env: RankEnv) -> None:
+    import transformers
+
+    from d9d.core import DeviceMeshParameters, DistributedContext
+    from d9d.engine.trainer import Trainer
+
+    dense = {
+        k: v
+        for k, v in ARCH.items()
+        if k
+        in {
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        }
+    }
+    raw = _config(env.tmp_dir / "export", 1)
+    raw["model"] = {"provider": "qwen3", "options": {"architecture": dense}}
+    raw["trainer"] = {"total_steps": 3}
+    raw["checkpointing"] = {"save_at_end": False, "export_hf_dir": str(env.tmp_dir / "hf")}
+    config = parse_config(raw)
+    ctx = DistributedContext.create(DeviceMeshParameters(), backend="gloo")
+    trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
+    trainer.setup()
+    trainer.train()
+    tokens = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = trainer.modules[0](input_ids=tokens)["logits"]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(env.tmp_dir / "hf").eval()
+        theirs = hf(input_ids=tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_trained_model_exports_to_transformers(tmp_path: Path) -> None:
+    run_distributed(_train_and_export, 1, tmp_dir=tmp_path, timeout=180)

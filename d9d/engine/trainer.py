@@ -204,6 +204,9 @@ class Trainer:
                         self.save_checkpoint()
             if self.state.step > 0 and (status == "stopped" or c.checkpointing.save_at_end):
                 self._save_if_new()
+            if status == "finished" and c.checkpointing.export_hf_dir is not None:
+                self.model_provider.export(self.modules, self.ctx, c.checkpointing.export_hf_dir)
+                self.ctx.logger.info("exported the model to %s", c.checkpointing.export_hf_dir)
         finally:
             progress.close()
             if c.gc.period is not None:
