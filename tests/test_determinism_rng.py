@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
 from d9d.determinism import (
@@ -86,6 +87,7 @@ def _sharded_init_body(env: RankEnv) -> None:
         ((7, 5), [Shard(0), Replicate()]),  # uneven shards
         ((6, 4), [Replicate(), Shard(1)]),
         ((4, 4), [Replicate(), Replicate()]),
+        ((8, 4), [_StridedShard(0, split_factor=2), Shard(0)]),  # FSDP2 over a TP-sharded dim
     ]
     for init in _INITS:
         for shape, placements in cases:
