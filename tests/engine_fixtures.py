@@ -109,10 +109,10 @@ class GlobalIndexData:
 
 class TokenCETask:
     class Config(_Opts):
-        pass
+        track_accuracy: bool = False
 
     def __init__(self, config: Config) -> None:
-        pass
+        self.config = config
 
     def forward_inputs(self, microbatch):
         return {"input_ids": microbatch["input_ids"]}
@@ -123,10 +123,13 @@ class TokenCETask:
         return LossOutput(loss, torch.tensor(float(labels.numel())))
 
     def create_metrics(self):
-        return {}
+        from d9d.metrics import MeanMetric
+
+        return {"accuracy": MeanMetric()} if self.config.track_accuracy else {}
 
     def update_metrics(self, metrics, outputs, microbatch, loss) -> None:
-        return None
+        if metrics:
+            metrics["accuracy"].update((outputs.argmax(-1) == microbatch["labels"]).float())
 
 
 class FiniteTokens:

@@ -211,3 +211,29 @@ def test_piecewise_schedule_and_stochastic_adamw_providers(tmp_path: Path) -> No
     assert sr["lrs"] == adamw["lrs"]
     # fp32 parameters: the stochastic optimizer takes the exact AdamW step.
     torch.testing.assert_close(torch.tensor(sr["losses"]), torch.tensor(adamw["losses"]), rtol=1e-5, atol=0)
+
+
+def _metrics_run(env: RankEnv, run_dir: Path, dp: int) -> None:
+    raw = _config(run_dir, trainer__total_steps=6, checkpointing__period=None, logging__period=3)
+    raw["mesh"] = {"data_parallel_replicate": dp}
+    raw["task"] = {"provider": "tests.engine_fixtures:TokenCETask", "options": {"track_accuracy": True}}
+    config = parse_config(raw)
+    points: list[Any] = []
+    reporter = LocalRunReporter(config.checkpoint_dir, 1, points.append)
+    runtime = RankRuntime(rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=run_dir)
+    run_rank(config, runtime, reporter)
+    task_points = [(p.step, p.values) for p in points if any(k.startswith("task/") for k in p.values)]
+    torch.save(task_points, env.tmp_dir / f"metrics-dp{dp}-rank{env.rank}.pt")
+
+
+def test_task_metrics_are_synced_over_data_ranks(tmp_path: Path) -> None:
+    run_distributed(_metrics_run, 1, tmp_path / "m1", 1, tmp_dir=tmp_path)
+    run_distributed(_metrics_run, 2, tmp_path / "m2", 2, tmp_dir=tmp_path)
+    single = torch.load(tmp_path / "metrics-dp1-rank0.pt")
+    assert [step for step, _ in single] == [3, 6]
+    both = torch.load(tmp_path / "metrics-dp2-rank0.pt")
+    assert torch.load(tmp_path / "metrics-dp2-rank1.pt") == []  # one writer per distinct metric
+    for (s1, v1), (s2, v2) in zip(single, both, strict=True):
+        assert s1 == s2
+        assert 0.0 <= v1["task/accuracy"] <= 1.0
+        assert abs(v1["task/accuracy"] - v2["task/accuracy"]) < 1e-6, (v1, v2)

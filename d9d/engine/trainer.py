@@ -47,6 +47,7 @@ from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTa
 from d9d.engine.registry import build_component
 from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankResult, RunReporter
 from d9d.engine.step import GradientReducer, SequentialStepRunner, StepRunner, build_gradient_reducer
+from d9d.metrics import AsyncMetricCollector, ComposeMetric, to_scalars
 from d9d.parallel import clip_grad_norm_
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.profiling import NullProfiler, StepHook, StepProfiler
@@ -118,6 +119,12 @@ class Trainer:
             scheduler_provider = build_component("lr_scheduler", c.lr_scheduler, "lr_scheduler")
             self.schedulers = [scheduler_provider.build(o, c.trainer.total_steps) for o in self.optimizers]
         self.metrics = self.task.create_metrics()
+        self.metric_collector: AsyncMetricCollector[Any] | None = None
+        if self.metrics:
+            # Synced over the ranks that see different data; computed on a side thread so steps don't wait.
+            self.metric_collector = AsyncMetricCollector(
+                ComposeMetric(self.metrics), group=self._data_group()
+            )
         self.runner: StepRunner = SequentialStepRunner(self.modules[0], self.task, ctx.device, self.metrics)
         self.checkpointer = Checkpointer(ctx, c.checkpoint_dir, self.reporter)
         self._resume()
@@ -143,6 +150,31 @@ class Trainer:
             return None
         return self.ctx.mesh_for(MeshDomain.REGULAR)["dp_replicate", "dp_shard", "cp", "tp"]
 
+    def _data_group(self) -> dist.ProcessGroup | None:
+        if not self.ctx.is_distributed:
+            return None
+        batch = self.ctx.mesh_for(MeshDomain.BATCH)
+        if self.ctx.params.context_parallel == 1:
+            return batch.get_group("dp")
+        return batch["dp", "cp"]._flatten().get_group()
+
+    @property
+    def _writes_task_metrics(self) -> bool:
+        """Task metrics live where losses are computed: the data-rank-0 copy of the last stage writes them."""
+        coords = self.ctx.coordinates(MeshDomain.BATCH)
+        last = coords["pp"] == self.ctx.params.pipeline_parallel - 1
+        return last and coords["dp"] == 0 and coords["cp"] == 0 and coords["tp"] == 0
+
+    def _publish_task_metrics(self, wait: bool = False) -> None:
+        if self.metric_collector is None:
+            return
+        for step, value in self.metric_collector.results(wait=wait):
+            if self._writes_task_metrics:
+                values = to_scalars(value, prefix="task")
+                self.reporter.metrics(
+                    MetricPoint(step=step, rank=self.ctx.rank, values=values, wall_time=time.time())
+                )
+
     def _resume(self) -> None:
         latest = self.checkpointer.latest()
         if latest is None:
@@ -155,6 +187,8 @@ class Trainer:
         self.data.load_state_dict(engine_state["data"])
         if rank_state is not None:
             restore_rng_state(rank_state["rng"])
+            if self.metric_collector is not None and "metrics" in rank_state:
+                self.metric_collector.metric.load_state_dict(rank_state["metrics"])
         self.ctx.logger.info("resumed from %s at step %d", latest, self.state.step)
 
     # -- loop ---------------------------------------------------------------------------------------
@@ -207,6 +241,9 @@ class Trainer:
             if status == "finished" and c.checkpointing.export_hf_dir is not None:
                 self.model_provider.export(self.modules, self.ctx, c.checkpointing.export_hf_dir)
                 self.ctx.logger.info("exported the model to %s", c.checkpointing.export_hf_dir)
+            if self.metric_collector is not None:
+                self._publish_task_metrics(wait=True)  # the last window
+                self.metric_collector.close()
         finally:
             progress.close()
             if c.gc.period is not None:
@@ -355,8 +392,11 @@ class Trainer:
         self, step: int, loss: float, grad_norm: float | None, step_time: float, tokens_per_s: float | None
     ) -> None:
         now = time.time()
+        self._publish_task_metrics()
         if step % self.config.logging.period != 0 and step != self.config.trainer.total_steps:
             return
+        if self.metric_collector is not None:
+            self.metric_collector.schedule(step, reset=True)
         if self.ctx.is_main_process:
             values = {"loss": loss, "lr": self._current_lr(), "step_time_s": step_time}
             if grad_norm is not None:
@@ -382,11 +422,15 @@ class Trainer:
             "schedulers": [s.state_dict() for s in self.schedulers],
             "data": self.data.state_dict(),
         }
-        path = self.checkpointer.save(
-            step, self.modules, self.optimizers, engine_state, {"rng": capture_rng_state()}
-        )
+        path = self.checkpointer.save(step, self.modules, self.optimizers, engine_state, self._rank_state())
         self._last_saved = step
         self.events.publish(CheckpointSaved(step, path))
+
+    def _rank_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"rng": capture_rng_state()}
+        if self.metric_collector is not None:
+            state["metrics"] = self.metric_collector.metric.state_dict()
+        return state
 
     def _save_if_new(self) -> None:
         if getattr(self, "_last_saved", None) != self.state.step:
