@@ -19,13 +19,23 @@ import torch.nn.functional as F
 from pydantic import TypeAdapter
 from torch import nn
 
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
+from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter
+from d9d.parallel import GradientSynchronizer, collect_synced_params, parallelize_replicate
+from d9d.parallel.expert import AllToAllBackendConfig, parallelize_expert_parallel
 from d9d.pipeline.api import PipelineStageInfo, TensorMeta, balance_layers
+from d9d.pipeline.runtime.channels import P2PChannels, pipeline_groups, program_channels
 from d9d.pipeline.runtime.executor import PipelineExecutor, StepResult
-from d9d.pipeline.schedule.config import ScheduleConfig, build_schedule
+from d9d.pipeline.schedule.config import InferenceSchedule, ScheduleConfig, ZBVSchedule, build_schedule
 from d9d.pipeline.schedule.program import PipelineProgram
+from d9d.pipeline.setup import PipelineSetup
+from tests.harness import RankEnv, run_distributed
 
 DIM, VOCAB, LAYERS, SEQ, MB_SIZE = 8, 11, 14, 5, 2
 FROZEN = ("layers.3.weight", "layers.3.bias", "embed.weight")
+MOE_AFTER = 8
 SCHEDULES: list[dict[str, object]] = [
     {"kind": "gpipe"},
     {"kind": "1f1b"},
@@ -38,11 +48,16 @@ schedule_adapter: TypeAdapter[ScheduleConfig] = TypeAdapter(ScheduleConfig)
 
 
 class TinyStage(nn.Module):
-    def __init__(self, stage: PipelineStageInfo) -> None:
+    """With `moe`, a mixture-of-experts layer (4 experts, top 2) follows layer MOE_AFTER, on whichever stage
+    holds that layer."""
+
+    def __init__(self, stage: PipelineStageInfo, moe: bool = False) -> None:
         super().__init__()
         self.stage = stage
         self.embed = nn.Embedding(VOCAB, DIM) if stage.is_first else None
         self.layers = nn.ModuleDict({str(i): nn.Linear(DIM, DIM) for i in balance_layers(LAYERS, stage)})
+        has_moe = moe and str(MOE_AFTER) in self.layers
+        self.moe = MoELayer(TopKRouter(DIM, 4, 2), GroupedExperts(4, DIM, 6)) if has_moe else None
         self.head = nn.Linear(DIM, VOCAB) if stage.is_last else None
 
     def forward(
@@ -56,8 +71,10 @@ class TinyStage(nn.Module):
             hidden = self.embed(input_ids)
             positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
         assert hidden is not None and positions is not None
-        for layer in self.layers.values():
+        for index, layer in self.layers.items():
             hidden = torch.tanh(layer(hidden) + 0.01 * positions[..., None]) * mask[..., None]
+            if self.moe is not None and index == str(MOE_AFTER):
+                hidden = hidden + self.moe(hidden)
         if self.head is not None:
             return self.head(hidden)
         return {"hidden": hidden, "positions": positions}
@@ -70,16 +87,17 @@ class TinyStage(nn.Module):
         }
 
 
-def reference_model(seed: int = 0) -> TinyStage:
+def reference_model(seed: int = 0, moe: bool = False) -> TinyStage:
     torch.manual_seed(seed)
-    model = TinyStage(PipelineStageInfo(0, 1))
+    model = TinyStage(PipelineStageInfo(0, 1), moe)
     for name, p in model.named_parameters():
         p.requires_grad_(name not in FROZEN)
     return model
 
 
 def build_stage(reference: TinyStage, stage: PipelineStageInfo) -> TinyStage:
-    module = TinyStage(stage)
+    """The stage's slice of the reference model."""
+    module = TinyStage(stage, moe=reference.moe is not None)
     full = reference.state_dict()
     module.load_state_dict({k: full[k] for k in module.state_dict()})
     for name, p in module.named_parameters():
@@ -140,11 +158,13 @@ def assert_grads_match(
             if name in FROZEN:
                 assert p.grad is None, f"{what}: frozen {name} got a gradient"
                 continue
-            expected = ref_grads[name]
-            assert p.grad is not None, f"{what}: stage {s} {name} has no gradient"
-            torch.testing.assert_close(
-                p.grad, expected, rtol=1e-5, atol=1e-6, msg=f"{what}: stage {s} {name}"
-            )
+            grad, expected = p.grad, ref_grads[name]
+            assert grad is not None and expected is not None, f"{what}: stage {s} {name} has no gradient"
+            if isinstance(grad, DTensor):  # compare this rank's shard
+                expected = distribute_tensor(expected, grad.device_mesh, grad.placements, src_data_rank=None)
+                grad, expected = grad.to_local(), expected.to_local()
+            msg = f"{what}: stage {s} {name}"
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=msg)
 
 
 def programs_for(pp: int, counts: Sequence[int]) -> list[tuple[ScheduleConfig, int, PipelineProgram]]:
@@ -189,3 +209,120 @@ def test_single_rank_matches_reference(raw: dict[str, object], num_microbatches:
     executor = PipelineExecutor(program, stages, pp_rank=0, device=torch.device("cpu"))
     for seed in (1, 2):  # a second step checks that nothing leaks from the first
         run_training_case(executor, reference, seed, f"{config.kind} m={num_microbatches}")
+
+
+# -- several ranks ---------------------------------------------------------------------------------------
+
+
+def _pipeline_executors(
+    ctx: DistributedContext, reference: TinyStage, programs: Sequence[PipelineProgram]
+) -> list[PipelineExecutor]:
+    """One executor per program, sharing one set of channel groups (created once for all programs)."""
+    mesh = ctx.mesh_for(MeshDomain.REGULAR)
+    channels = P2PChannels.create(
+        pipeline_groups(mesh), {c for p in programs for c in program_channels(p)}, ctx.device
+    )
+    pp_rank = ctx.coordinates(MeshDomain.REGULAR)["pp"]
+    executors = []
+    for program in programs:
+        stages = {
+            s: build_stage(reference, PipelineStageInfo(s, program.num_stages))
+            for s in program.placement.stages_of(pp_rank)
+        }
+        executors.append(
+            PipelineExecutor(
+                program,
+                stages,
+                pp_rank=pp_rank,
+                device=ctx.device,
+                channels=channels,
+                pp_group=mesh["pp"].get_group(),
+            )
+        )
+    return executors
+
+
+def _counts(pp: int) -> list[int]:
+    return [pp, pp + 1, 2 * pp, 2 * pp + 1] if pp == 2 else [pp, 2 * pp, 2 * pp + 1]
+
+
+def _pipeline_body(env: RankEnv, pp: int) -> None:
+    ctx = DistributedContext.create(DeviceMeshParameters(pipeline_parallel=pp), backend="gloo")
+    reference = reference_model()
+    programs = [program for _, _, program in programs_for(pp, _counts(pp))]
+    for i, executor in enumerate(_pipeline_executors(ctx, reference, programs)):
+        what = f"pp={pp} {executor.program.name} m={executor.num_microbatches}"
+        result = run_training_case(executor, reference, seed=i, what=what)
+        holds_last = executor.program.num_stages - 1 in executor.stages
+        assert (result.loss_sum is not None) == holds_last, what
+
+    # Wiring from a DistributedContext, as the engine does it.
+    setup = PipelineSetup.create(ctx, ZBVSchedule(), 2 * pp)
+    stages = {info.current_stage: build_stage(reference, info) for info in setup.local_stages}
+    run_training_case(setup.executor(stages), reference, seed=99, what=f"pp={pp} via PipelineSetup")
+
+    for stages_per_rank in (1, 2):
+        setup = PipelineSetup.create(ctx, InferenceSchedule(stages_per_rank=stages_per_rank), pp + 1)
+        stages = {info.current_stage: build_stage(reference, info) for info in setup.local_stages}
+        inputs, _ = make_batch(pp + 1, seed=5)
+        got: dict[int, torch.Tensor] = {}
+        setup.executor(stages).forward_step(inputs, lambda logits, mb: got.__setitem__(mb, logits))
+        if setup.program.num_stages - 1 in stages:
+            with torch.no_grad():
+                for mb, item in enumerate(inputs):
+                    expected = reference(item["input_ids"], item["mask"])
+                    torch.testing.assert_close(got[mb], expected, rtol=1e-5, atol=1e-6)
+        else:
+            assert not got
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_schedule_matches_reference_across_ranks(pp: int) -> None:
+    run_distributed(_pipeline_body, pp, pp, timeout=300)
+
+
+def _hybrid_body(env: RankEnv, expert_parallel: int) -> None:
+    """pp=2 × dp=2 (ranks of a dp pair see different data), with experts sharded over ep when asked."""
+    params = DeviceMeshParameters(
+        pipeline_parallel=2, data_parallel_replicate=2, expert_parallel=expert_parallel
+    )
+    ctx = DistributedContext.create(params, backend="gloo")
+    moe = expert_parallel > 1
+    reference = reference_model(moe=moe)
+    dp_rank = ctx.coordinates(MeshDomain.BATCH)["dp"]
+    programs = [program for _, _, program in programs_for(2, [2, 3, 4])]
+    for i, executor in enumerate(_pipeline_executors(ctx, reference, programs)):
+        what = f"pp=2 dp=2 ep={expert_parallel} {executor.program.name} m={executor.num_microbatches}"
+        m = executor.num_microbatches
+        both = [make_batch(m, seed=100 * i + d) for d in range(2)]
+        ref_loss, ref_grads = reference_step(
+            reference, [x for inputs, _ in both for x in inputs], [y for _, labels in both for y in labels]
+        )
+        modules = list(executor.stages.values())
+        for module in modules:
+            if module.moe is not None:
+                expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
+                parallelize_expert_parallel(module.moe, expert_mesh, backend=AllToAllBackendConfig())
+                assert module.moe.experts.gate_proj.to_local().shape[0] == 4 // expert_parallel
+            parallelize_replicate(module, ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"])
+        sync = GradientSynchronizer(
+            [p for module in modules for p in collect_synced_params(module)],
+            num_microbatches=executor.num_microbatches,
+            loss_weight_mesh=ctx.mesh_for(MeshDomain.BATCH)["dp"],
+        )
+        inputs, labels = both[dp_rank]
+        result = executor.train_step(inputs, loss_fn_for(labels))
+        global_weight = sync.wait(total_weight(labels))
+        assert global_weight is not None
+        assert_grads_match(executor.stages, ref_grads, what)
+        if result.loss_sum is not None:
+            loss = sync.global_sum(result.loss_sum) / global_weight
+            torch.testing.assert_close(loss.float(), ref_loss, rtol=1e-5, atol=0, msg=what)
+        sync.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("expert_parallel", [1, 2], ids=["pp2xdp2", "pp2xep2"])
+def test_pipeline_with_data_and_expert_parallel_matches_reference(expert_parallel: int) -> None:
+    run_distributed(_hybrid_body, 4, expert_parallel, timeout=300)

@@ -45,9 +45,21 @@ class StepResult:
 
 
 @dataclass
+class _Batch:
+    """The works of one posted P2P batch, waited for once (a second wait on a gloo receive blocks forever)."""
+
+    works: list[dist.Work]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+@dataclass
 class _Received:
     tensors: dict[str, torch.Tensor]
-    works: list[dist.Work]
+    batch: _Batch | None = None
 
 
 @dataclass
@@ -59,7 +71,7 @@ class _Step:
     loss_scale: float
     mailbox: dict[tuple[str, int, int], _Received] = field(default_factory=dict)
     outbox: dict[Transfer, dict[str, torch.Tensor]] = field(default_factory=dict)
-    sends: list[tuple[list[dist.Work], list[torch.Tensor]]] = field(default_factory=list)
+    sends: list[tuple[_Batch, list[torch.Tensor]]] = field(default_factory=list)
     losses: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -150,9 +162,8 @@ class PipelineExecutor:
             else:
                 for part in compute_parts(item):
                     self._compute(step, part)
-        for works, _ in step.sends:
-            for work in works:
-                work.wait()
+        for batch, _ in step.sends:
+            batch.wait()
         if step.mailbox or step.outbox:
             leftovers = sorted(map(str, step.mailbox)) + sorted(map(str, step.outbox))
             raise RuntimeError(f"pipeline rank {self.pp_rank}: tensors never consumed: {leftovers}")
@@ -170,7 +181,7 @@ class PipelineExecutor:
                 tensors = list(step.outbox.pop(action.transfer).values())
             else:
                 received = self._buffers(step, action.transfer)
-                step.mailbox[_delivered(action.transfer)] = _Received(received, [])
+                step.mailbox[_delivered(action.transfer)] = _Received(received)
                 tensors = list(received.values())
             per_channel.setdefault((isinstance(action, Send), action.peer), []).append((action, tensors))
         for (is_send, peer), items in per_channel.items():
@@ -179,12 +190,12 @@ class PipelineExecutor:
                 for _, tensors in items
                 for t in tensors
             ]
-            works = [w for w in dist.batch_isend_irecv(ops) if w is not None] if ops else []
+            batch = _Batch([w for w in dist.batch_isend_irecv(ops) if w is not None] if ops else [])
             if is_send:
-                step.sends.append((works, [op.tensor for op in ops]))
+                step.sends.append((batch, [op.tensor for op in ops]))
             else:
                 for action, _ in items:
-                    step.mailbox[_delivered(action.transfer)].works = works
+                    step.mailbox[_delivered(action.transfer)].batch = batch
 
     def _buffers(self, step: _Step, transfer: Transfer) -> dict[str, torch.Tensor]:
         if transfer.direction is Direction.FORWARD:
@@ -199,8 +210,8 @@ class PipelineExecutor:
 
     def _take(self, step: _Step, key: tuple[str, int, int]) -> dict[str, torch.Tensor]:
         received = step.mailbox.pop(key)
-        for work in received.works:
-            work.wait()
+        if received.batch is not None:
+            received.batch.wait()
         return received.tensors
 
     # -- compute ------------------------------------------------------------------------------------
@@ -237,7 +248,7 @@ class PipelineExecutor:
 
     def _hand_over(self, step: _Step, transfer: Transfer, tensors: dict[str, torch.Tensor]) -> None:
         if self.program.placement.rank_of(transfer.dst_stage) == self.pp_rank:
-            step.mailbox[_delivered(transfer)] = _Received(tensors, [])
+            step.mailbox[_delivered(transfer)] = _Received(tensors)
         else:
             step.outbox[transfer] = tensors
 
