@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from pydantic import TypeAdapter
 from torch import nn
-
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
@@ -266,7 +265,7 @@ def _pipeline_body(env: RankEnv, pp: int) -> None:
         stages = {info.current_stage: build_stage(reference, info) for info in setup.local_stages}
         inputs, _ = make_batch(pp + 1, seed=5)
         got: dict[int, torch.Tensor] = {}
-        setup.executor(stages).forward_step(inputs, lambda logits, mb: got.__setitem__(mb, logits))
+        setup.executor(stages).forward_step(inputs, got.__setitem__)
         if setup.program.num_stages - 1 in stages:
             with torch.no_grad():
                 for mb, item in enumerate(inputs):

@@ -173,10 +173,10 @@ class PipelineExecutor:
 
     # -- communication ------------------------------------------------------------------------------
 
-    def _post(self, step: _Step, batch: list[Send | Recv]) -> None:
+    def _post(self, step: _Step, actions: list[Send | Recv]) -> None:
         assert self._channels is not None
         per_channel: dict[tuple[bool, int], list[tuple[Send | Recv, list[torch.Tensor]]]] = {}
-        for action in batch:
+        for action in actions:
             if isinstance(action, Send):
                 tensors = list(step.outbox.pop(action.transfer).values())
             else:
@@ -190,12 +190,12 @@ class PipelineExecutor:
                 for _, tensors in items
                 for t in tensors
             ]
-            batch = _Batch([w for w in dist.batch_isend_irecv(ops) if w is not None] if ops else [])
+            posted = _Batch([w for w in dist.batch_isend_irecv(ops) if w is not None] if ops else [])
             if is_send:
-                step.sends.append((batch, [op.tensor for op in ops]))
+                step.sends.append((posted, [op.tensor for op in ops]))
             else:
                 for action, _ in items:
-                    step.mailbox[_delivered(action.transfer)].batch = batch
+                    step.mailbox[_delivered(action.transfer)].batch = posted
 
     def _buffers(self, step: _Step, transfer: Transfer) -> dict[str, torch.Tensor]:
         if transfer.direction is Direction.FORWARD:
