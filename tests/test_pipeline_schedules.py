@@ -147,7 +147,7 @@ def test_impossible_shapes_are_refused_when_building(kind: str, pp: int, m: int,
         build_schedule(config, pp, m)
 
 
-# -- the simulator's checks -----------------------------------------------------------------------------------
+# -- the simulator's checks -------------------------------------------------------------------------------
 
 TWO = StagePlacement.looped(2)
 
