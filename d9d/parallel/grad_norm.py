@@ -32,7 +32,9 @@ def _layout_key(grad: torch.Tensor, name: str) -> _GroupKey:
             f"gradient of parameter {name} is Partial on mesh {grad.device_mesh.mesh_dim_names}: reduce it "
             "(GradientSynchronizer.wait) before computing its norm"
         )
-    sharded = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+    # Anything neither replicated nor partial splits the tensor: Shard, and FSDP-over-TP's _StridedShard
+    # (which recent torch no longer derives from Shard).
+    sharded = tuple(i for i, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial()))
     return (grad.device_mesh, sharded, local_tensor(grad).device)
 
 

@@ -1,47 +1,142 @@
-"""Let a module compute with the local shards of some of its DTensor parameters.
+"""What a module's forward sees in place of some of its parameters.
 
-Parameters are stored as DTensors so checkpoints and optimizers see the topology, but most model code
-(grouped matmuls, attention kernels, index ops) should run on plain tensors: DTensor dispatch is slow and
-not every op has a sharding rule. While the module's forward runs, the named parameters are swapped for
-their local tensors (`to_local()`, which is differentiable, so gradients still land on the DTensor
-parameters with the parameter's placements) and swapped back right after, even when forward raises.
+Two needs share one mechanism:
+- Parameters are stored as DTensors so checkpoints and optimizers see the topology, but most model code
+  (grouped matmuls, attention kernels, index ops) should run on plain tensors: DTensor dispatch is slow
+  and not every op has a sharding rule. `compute_with_local_parameters` shows forward the local tensor
+  (`to_local()` is differentiable, so gradients land on the DTensor parameter with its placements).
+- Some replicated parameters only see part of the data on each rank of a group (norm weights under
+  sequence parallelism, per-head q/k norms under tensor parallelism, routers of token-split MoE layers),
+  so their gradient is partial over that group. `sum_gradients_over` shows forward the parameter through
+  an identity whose backward all-reduces the gradient over the group, so whoever consumes the gradient
+  next (autograd accumulation, FSDP, the synchronizer) gets the full one.
 
-Limit: only the module's own forward sees local tensors; code elsewhere reading the parameter (e.g. a tied
-weight used by another module) sees the DTensor.
+While the module's forward runs, the parameters are swapped for these views and swapped back right after,
+even when forward raises. Parameter containers (`nn.ParameterDict` / `nn.ParameterList`) have no forward
+of their own: their parameters are swapped around the forward of the module that reads them (`trigger`).
+Limit: other code reading a parameter outside those forwards sees the stored parameter.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-_ATTR = "_d9d_local_param_names"
+_ATTR = "_d9d_forward_views"
 
 
-def compute_with_local_parameters(module: nn.Module, names: set[str]) -> None:
-    """From now on `module.forward` sees the direct DTensor parameters `names` as local tensors."""
-    for name in names:
-        if not isinstance(module._parameters.get(name), DTensor):
-            raise TypeError(f"{type(module).__name__}.{name} is not a DTensor parameter")
-    existing: set[str] | None = module.__dict__.get(_ATTR)
+class _SumGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_gradient(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Identity whose backward sums the gradient over `group`."""
+    out: torch.Tensor = _SumGradient.apply(x, group)
+    return out
+
+
+_Key = tuple[int, str]  # (id of the owning module, parameter name)
+
+
+@dataclass
+class _Views:
+    owners: dict[int, nn.Module] = field(default_factory=dict)
+    local: set[_Key] = field(default_factory=set)
+    grad_groups: dict[_Key, list[dist.ProcessGroup]] = field(default_factory=dict)
+    stash: list[list[tuple[_Key, Any]]] = field(default_factory=list)  # a stack: modules may be re-entered
+
+    def view(self, key: _Key, param: torch.Tensor) -> torch.Tensor:
+        out = param
+        if key in self.local and isinstance(out, DTensor):
+            out = out.to_local()
+        for group in self.grad_groups.get(key, ()):
+            out = sum_gradient(out, group)
+        return out
+
+    def swap_in(self) -> None:
+        originals = [
+            (key, self.owners[key[0]]._parameters[key[1]]) for key in self.local | self.grad_groups.keys()
+        ]
+        self.stash.append(originals)
+        for key, param in originals:
+            assert param is not None
+            self.owners[key[0]]._parameters[key[1]] = self.view(key, param)  # type: ignore[assignment]
+
+    def swap_back(self) -> None:
+        if self.stash:
+            for (owner, name), param in self.stash.pop():
+                self.owners[owner]._parameters[name] = param
+
+
+def _views(trigger: nn.Module) -> _Views:
+    existing: _Views | None = trigger.__dict__.get(_ATTR)
     if existing is not None:
-        existing.update(names)
+        return existing
+    views = _Views()
+    trigger.__dict__[_ATTR] = views
+    trigger.register_forward_pre_hook(lambda _m, _a: views.swap_in())
+    trigger.register_forward_hook(lambda _m, _a, _o: views.swap_back(), always_call=True)
+    return views
+
+
+def _key(views: _Views, owner: nn.Module, name: str) -> _Key:
+    views.owners[id(owner)] = owner
+    return (id(owner), name)
+
+
+def forward_triggers(root: nn.Module) -> dict[int, list[nn.Module]]:
+    """For every module under `root`, the modules whose forward reads its direct parameters: itself, or
+    for a parameter container every module holding it as a child (several when it is tied)."""
+    triggers: dict[int, list[nn.Module]] = {}
+    for parent in root.modules():
+        triggers.setdefault(id(parent), [parent])
+        for child in parent.children():
+            if isinstance(child, nn.ParameterDict | nn.ParameterList):
+                found = triggers.setdefault(id(child), [])
+                if parent not in found:
+                    found.append(parent)
+    return triggers
+
+
+def _check(module: nn.Module, names: set[str]) -> None:
+    for name in names:
+        if module._parameters.get(name) is None:
+            raise KeyError(f"{type(module).__name__} has no direct parameter {name!r}")
+
+
+def compute_with_local_parameters(
+    module: nn.Module, names: set[str], *, triggers: list[nn.Module] | None = None
+) -> None:
+    """From now on the forward of `module` (or of each of `triggers`, the modules reading a parameter
+    container) sees the direct DTensor parameters `names` of `module` as local tensors."""
+    _check(module, names)
+    for name in names:
+        if not isinstance(module._parameters[name], DTensor):
+            raise TypeError(f"{type(module).__name__}.{name} is not a DTensor parameter")
+    for trigger in triggers if triggers is not None else [module]:
+        views = _views(trigger)
+        views.local.update(_key(views, module, name) for name in names)
+
+
+def sum_gradients_over(module: nn.Module, names: set[str], group: dist.ProcessGroup) -> None:
+    """From now on the gradients of the direct parameters `names` of `module` are summed over `group`."""
+    _check(module, names)
+    if dist.get_world_size(group) == 1:
         return
-    local_names = set(names)
-    module.__dict__[_ATTR] = local_names
-    stash: list[dict[str, Any]] = []  # a stack: a module may be re-entered (recursion, recomputation)
-
-    def swap_in(mod: nn.Module, args: Any) -> None:
-        originals = {name: mod._parameters[name] for name in local_names}
-        stash.append(originals)
-        for name, param in originals.items():
-            mod._parameters[name] = param.to_local()  # type: ignore[union-attr,assignment]
-
-    def swap_back(mod: nn.Module, args: Any, output: Any) -> None:
-        if stash:
-            mod._parameters.update(stash.pop())
-
-    module.register_forward_pre_hook(swap_in)
-    module.register_forward_hook(swap_back, always_call=True)
+    views = _views(module)
+    for name in names:
+        views.grad_groups.setdefault(_key(views, module, name), []).append(group)

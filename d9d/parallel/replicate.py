@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_mesh
-from d9d.parallel.local_params import compute_with_local_parameters
+from d9d.parallel.local_params import compute_with_local_parameters, forward_triggers
 
 
 def parallelize_replicate(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -27,6 +27,7 @@ def parallelize_replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     Ranks must hold identical values (same seed, or weights loaded afterwards): nothing is broadcast.
     """
     replaced: dict[int, nn.Parameter] = {}  # keeps parameters shared between modules shared
+    triggers = forward_triggers(module)
     for sub in module.modules():
         converted: set[str] = set()
         for name, param in list(sub.named_parameters(recurse=False)):
@@ -42,4 +43,4 @@ def parallelize_replicate(module: nn.Module, mesh: DeviceMesh) -> None:
                 converted.add(name)
             mark_grad_reduce_mesh(sub, name, mesh)
         if converted:
-            compute_with_local_parameters(sub, converted)
+            compute_with_local_parameters(sub, converted, triggers=triggers[id(sub)])

@@ -2,6 +2,7 @@
 
 from d9d.parallel.grad_sync.bucket import GradBucket
 from d9d.parallel.grad_sync.config import GradSyncConfig
+from d9d.parallel.grad_sync.from_context import build_gradient_synchronizer, pipeline_group
 from d9d.parallel.grad_sync.reduce_mesh import (
     SyncedParam,
     collect_synced_params,
@@ -16,9 +17,11 @@ __all__ = [
     "GradSyncConfig",
     "GradientSynchronizer",
     "SyncedParam",
+    "build_gradient_synchronizer",
     "collect_synced_params",
     "grad_reduce_mesh",
     "is_grad_reduce_marked",
     "mark_grad_reduce_mesh",
     "mesh_group",
+    "pipeline_group",
 ]

@@ -1,0 +1,133 @@
+"""Parallelization plans for Qwen3 and Qwen3-MoE task models, driven by a `DistributedContext`.
+
+Order matters and is fixed here:
+1. expert parallelism (experts → `Shard(0)` on `ep_shard`, reduced over `ep_replicate`),
+2. tensor parallelism on the `tp` dim of the dense domain (heads, SwiGLU, vocabulary, token-split MoE),
+3. data parallelism of everything else over the dense domain: FSDP on `dp_cp_shard` when it is larger than
+   one (HSDP with the synchronizer reducing over `dp_cp_replicate`), plain replication otherwise.
+After that, `build_gradient_synchronizer(model, ctx)` finds every parameter's reduce mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from d9d.core import DistributedContext, MeshDomain
+from d9d.models.qwen3.layer import Qwen3DecoderLayer
+from d9d.models.qwen3.tasks import Qwen3StageModel
+from d9d.modules.heads import CausalLMHead
+from d9d.modules.mlp import SwiGLU
+from d9d.modules.moe import MoELayer
+from d9d.parallel.expert import ExpertCommunicationConfig, parallelize_expert_parallel
+from d9d.parallel.fsdp import parallelize_fsdp, parallelize_hsdp
+from d9d.parallel.replicate import parallelize_replicate
+from d9d.parallel.tensor import (
+    gather_from_group,
+    parallelize_attention_tp,
+    parallelize_moe_tp,
+    parallelize_norm_tp,
+    parallelize_swiglu_tp,
+    parallelize_vocab_embedding,
+    parallelize_vocab_head,
+    split_to_group,
+)
+
+
+def parallelize_qwen3(
+    model: Qwen3StageModel,
+    ctx: DistributedContext,
+    *,
+    sequence_parallel: bool = False,
+    expert_backend: ExpertCommunicationConfig | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> None:
+    """Apply expert, tensor and data parallelism to one pipeline stage of a Qwen3 / Qwen3-MoE task model.
+
+    Works for any mix of `data_parallel_replicate × data_parallel_shard × expert_parallel ×
+    tensor_parallel` (context parallel ranks share the data-parallel dims of the dense domain).
+    `sequence_parallel` shards the residual stream along the sequence between tp blocks (sequence length
+    divisible by tp; not with pipeline parallelism, whose stage boundaries carry full sequences).
+    `expert_backend` picks the token exchange (default: DeepEP where possible, all-to-all otherwise).
+    """
+    if sequence_parallel and ctx.params.pipeline_parallel > 1:
+        raise ValueError("sequence_parallel=True is not supported together with pipeline_parallel > 1")
+    layers = list(model.model.decoder_layers().values())
+    if any(isinstance(layer.mlp, MoELayer) for layer in layers):
+        expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
+        for layer in layers:
+            if isinstance(layer.mlp, MoELayer):
+                parallelize_expert_parallel(layer.mlp, expert_mesh, backend=expert_backend)
+    dense = ctx.mesh_for(MeshDomain.DENSE)
+    if dense["tp"].size() > 1:
+        _tensor_parallel(model, layers, ctx, sequence_parallel)
+    if dense["dp_cp_shard"].size() > 1:
+        units: list[nn.Module] = list(layers)
+        if dense["dp_cp_replicate"].size() > 1:
+            parallelize_hsdp(
+                model,
+                dense["dp_cp_replicate", "dp_cp_shard"],
+                units=units,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy,
+            )
+        else:
+            parallelize_fsdp(
+                model,
+                dense["dp_cp_shard"],
+                units=units,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy,
+            )
+    else:
+        parallelize_replicate(model, dense["dp_cp_replicate"])
+
+
+parallelize_qwen3_moe = parallelize_qwen3
+"""Qwen3-MoE shares the plan: MoE layers are found by type."""
+
+
+def _tensor_parallel(
+    model: Qwen3StageModel, layers: list[Qwen3DecoderLayer], ctx: DistributedContext, sequence_parallel: bool
+) -> None:
+    tp_mesh = ctx.mesh_for(MeshDomain.DENSE)["tp"]
+    sp = sequence_parallel
+    backbone = model.model
+    group = tp_mesh.get_group()
+    if backbone.embed_tokens is not None:
+        parallelize_vocab_embedding(backbone.embed_tokens, tp_mesh)
+    if sp and layers:
+        # The backbone derives positions and masks from the replicated embedding output; the residual
+        # stream is split along the sequence from the first decoder layer on.
+        def split(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            return (split_to_group(args[0], 1, group), *args[1:])
+
+        layers[0].register_forward_pre_hook(split)
+    for layer in layers:
+        parallelize_norm_tp(layer.input_layernorm, tp_mesh, sequence_parallel=sp)
+        parallelize_attention_tp(layer.self_attn, tp_mesh, sequence_parallel=sp)
+        parallelize_norm_tp(layer.post_attention_layernorm, tp_mesh, sequence_parallel=sp)
+        if isinstance(layer.mlp, MoELayer):
+            parallelize_moe_tp(layer.mlp, tp_mesh, sequence_parallel=sp)
+        elif isinstance(layer.mlp, SwiGLU):
+            parallelize_swiglu_tp(layer.mlp, tp_mesh, sequence_parallel=sp)
+        else:
+            raise TypeError(f"no tensor-parallel plan for feed-forward {type(layer.mlp).__name__}")
+    if backbone.norm is not None:
+        parallelize_norm_tp(backbone.norm, tp_mesh, sequence_parallel=sp)
+    for name, head in model.named_children():
+        if name == "model" or head is None:
+            continue
+        if isinstance(head, CausalLMHead):
+            parallelize_vocab_head(head, tp_mesh, sequence_parallel=sp)
+        elif sp:  # other heads pool over the sequence: give them the whole of it
+
+            def gather(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+                hidden: torch.Tensor = args[0]
+                return (gather_from_group(hidden, 1, group), *args[1:])
+
+            head.register_forward_pre_hook(gather)

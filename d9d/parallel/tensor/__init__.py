@@ -1,0 +1,39 @@
+"""Tensor parallelism: column/row-split blocks, vocabulary-parallel embedding and head, sequence parallel."""
+
+from d9d.parallel.tensor.blocks import (
+    parallelize_attention_tp,
+    parallelize_moe_tp,
+    parallelize_norm_tp,
+    parallelize_swiglu_tp,
+)
+from d9d.parallel.tensor.comm import (
+    gather_from_group,
+    gather_sum_grad,
+    reduce_from_group,
+    reduce_scatter_to_group,
+    split_to_group,
+)
+from d9d.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from d9d.parallel.tensor.vocab import (
+    VocabParallelCausalLMHead,
+    VocabParallelTokenEmbedding,
+    parallelize_vocab_embedding,
+    parallelize_vocab_head,
+)
+
+__all__ = [
+    "VocabParallelCausalLMHead",
+    "VocabParallelTokenEmbedding",
+    "gather_from_group",
+    "gather_sum_grad",
+    "parallelize_attention_tp",
+    "parallelize_moe_tp",
+    "parallelize_norm_tp",
+    "parallelize_swiglu_tp",
+    "parallelize_vocab_embedding",
+    "parallelize_vocab_head",
+    "reduce_from_group",
+    "reduce_scatter_to_group",
+    "split_to_group",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,134 @@
+"""Differentiable collectives over a tensor-parallel group, for tensors every rank holds locally.
+
+Each is a forward/backward pair that keeps the tensor-parallel invariant: activations the tp ranks hold
+in full are identical on all of them and so are their gradients, while partial results (a row-parallel
+matmul, one vocabulary shard's contribution) are summed exactly once.
+
+| function                | forward                  | backward                  |
+|-------------------------|--------------------------|---------------------------|
+| `reduce_from_group`     | all-reduce               | identity                  |
+| `split_to_group`        | keep own chunk of `dim`  | all-gather                |
+| `gather_from_group`     | all-gather along `dim`   | keep own chunk            |
+| `gather_sum_grad`       | all-gather along `dim`   | reduce-scatter            |
+| `reduce_scatter_to_group` | reduce-scatter along `dim` | all-gather            |
+
+`d9d.parallel.local_params.sum_gradient` completes the set (identity forward, all-reduce backward).
+Chunks are equal: the size of `dim` must be divisible by the group size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} does not split evenly over {size} tensor-parallel ranks"
+        )
+    return x.chunk(size, dim)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((size * front.shape[0], *front.shape[1:]))
+    dist.all_gather_into_tensor(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} does not split evenly over {size} tensor-parallel ranks"
+        )
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    dist.reduce_scatter_tensor(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _SplitTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _chunk(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _chunk(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherSumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def reduce_from_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out: torch.Tensor = _ReduceFrom.apply(x, group)
+    return out
+
+
+def split_to_group(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    out: torch.Tensor = _SplitTo.apply(x, dim, group)
+    return out
+
+
+def gather_from_group(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    out: torch.Tensor = _GatherFrom.apply(x, dim, group)
+    return out
+
+
+def gather_sum_grad(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    out: torch.Tensor = _GatherSumGrad.apply(x, dim, group)
+    return out
+
+
+def reduce_scatter_to_group(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    out: torch.Tensor = _ReduceScatterTo.apply(x, dim, group)
+    return out

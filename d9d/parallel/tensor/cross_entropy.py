@@ -1,0 +1,122 @@
+"""Cross-entropy of a vocabulary-parallel linear head, without gathering the logits.
+
+Each tensor-parallel rank holds some rows of the vocabulary projection. Per chunk of tokens a rank
+computes its local logits; the softmax normalizer needs the global max (all-reduce MAX) and the global
+sum of exponentials, and the target logit lives on exactly one rank, so both go through one all-reduce SUM.
+Backward recomputes the local logits (like the single-device chunked head) and returns this rank's
+*partial* gradient for the hidden states: the caller's tensor-parallel region (`sum_gradient` or
+`gather_sum_grad`) sums it over the group exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+IGNORE_INDEX = -100
+
+
+def _local_logits(hidden: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not weights:
+        return hidden.new_zeros(hidden.shape[0], 0, dtype=torch.float32)
+    return torch.cat([hidden @ w.t() for w in weights], dim=-1).float()
+
+
+def _target_columns(labels: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """Local logit column of each label, -1 where the label lives on another rank (or is ignored)."""
+    column = torch.full_like(labels, -1)
+    offset = 0
+    for start, size in zip(starts, sizes, strict=True):
+        inside = (labels >= start) & (labels < start + size)
+        column = torch.where(inside, labels - start + offset, column)
+        offset += size
+    return column
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        starts: Sequence[int],
+        group: dist.ProcessGroup,
+        chunk_size: int,
+        ignore_index: int,
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        sizes = [w.shape[0] for w in weights]
+        losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(losses)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            logits = _local_logits(hidden[start:end], weights)
+            chunk_labels = labels[start:end]
+            if logits.shape[1]:
+                peak = logits.amax(-1)
+            else:
+                peak = torch.full_like(losses[start:end], float("-inf"))
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            column = _target_columns(chunk_labels, starts, sizes)
+            target = torch.where(column >= 0, logits.gather(1, column.clamp(min=0)[:, None]).squeeze(1), 0.0)
+            if not logits.shape[1]:
+                target = torch.zeros_like(peak)
+            sums = torch.stack([torch.exp(logits - peak[:, None]).sum(-1), target])
+            dist.all_reduce(sums, group=group)
+            chunk_lse = peak + torch.log(sums[0])
+            losses[start:end] = torch.where(chunk_labels != ignore_index, chunk_lse - sums[1], 0.0)
+            lse[start:end] = chunk_lse
+        ctx.save_for_backward(hidden, labels, lse, *weights)
+        ctx.starts, ctx.sizes = starts, sizes
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        return losses
+
+    @staticmethod
+    def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, labels, lse, *weights = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weights = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in weights]
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            h = hidden[start:end]
+            chunk_labels = labels[start:end]
+            probs = torch.exp(_local_logits(h, weights) - lse[start:end, None])
+            column = _target_columns(chunk_labels, ctx.starts, ctx.sizes)
+            rows = (column >= 0).nonzero().squeeze(1)
+            probs[rows, column[rows]] -= 1.0
+            probs *= torch.where(chunk_labels != ctx.ignore_index, grad_losses[start:end], 0.0)[:, None]
+            grad_logits = probs.to(h.dtype)
+            for i, (g, w) in enumerate(zip(grad_logits.split(ctx.sizes, dim=1), weights, strict=True)):
+                grad_hidden[start:end] += g @ w
+                grad_weights[i] += (g.t() @ h).float()
+        out_weights = [g.to(w.dtype) for g, w in zip(grad_weights, weights, strict=True)]
+        return (grad_hidden, None, None, None, None, None, *out_weights)
+
+
+def vocab_parallel_cross_entropy(
+    hidden: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    labels: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Per-token float32 loss (0 where ignored) of `hidden @ full_vocab.T` against global `labels`.
+
+    `weights` are this rank's vocabulary rows, one tensor per piece, piece i holding global ids
+    `[starts[i], starts[i] + weights[i].shape[0])`; together the ranks of `group` hold every id once.
+    `hidden` [tokens, dim] must be identical on all ranks; its gradient comes back partial (see module doc).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if len(weights) != len(starts):
+        raise ValueError(f"{len(weights)} weight pieces but {len(starts)} start offsets")
+    out: torch.Tensor = _VocabParallelCrossEntropy.apply(
+        hidden, labels, list(starts), group, chunk_size, ignore_index, *weights
+    )
+    return out
