@@ -1,0 +1,82 @@
+"""PipelinedOptimizer / PipelinedLRScheduler against one optimizer and scheduler over the same parameters."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from d9d.pipeline.optim import PipelinedLRScheduler, PipelinedOptimizer
+
+
+def _stages() -> dict[int, nn.Module]:
+    torch.manual_seed(0)
+    frozen = nn.Linear(2, 2)
+    frozen.requires_grad_(False)
+    return {1: nn.Linear(4, 3), 5: nn.Sequential(nn.Linear(3, 2), frozen)}
+
+
+def _warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 3)
+
+
+def _loss(stages: dict[int, nn.Module], x: torch.Tensor) -> torch.Tensor:
+    return stages[5](stages[1](x)).pow(2).sum()
+
+
+def _train(stages: dict[int, nn.Module], opt: object, sched: object, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()  # type: ignore[attr-defined]
+        _loss(stages, torch.randn(5, 4, generator=g)).backward()
+        opt.step()  # type: ignore[attr-defined]
+        sched.step()  # type: ignore[attr-defined]
+
+
+def test_steps_like_one_optimizer_over_all_stages() -> None:
+    piped, single = _stages(), _stages()
+    opt = PipelinedOptimizer.build(piped, lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1))
+    sched = PipelinedLRScheduler.build(opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup))
+    ref_params = [p for m in single.values() for p in m.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(ref_params, lr=0.1, weight_decay=0.1)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, _warmup)
+    _train(piped, opt, sched, 4, seed=1)
+    _train(single, ref_opt, ref_sched, 4, seed=1)
+    for s in piped:
+        for (name, p), q in zip(piped[s].named_parameters(), single[s].parameters(), strict=True):
+            torch.testing.assert_close(p, q, msg=f"stage {s} {name}")
+    assert sched.get_last_lr() == pytest.approx([ref_sched.get_last_lr()[0]] * 2)
+    assert len(opt.param_groups) == 2
+    opt.param_groups[1]["lr"] = 0.5
+    assert opt.optimizers[5].param_groups[0]["lr"] == 0.5
+
+
+def test_state_round_trip_resumes_exactly() -> None:
+    def make(stages: dict[int, nn.Module]) -> tuple[PipelinedOptimizer, PipelinedLRScheduler]:
+        opt = PipelinedOptimizer.build(stages, lambda ps: torch.optim.AdamW(ps, lr=0.05))
+        return opt, PipelinedLRScheduler.build(opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup))
+
+    stages = _stages()
+    opt, sched = make(stages)
+    _train(stages, opt, sched, 2, seed=3)
+    saved = (copy.deepcopy(stages), copy.deepcopy(opt.state_dict()), sched.state_dict())
+    _train(stages, opt, sched, 2, seed=4)
+
+    resumed = saved[0]
+    opt2, sched2 = make(resumed)
+    opt2.load_state_dict(saved[1])
+    sched2.load_state_dict(saved[2])
+    _train(resumed, opt2, sched2, 2, seed=4)
+    for s in stages:
+        for p, q in zip(stages[s].parameters(), resumed[s].parameters(), strict=True):
+            torch.testing.assert_close(p, q)
+
+
+def test_state_of_other_stages_is_refused() -> None:
+    opt = PipelinedOptimizer.build(_stages(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    state = opt.state_dict()
+    state["2"] = state.pop("5")
+    with pytest.raises(ValueError, match=r"optimizer state is for stages \['1', '2'\], but this rank holds"):
+        opt.load_state_dict(state)
