@@ -102,6 +102,7 @@ def toy_job(name: str, run_dir: Path, *, world: int = 2, steps: int = 8, **secti
         "trainer": {"total_steps": steps},
         "checkpointing": {"period": 2, "keep_last": 2},
         "timeouts": {"init_s": 60, "step_s": 30},
+        "logging": {"tracker": {"kind": "null"}},
         "model": {"provider": "tests.cluster_fixtures:ToyModel"},
         "data": {"provider": "tests.cluster_fixtures:ToyData"},
         "task": {"provider": "tests.cluster_fixtures:ToyTask"},

@@ -56,6 +56,7 @@ def test_coordinator_storage_gives_each_rank_its_own_scratch(tmp_path: Path) -> 
         (lambda d: d["cluster"].update(num_workers=3), "cluster.num_workers: cannot run on 3 ranks"),
         (lambda d: d["batching"].update(global_batch_size=7), "not divisible"),
         (lambda d: d["cluster"].update(entrypoint="no-colon"), "cluster.entrypoint"),
+        (lambda d: d["logging"].update(tracker={"kind": "wandb"}), "logging.tracker"),
     ],
 )
 def test_config_errors_name_the_field(tmp_path: Path, mutate, message: str) -> None:

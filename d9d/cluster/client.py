@@ -34,7 +34,7 @@ def connect(address: str | None = None, *, local_cpus: int = 1) -> None:
     if address:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, local_cpus), include_dashboard=False)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, local_cpus), include_dashboard=False)
 
 
 class TrainingJob:
@@ -115,11 +115,16 @@ class TrainingJob:
         deadline = None if timeout is None else time.monotonic() + timeout
         while deadline is None or time.monotonic() < deadline:
             wait = _CALL_S if deadline is None else max(0.0, min(_CALL_S, deadline - time.monotonic()))
-            seq, points, ended = ray.get(self._coordinator.metrics_since.remote(self._seq, wait))
-            self._seq = seq
+            points, ended = self.poll_metrics(wait)
             yield from points
             if ended and not points:
                 return
+
+    def poll_metrics(self, wait_s: float) -> tuple[list[MetricPoint], bool]:
+        """Points not seen yet by this handle (waiting up to `wait_s` for one), and whether the job ended."""
+        seq, points, ended = ray.get(self._coordinator.metrics_since.remote(self._seq, wait_s))
+        self._seq = seq
+        return points, ended
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> JobStatus:
         """Block until `step` is completed (or, without a step, until the job ends)."""

@@ -150,6 +150,7 @@ class Coordinator:
             restarts=max(self._attempts - 1, 0),
             latest_checkpoint_step=self._latest_step,
             last_loss=self._losses[max(self._losses)] if self._losses else None,
+            last_failure=self._failures[-1] if self._failures else None,
             error=self._summary.error,
         )
 

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from d9d.engine.runtime import MetricPoint
+from d9d.tracking import RunSpec, Tracker, build_tracker
+from d9d.tracking.protocol import RunStatus
 
 if TYPE_CHECKING:
     from d9d.cluster.spec import JobSpec
@@ -78,21 +80,43 @@ def metric_names(point: MetricPoint) -> dict[str, float]:
     return {f"{prefix}{key}": float(value) for key, value in point.values.items()}
 
 
-class JsonlSink:
-    """One JSON line per point in `<run dir>/metrics.jsonl`."""
+class TrackerSink:
+    """Feeds a `d9d.tracking` tracker: one `log_scalars` per step, merging the points of that step.
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a")
+    The tracker's resume state is kept in the run directory. When the job resumes from a checkpoint
+    (a later `d9d train` of the same run), the same tracker run continues and the steps recomputed
+    after the checkpoint are not written twice.
+    """
+
+    def __init__(self, tracker: Tracker, run: RunSpec, state_file: Path, resume: bool) -> None:
+        self._tracker = tracker
+        previous = json.loads(state_file.read_text()) if resume and state_file.is_file() else None
+        tracker.open(run, resume=previous)
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.write_text(json.dumps(tracker.resume_state()))
 
     def write(self, points: Sequence[MetricPoint]) -> None:
+        by_step: dict[int, dict[str, float]] = {}
         for p in points:
-            self._file.write(json.dumps({"step": p.step, "time": p.wall_time, **metric_names(p)}) + "\n")
-        self._file.flush()
+            by_step.setdefault(p.step, {}).update(metric_names(p))
+        for step, values in sorted(by_step.items()):
+            self._tracker.log_scalars(step, values)
 
     def close(self, status: str) -> None:
-        self._file.close()
+        self._tracker.close(_TRACKER_STATUS.get(status, "failed"))
+
+
+_TRACKER_STATUS: dict[str, RunStatus] = {"finished": "finished", "stopped": "killed", "failed": "failed"}
 
 
 def build_sink(spec: JobSpec) -> MetricSink:
-    return JsonlSink(spec.run_dir / "metrics.jsonl")
+    """The tracker the engine config names (`logging.tracker`); MLflow with a SQLite store in the run
+    directory when it names none."""
+    from d9d.cluster.checkpoints import CheckpointStore
+    from d9d.cluster.spec import tracker_config
+
+    config = tracker_config(spec)
+    params = {"train": spec.train.model_dump(mode="json"), "cluster": spec.cluster.model_dump(mode="json")}
+    run = RunSpec(name=spec.run_name, params=params, tags={"d9d.launcher": "ray"})
+    resume = CheckpointStore(spec.checkpoint_dir, spec.train.checkpointing.keep_last).latest() is not None
+    return TrackerSink(build_tracker(config, spec.run_dir), run, spec.run_dir / "tracker_state.json", resume)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from d9d.cluster.config import ClusterConfig, CoordinatorStorage
 from d9d.cluster.elastic import WorldPlan, plan_for, valid_plans
@@ -26,6 +26,7 @@ from d9d.engine.config import (
     parse_config,
     read_config_file,
 )
+from d9d.tracking import TrackerConfig
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,16 @@ def build_job(data: dict[str, Any], *, num_workers: int | None = None, cpu: bool
     absolute["checkpointing"]["dir"] = str(train.checkpoint_dir.resolve())
     spec = JobSpec(cluster=cluster, train=parse_config(absolute, check_components=False))
     _check_world_sizes(spec)
+    tracker_config(spec)
     return spec
+
+
+def tracker_config(spec: JobSpec) -> TrackerConfig:
+    """`logging.tracker`, written by the coordinator; MLflow (SQLite in the run directory) when unset."""
+    try:
+        return TypeAdapter(TrackerConfig).validate_python(spec.train.logging.tracker or {"kind": "mlflow"})
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, prefix="logging.tracker")) from None
 
 
 def _check_world_sizes(spec: JobSpec) -> None:

@@ -68,6 +68,7 @@ class JobStatus:
     restarts: int
     latest_checkpoint_step: int | None
     last_loss: float | None
+    last_failure: str | None = None
     error: str | None = None
 
 

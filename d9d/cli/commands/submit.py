@@ -1,0 +1,39 @@
+"""`d9d submit CONFIG --address http://HEAD:8265`: run `d9d train` as a Ray job; prints the submission id."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _run(args: argparse.Namespace) -> int:
+    from d9d.cluster.submit import dashboard_address, submit
+    from d9d.engine.config import ConfigError
+
+    try:
+        sub = submit(
+            args.config,
+            dashboard_address(args.address),
+            overrides=args.overrides,
+            working_dir=args.working_dir,
+            num_workers=args.num_workers,
+            cpu=args.cpu,
+        )
+    except (ConfigError, ValueError) as e:
+        print(f"d9d submit: {e}", file=sys.stderr)
+        return 2
+    print(sub.submission_id)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("submit", help="submit a job to a Ray cluster through the Jobs API")
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--address", help="dashboard address, e.g. http://head:8265 (default: RAY_ADDRESS)")
+    parser.add_argument("--working-dir", type=Path, help="directory uploaded with the job (default: .)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--num-workers", type=int)
+    parser.add_argument("--cpu", action="store_true")
+    parser.set_defaults(handler=_run)

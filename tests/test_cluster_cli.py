@@ -1,0 +1,169 @@
+"""The `d9d` cluster commands as a user runs them: `train` on an embedded local Ray instance (metrics read
+back from the MLflow store), config errors before Ray starts, and submit/status/logs/stop against a real
+`ray start --head` started by the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster_fixtures import toy_job
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # "python" inside a Ray job must be this interpreter; rank actors import tests.* from the repo.
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONPATH=str(REPO), RAY_AUTH_MODE="token")
+    env.pop("RAY_ADDRESS", None)
+    env.update(extra)
+    return env
+
+
+def _d9d(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "d9d.cli.main", *args],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _write(path: Path, job: dict) -> Path:
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "message"),
+    [
+        ("mesh", {"data_parallel_shard": 2, "expert_parallel": 3}, "expert_parallel=3 must divide"),
+        ("trainer", {"total_steps": 5, "epochs": 2}, "trainer.epochs"),
+    ],
+)
+def test_train_reports_config_errors_before_starting_ray(
+    tmp_path: Path, section: str, value: dict, message: str
+) -> None:
+    job = toy_job("bad", tmp_path / "run")
+    job[section] = value
+    out = _d9d("train", str(_write(tmp_path / "job.yaml", job)), cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Ray" not in out.stdout + out.stderr  # no local instance was started, no actor exists
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_runs_on_local_ray_and_logs_to_mlflow(tmp_path: Path) -> None:
+    job = toy_job("cli-train", tmp_path / "run", steps=20, logging={"tracker": {"kind": "mlflow"}})
+    config = _write(tmp_path / "job.yaml", job)
+    out = _d9d("train", str(config), "--set", "trainer.total_steps=6", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[d9d] run cli-train finished: 6 steps" in out.stdout
+
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 6 and summary["restarts"] == 0
+    assert summary["recovery_times_s"] == [] and summary["tokens_per_s"] > 0
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("d9d").experiment_id])
+    assert [r.info.run_name for r in runs] == ["cli-train"]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.trainer.total_steps"] == "6"
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert history == {int(k): v for k, v in summary["losses"].items()}
+    assert len(client.get_metric_history(run.info.run_id, "health/rank-1/step_time_s")) == 6
+    assert client.get_metric_history(run.info.run_id, "cluster/world_size")[0].value == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def ray_head(tmp_path: Path) -> Iterator[str]:
+    """A real single-node Ray cluster (`ray start --head --block`), stopped by its own process id."""
+    dashboard = _free_port()
+    ports = [
+        f"--port={_free_port()}",
+        f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={_free_port()}",
+    ]
+    ports += [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}"]
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", *ports, "--num-cpus=3", "--block", "--disable-usage-stats"],
+        env=_env(RAY_JOB_STOP_WAIT_TIME_S="20"),
+        stdout=(tmp_path / "head.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 120
+        while _d9d("status", "nothing", "--address", address, cwd=tmp_path).stderr.count("no Ray job") == 0:
+            assert head.poll() is None, (tmp_path / "head.log").read_text()
+            assert time.monotonic() < deadline, "the Ray head's dashboard never came up"
+            time.sleep(1)
+        yield address
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops everything it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+
+
+def test_submit_status_logs_stop(ray_head: str, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    run_dir = tmp_path / "run"
+    job = toy_job("submitted", run_dir, steps=100_000, model={"options": {"step_sleep_s": 0.05}})
+    _write(work / "job.yaml", job)
+
+    out = _d9d("submit", "job.yaml", "--address", ray_head, "--working-dir", str(work), cwd=work)
+    assert out.returncode == 0, out.stderr
+    submission = out.stdout.strip()
+    assert submission.startswith("d9d-submitted-")
+
+    deadline = time.monotonic() + 180
+    while True:
+        status = _d9d("status", "submitted", "--address", ray_head, cwd=work).stdout
+        if "last: [d9d] step" in status:
+            break
+        assert "FAILED" not in status, _d9d("logs", "submitted", "--address", ray_head, cwd=work).stdout
+        assert time.monotonic() < deadline, status
+        time.sleep(1)
+    assert f"Ray job {submission} RUNNING" in status
+    assert "submitted/coordinator: ALIVE" in status
+    assert "submitted/rank-0: ALIVE" in status and "submitted/rank-1: ALIVE" in status
+
+    logs = _d9d("logs", "submitted", "--address", ray_head, cwd=work).stdout
+    assert "[d9d] run submitted: running" in logs
+
+    stopped = _d9d("stop", "submitted", "--address", ray_head, cwd=work)
+    assert stopped.returncode == 0 and "STOPPED" in stopped.stdout
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    assert summary["status"] == "stopped" and 0 < summary["steps"] < 100_000
+    final = _d9d("status", "submitted", "--address", ray_head, cwd=work).stdout
+    assert "STOPPED" in final and "ALIVE" not in final
