@@ -25,7 +25,7 @@ STEPS = 10
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray() -> Iterator[None]:
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -1,0 +1,86 @@
+"""The real engine (`d9d.engine.launch:run_rank`) under Ray rank actors, end to end: a data-parallel run is
+paused, loses a rank while paused, restarts from its last checkpoint still paused, resumes, finishes, and
+its per-step losses equal a bare-process run of the same config bit for bit."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from d9d.cluster import JobState, TrainingJob, build_job
+from d9d.cluster.coordinator import NAMESPACE, rank_name
+from d9d.engine.checkpoint import LocalRunReporter
+from d9d.engine.config import parse_config
+from d9d.engine.launch import run_rank
+from d9d.engine.runtime import RankRuntime
+from tests.harness import RankEnv, run_distributed
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+STEPS = 30
+
+
+def _engine_config(run_dir: Path) -> dict[str, Any]:
+    return {
+        "run": {"name": "engine-e2e", "dir": str(run_dir)},
+        "mesh": {"data_parallel_replicate": 2},
+        "batching": {"global_batch_size": 8, "microbatch_size": 2},
+        "trainer": {"total_steps": STEPS},
+        "model": {"provider": "tests.engine_fixtures:TinyLMProvider"},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "task": {"provider": "tests.engine_fixtures:TokenCETask"},
+        "optimizer": {"provider": "adamw", "options": {"lr": 1e-2, "weight_decay": 0.01}},
+        "checkpointing": {"period": 5, "keep_last": 2},
+        "logging": {"progress_bar": "off", "tracker": {"kind": "null"}},
+    }
+
+
+def _bare(env: RankEnv, run_dir: Path) -> None:
+    config = parse_config(_engine_config(run_dir))
+    runtime = RankRuntime(rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=run_dir)
+    result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 2))
+    if env.rank == 0:
+        torch.save(list(result.losses), run_dir / "losses.pt")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray() -> Iterator[None]:
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _wait(job: TrainingJob, predicate, timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not predicate(status := job.status()):
+        assert time.monotonic() < deadline, f"timed out; status {status}"
+        time.sleep(0.05)
+    return status
+
+
+def test_real_engine_survives_a_rank_loss_while_paused(tmp_path: Path) -> None:
+    run_distributed(_bare, 2, tmp_path / "bare", timeout=120)
+    reference = torch.load(tmp_path / "bare" / "losses.pt")
+
+    job_dict = {**_engine_config(tmp_path / "ray"), "cluster": {"restart_backoff_s": 0.1}}
+    job = TrainingJob(build_job(job_dict)).start()
+    _wait(job, lambda s: s.step >= 7)
+    job.pause()
+    paused = _wait(job, lambda s: s.state is JobState.PAUSED)
+    time.sleep(1.0)
+    assert job.status().step < STEPS, "the run finished before it could be paused"
+    ray.kill(ray.get_actor(rank_name("engine-e2e", 1), namespace=NAMESPACE))
+    _wait(job, lambda s: s.attempt == 1 and s.state is JobState.PAUSED)  # still paused after the restart
+    job.resume()
+    summary = job.result(timeout=180)
+
+    assert paused.step >= 7
+    assert summary.status == "finished", summary.error
+    assert summary.restarts == 1 and summary.resumed_from[1] is not None and summary.resumed_from[1] % 5 == 0
+    assert [summary.losses[s] for s in range(1, STEPS + 1)] == reference
