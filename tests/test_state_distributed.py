@@ -125,12 +125,17 @@ def test_pipeline_ranks_read_only_their_keys_and_merge_one_index(tmp_path):
     run_distributed(_pipeline_load_save, 4, str(tmp_path / "hf"), timeout=90)
 
 
-def _conflicting_save(env: RankEnv) -> None:
+def _replicated_save(env: RankEnv) -> None:
     state = {"shared": torch.ones(3)} if env.rank < 2 else {"own": torch.zeros(1)}
+    # write="auto" (default): the lowest rank holding a key writes it, replicas write nothing.
+    save_model_state(env.tmp_dir / "auto", state, distributed=True, extra_files={"config.json": "{}"})
+    assert_bitwise(load_dir(env.tmp_dir / "auto"), {"shared": torch.ones(3), "own": torch.zeros(1)})
+    assert (env.tmp_dir / "auto" / "config.json").read_text() == "{}"
+    # Forcing every rank to write its copy is a collision, reported on every rank, nothing committed.
     with pytest.raises(
-        CheckpointFormatError, match="'shared' was written by ranks 0 and 1; pass write=False"
+        CheckpointFormatError, match="'shared' was written by ranks 0 and 1; use write='auto'"
     ):
-        save_model_state(env.tmp_dir / "out", state, distributed=True)
+        save_model_state(env.tmp_dir / "out", state, distributed=True, write=True)
     assert not (env.tmp_dir / "out").exists()
     assert not list(env.tmp_dir.glob(".out.*"))
 
@@ -149,8 +154,8 @@ def _failing_rank(env: RankEnv) -> None:
 
 
 @pytest.mark.distributed
-def test_distributed_save_failures_reach_every_rank():
-    run_distributed(_conflicting_save, 3, timeout=60)
+def test_replicas_write_once_and_failures_reach_every_rank():
+    run_distributed(_replicated_save, 3, timeout=60)
     run_distributed(_failing_rank, 2, timeout=60)
 
 

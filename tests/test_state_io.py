@@ -355,6 +355,21 @@ def test_writer_refuses_and_cleans_up(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
+def test_save_several_modules_with_extra_files(tmp_path):
+    """Virtual pipeline stages: one rank saves several modules into one checkpoint, config alongside."""
+    a, b = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    stages = [torch.nn.ModuleDict({"first": a}), torch.nn.ModuleDict({"second": b})]
+    dest = save_model_state(tmp_path / "c", stages, extra_files={"config.json": '{"x": 1}'})
+    expected = {f"first.{k}": v for k, v in a.state_dict().items()}
+    expected.update({f"second.{k}": v for k, v in b.state_dict().items()})
+    assert_bitwise(load_dir(dest), expected)
+    assert json.loads((dest / "config.json").read_text()) == {"x": 1}
+    with pytest.raises(StateMappingError, match=r"'first.weight' is in two of the modules"):
+        save_model_state(tmp_path / "d", [stages[0], stages[0]])
+    with pytest.raises(ValueError, match=r"extra_files: 'model.safetensors' must be a plain file name"):
+        save_model_state(tmp_path / "d", stages, extra_files={"model.safetensors": ""})
+
+
 def test_progress_bar_only_when_asked_or_interactive(tmp_path, capsys):
     save_model_state(tmp_path / "c", {"a": torch.ones(4)}, progress=True)
     list(read_model_state(tmp_path / "c", Identity(["a"]), progress=True))

@@ -7,7 +7,7 @@ shard directly (load) or gathered (save).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +15,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from d9d.state.errors import CheckpointFormatError
+from d9d.state.errors import CheckpointFormatError, StateMappingError
 from d9d.state.io.reader import StateReader
 from d9d.state.io.writer import StateWriter
 from d9d.state.mapper.base import StateMapper
-from d9d.state.mapper.keys import Identity
 from d9d.state.mapper.module import load_mapper, save_mapper
 from d9d.state.mapper.scope import Select
 
@@ -83,21 +82,30 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor, key: str, origin: str,
 
 def save_model_state(
     dest: str | Path,
-    state: nn.Module | Mapping[str, torch.Tensor],
+    state: nn.Module | Sequence[nn.Module] | Mapping[str, torch.Tensor],
     model_to_checkpoint: StateMapper | None = None,
     **writer_options: Any,
 ) -> Path:
-    """Save a module (DTensors gathered) or a plain state dict, optionally converted (e.g. d9d -> HF).
+    """Save this rank's state — a module, several (virtual pipeline stages), or a state dict — with
+    DTensors gathered and optionally converted (e.g. d9d -> HF). Distributed: call on every rank.
 
     A full-model `model_to_checkpoint` is narrowed to the groups whose inputs this rank holds.
-    `writer_options` go to `StateWriter` (max_shard_bytes, overwrite, distributed, write, ...).
+    `writer_options` go to `StateWriter` (max_shard_bytes, overwrite, distributed, write, extra_files, ...).
     """
-    tensors = state.state_dict() if isinstance(state, nn.Module) else dict(state)
-    narrowed = None if model_to_checkpoint is None else Select(model_to_checkpoint, inputs=tensors)
     if isinstance(state, nn.Module):
-        mapper = save_mapper(state, narrowed)
+        tensors = state.state_dict()
+    elif isinstance(state, Mapping):
+        tensors = dict(state)
     else:
-        mapper = narrowed if narrowed is not None else Identity(tensors)
+        tensors = {}
+        for module in state:
+            for key, tensor in module.state_dict().items():
+                if key in tensors:
+                    raise StateMappingError(f"{key!r} is in two of the modules given to save_model_state")
+                tensors[key] = tensor
+    narrowed = None if model_to_checkpoint is None else Select(model_to_checkpoint, inputs=tensors)
+    mapper = save_mapper(tensors, narrowed)
+    needed = mapper.inputs()
     with StateWriter(dest, mapper, **writer_options) as writer:
-        writer.update({k: t for k, t in tensors.items() if k in mapper.inputs()})
+        writer.update({k: t for k, t in tensors.items() if k in needed})
     return writer.dest

@@ -11,10 +11,13 @@ which has no index under the final names until the last step. With `fsync=True` 
 and directories are fsynced before the rename, so the commit also survives a node crash; `fsync=False`
 keeps atomicity against a killed process only and leaves flushing to the OS.
 
-Distributed mode (every rank of `group` constructs a writer): ranks share one temp directory, each
-writes its own shards (`write=False` ranks still run the mapper, for DTensor gathers, but keep
-nothing), and at `commit` rank 0 checks that no key was written twice, gives the files their final
-`model-XXXXX-of-YYYYY.safetensors` names, writes the index and renames the directory. Failures on any
+Distributed mode (every rank of `group` constructs a writer): ranks share one temp directory and each
+writes its own shards. Which rank writes a key is decided before any data moves, because every rank's
+mapper outputs are known up front: with `write="auto"` (default) the lowest rank producing a key
+writes it, so replicas (DP copies, gathered DTensors) are written once; every rank still runs its
+mapper (DTensor gathers are collectives). At `commit` rank 0 checks that no key was written twice,
+gives the files their final `model-XXXXX-of-YYYYY.safetensors` names, adds `extra_files` (e.g.
+`config.json`), writes the index and renames the directory. Failures on any
 rank are exchanged before the rename, so either every rank returns the committed path or every rank
 raises.
 """
@@ -27,7 +30,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,8 +64,9 @@ class StateWriter:
         overwrite: bool = False,
         distributed: bool | None = None,
         group: dist.ProcessGroup | None = None,
-        write: bool = True,
+        write: bool | Literal["auto"] = "auto",
         metadata: Mapping[str, str] | None = None,
+        extra_files: Mapping[str, str | bytes] | None = None,
         fsync: bool = True,
         progress: bool | None = None,
     ) -> None:
@@ -74,7 +78,12 @@ class StateWriter:
         self.mapper = mapper
         self.max_shard_bytes = max_shard_bytes
         self.overwrite = overwrite
-        self.write = write
+        self.extra_files = dict(extra_files or {})
+        for name in self.extra_files:
+            if Path(name).name != name or name == INDEX_NAME or name.endswith(".safetensors"):
+                raise ValueError(
+                    f"extra_files: {name!r} must be a plain file name, not an index or weights file"
+                )
         self.fsync = fsync
         self.metadata = {"format": "pt", **(metadata or {})}
         self.distributed = dist.is_initialized() if distributed is None else distributed
@@ -92,8 +101,20 @@ class StateWriter:
         self._closed = False
 
         self.tmp = self._make_tmp_dir()
+        self._keep = self._keys_to_write(write)
         self._bar = progress_bar(len(self._order), f"saving {self.dest.name}", "group", progress)
         self._run_ready([g for g, missing in self._missing.items() if not missing])
+
+    def _keys_to_write(self, write: bool | Literal["auto"]) -> frozenset[str]:
+        if write != "auto":
+            return self.mapper.outputs() if write else frozenset()
+        if not self.distributed:
+            return self.mapper.outputs()
+        owner: dict[str, int] = {}
+        for rank, keys in enumerate(self._exchange(sorted(self.mapper.outputs()))):
+            for key in keys:
+                owner.setdefault(key, rank)
+        return frozenset(k for k, r in owner.items() if r == self.rank)
 
     def _make_tmp_dir(self) -> Path:
         self.dest.parent.mkdir(parents=True, exist_ok=True)
@@ -134,9 +155,10 @@ class StateWriter:
         for group in sorted(groups, key=self._order.__getitem__):
             del self._missing[group]
             outputs = apply_group(self.mapper, group, {k: self._pending.pop(k) for k in group.inputs})
-            if self.write:
-                for key in sorted(outputs):
-                    self._buffer_tensor(key, outputs.pop(key))
+            for key in sorted(outputs):
+                tensor = outputs.pop(key)
+                if key in self._keep:
+                    self._buffer_tensor(key, tensor)
             self._bar.update(1)
 
     def _buffer_tensor(self, key: str, tensor: torch.Tensor) -> None:
@@ -205,7 +227,7 @@ class StateWriter:
                         if key in owner:
                             raise StateMappingError(
                                 f"{key!r} was written by ranks {owner[key]} and {rank}; "
-                                "pass write=False on replicas"
+                                "use write='auto' or write=False on replicas"
                             )
                         owner[key] = rank
             files = [rec for records in per_rank for rec in records]
@@ -220,6 +242,12 @@ class StateWriter:
                 write_index(
                     self.tmp / INDEX_NAME, weight_map, sum(size for _, _, size in files), fsync=self.fsync
                 )
+            for name, content in self.extra_files.items():
+                data = content.encode() if isinstance(content, str) else content
+                with open(self.tmp / name, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        os.fsync(f.fileno())
             if self.fsync:
                 _fsync_dir(self.tmp)
             self._swap_into_place()
