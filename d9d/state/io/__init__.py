@@ -3,8 +3,9 @@
 - `StateReader(source, mapper)` / `read_model_state(...)`: iterate `(key, tensor)` of the mapper's
   outputs while reading a checkpoint file by file; `load_model_state(source, module, mapper)` copies
   them into a module (DTensor shards placed directly).
-- `StateWriter(dest, mapper, max_shard_bytes=..., distributed=...)` / `save_model_state(dest, module_or_state,
-  mapper)`: atomic, sharded, HF-style (`model.safetensors` or shards + `model.safetensors.index.json`).
+- `StateWriter(dest, mapper, max_shard_bytes=..., distributed=..., write="auto", extra_files=...)` /
+  `save_model_state(dest, module | [modules] | state_dict, mapper, **writer_options)`: atomic, sharded,
+  HF-style (`model.safetensors` or shards + `model.safetensors.index.json`).
 - `format`: header validation, `INDEX_NAME`, `SINGLE_NAME`, `resolve_checkpoint`.
 """
 
