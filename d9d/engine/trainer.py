@@ -272,7 +272,8 @@ class Trainer:
         if len(microbatches) != self.grad_accumulation:
             raise RuntimeError(
                 f"data provider returned {len(microbatches)} microbatches for step {step}, "
-                f"expected gradient_accumulation={self.grad_accumulation}"
+                f"expected gradient_accumulation={self.grad_accumulation} (a finite dataset ran out? "
+                "repeat it, e.g. data.options.epochs=null for the text provider, or train for fewer steps)"
             )
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
