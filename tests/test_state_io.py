@@ -423,3 +423,15 @@ def test_killed_writer_leaves_no_checkpoint_a_reader_accepts(tmp_path):
     _kill_mid_save(dest)
     assert_bitwise(load_dir(dest), old)
     assert_bitwise(dict(read_model_state(dest, Identity(["t000"]))), old)
+
+
+@pytest.mark.gpu
+def test_load_into_and_save_from_cuda_module(tmp_path):
+    ref = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    save_file(ref.state_dict(), str(tmp_path / "m.safetensors"))
+    module = torch.nn.Linear(16, 8, device="cuda", dtype=torch.bfloat16)
+    load_model_state(tmp_path / "m.safetensors", module)
+    assert module.weight.is_cuda
+    assert_bitwise({k: v.cpu() for k, v in module.state_dict().items()}, ref.state_dict())
+    dest = save_model_state(tmp_path / "out", module, Rename({"weight": "w", "bias": "b"}))
+    assert_bitwise(load_dir(dest), {"w": ref.weight.data, "b": ref.bias.data})
