@@ -194,6 +194,9 @@ def run_training_case(executor: PipelineExecutor, reference: TinyStage, seed: in
         torch.testing.assert_close(result.loss_sum / weight, ref_loss, rtol=1e-5, atol=0, msg=what)
         assert result.weight == weight
         assert len(result.microbatch_losses) == executor.num_microbatches
+    shared_loss, shared_weight = executor.share_loss(result)  # every pipeline rank gets the totals
+    torch.testing.assert_close(shared_loss / weight, ref_loss.double(), rtol=1e-5, atol=0, msg=what)
+    assert shared_weight == weight
     return result
 
 
@@ -268,7 +271,11 @@ def _pipeline_body(env: RankEnv, pp: int) -> None:
         stages = {info.current_stage: build_stage(reference, info) for info in setup.local_stages}
         inputs, _ = make_batch(pp + 1, seed=5)
         got: dict[int, torch.Tensor] = {}
-        setup.executor(stages).forward_step(inputs, got.__setitem__)
+
+        def collect(logits: torch.Tensor, microbatch: int, got: dict[int, torch.Tensor] = got) -> None:
+            got[microbatch] = logits
+
+        setup.executor(stages).forward_step(inputs, collect)
         if setup.program.num_stages - 1 in stages:
             with torch.no_grad():
                 for mb, item in enumerate(inputs):

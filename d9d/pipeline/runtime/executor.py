@@ -104,6 +104,7 @@ class PipelineExecutor:
             s: StageRuntime(stages[s], PipelineStageInfo(s, program.num_stages)) for s in expected
         }
         self._channels = channels
+        self._pp_group = pp_group
         self._metas = MetadataExchange(list(self._runtimes.values()), pp_group)
         self._observers = list(observers)
 
@@ -115,6 +116,21 @@ class PipelineExecutor:
     @property
     def stages(self) -> dict[int, nn.Module]:
         return {s: r.module for s, r in self._runtimes.items()}  # type: ignore[misc]
+
+    @property
+    def loss_rank(self) -> int:
+        """Pipeline rank computing the loss: the holder of the last stage (rank 0 under V schedules)."""
+        return self.program.placement.rank_of(self.program.num_stages - 1)
+
+    def share_loss(self, result: StepResult) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_sum, weight) of the step on every pipeline rank: a broadcast from `loss_rank`."""
+        values = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if result.loss_sum is not None and result.weight is not None:
+            values[0], values[1] = result.loss_sum.double(), result.weight.double()
+        if self._pp_group is not None:
+            src = dist.get_global_rank(self._pp_group, self.loss_rank)
+            dist.broadcast(values, src=src, group=self._pp_group)
+        return values[0], values[1]
 
     def add_observer(self, observer: GradientObserver) -> None:
         self._observers.append(observer)
