@@ -1,0 +1,67 @@
+"""`python -m d9d.engine.launch` (one process) and `torchrun ... -m d9d.engine.launch` (two) agree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.distributed
+
+JOB = {
+    "run": {"name": "launch"},
+    "mesh": {"data_parallel_replicate": 2},
+    "batching": {"global_batch_size": 8, "microbatch_size": 2},
+    "trainer": {"total_steps": 5},
+    "logging": {"progress_bar": "off"},
+    "model": {"provider": "tests.engine_fixtures:TinyLMProvider"},
+    "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+    "task": {"provider": "tests.engine_fixtures:TokenCETask"},
+}
+
+
+def _losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["values"]["loss"] for r in records if r["event"] == "scalars" and "loss" in r["values"]]
+
+
+def test_torchrun_matches_single_process(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(JOB))
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    single = [
+        sys.executable,
+        "-m",
+        "d9d.engine.launch",
+        str(job),
+        "--set",
+        f"run.dir={tmp_path / 'one'}",
+        "--set",
+        "mesh.data_parallel_replicate=1",
+    ]
+    subprocess.run(single, env=env, check=True, capture_output=True, timeout=300)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "d9d.engine.launch",
+        str(job),
+        "--set",
+        f"run.dir={tmp_path / 'two'}",
+    ]
+    proc = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(one) == len(two) == 5
+    for a, b in zip(one, two, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (one, two)
+    assert (tmp_path / "two" / "checkpoints" / "latest").read_text() == "step-00000005"
