@@ -154,3 +154,25 @@ def test_plain_backward_still_gets_every_gradient_from_custom_functions() -> Non
     _RecordingLinear.apply(x, w).sum().backward()
     assert _RecordingLinear.calls == [(True, True)]
     torch.testing.assert_close(w.grad, torch.ones(4, 2) @ x.detach())
+
+
+def test_activation_checkpointing_inside_the_stage() -> None:
+    torch.manual_seed(3)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    a_ref, b_ref = copy.deepcopy(a), copy.deepcopy(b)
+
+    def block(h: torch.Tensor, first: nn.Module, second: nn.Module) -> torch.Tensor:
+        return second(torch.tanh(first(h)))
+
+    x = torch.randn(3, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    g = torch.randn(3, 4)
+    block(x_ref, a_ref, b_ref).backward(g)
+    out = torch.utils.checkpoint.checkpoint(block, x, a, b, use_reentrant=False)
+    (gx,), deferred = backward_input([out], [g], [x], [*a.parameters(), *b.parameters()])
+    deferred.run()
+    torch.testing.assert_close(gx, x_ref.grad)
+    for p, q in zip(
+        [*a.parameters(), *b.parameters()], [*a_ref.parameters(), *b_ref.parameters()], strict=True
+    ):
+        torch.testing.assert_close(p.grad, q.grad)
