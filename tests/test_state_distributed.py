@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import d9d.state.io.reader as reader_module
-from d9d.state import INDEX_NAME, CheckpointFormatError, load_model_state, save_model_state
+from d9d.state import (
+    INDEX_NAME,
+    CheckpointFormatError,
+    Distribute,
+    ShardingSpec,
+    StateGroup,
+    load_model_state,
+    save_model_state,
+)
 from tests.harness import RankEnv, run_distributed
 from tests.test_state_io import assert_bitwise, expected_d9d, hf_state, hf_to_d9d, load_dir, write_hf_sharded
 
@@ -67,6 +76,17 @@ def _dtensor_load_save(env: RankEnv, ckpt: str, layout: str) -> None:
             if isinstance(placement, Shard):
                 expected = torch.chunk(expected, mesh.size(mesh_dim), dim=placement.dim)[coords[mesh_dim]]
         assert torch.equal(param.to_local(), expected), (env.rank, key)
+
+    # Distribute cuts the slice itself; it must agree with torch's distribute_tensor, uneven and empty
+    # shards included.
+    for shape in [(2, 3), (5, 7), (1,), (0, 4), (9, 2, 3)]:
+        full_t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        spec = ShardingSpec(mesh, placements_for(layout, len(shape)))
+        ours = Distribute({"t": spec}).apply(StateGroup.of(["t"], ["t"]), {"t": full_t})["t"]
+        ref = distribute_tensor(full_t, mesh, list(spec.placements), src_data_rank=None)
+        assert ours.placements == ref.placements and ours.shape == ref.shape and ours.stride() == ref.stride()
+        assert torch.equal(ours.to_local(), ref.to_local()), (env.rank, shape)
+        assert torch.equal(ours.full_tensor(), full_t)
 
     dest = env.tmp_dir / f"out-{layout}"
     # write="auto": every rank gathers (a collective), the lowest rank alone writes each gathered key

@@ -1,9 +1,13 @@
 """Leaves between full tensors and DTensors: distribute on load, gather on save.
 
 `Distribute` shards a full tensor without communication: every rank read the same bytes from the
-checkpoint, so each keeps its own slice (`src_data_rank=None`). `Gather` is a collective: every rank
-of the tensor's mesh must apply the same groups in the same order, which the deterministic group
-order of every mapper guarantees when ranks build the same mapper.
+checkpoint, so each keeps its own slice. For plain `Shard`/`Replicate` placements the slice is cut
+on the host before it moves to the mesh's device: a rank touches (and, with the reader's mapped
+tensors, reads) only its own pages, and a GPU never holds the full tensor.
+
+`Gather` is a collective: every rank of the tensor's mesh must apply the same groups in the same
+order, which the deterministic group order of every mapper guarantees when ranks build the same
+mapper.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from d9d.state.errors import StateMappingError
 from d9d.state.mapper.base import GroupFn, StateGroup, StateMapper, TableMapper, TensorMap
@@ -52,7 +57,7 @@ class Distribute(TableMapper):
                 t = tensors[key]
                 if isinstance(t, DTensor):
                     raise StateMappingError(f"Distribute: {key!r} is already a DTensor")
-                return {key: distribute_tensor(t, spec.mesh, list(spec.placements), src_data_rank=None)}
+                return {key: _distribute(t, spec)}
 
             return fn
 
@@ -63,6 +68,23 @@ class Distribute(TableMapper):
 
     def __repr__(self) -> str:
         return f"Distribute({len(self.specs)} keys)"
+
+
+def _distribute(tensor: torch.Tensor, spec: ShardingSpec) -> DTensor:
+    if any(type(p) not in (Shard, Replicate) for p in spec.placements):  # e.g. strided shards
+        return distribute_tensor(tensor, spec.mesh, list(spec.placements), src_data_rank=None)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, spec.mesh, spec.placements)
+    local = tensor
+    for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
+        if size != tensor.shape[dim]:
+            local = local.narrow(dim, start, size)
+    local = local.to(spec.mesh.device_type).contiguous()
+    stride = [1] * tensor.dim()  # the global tensor's contiguous strides
+    for dim in range(tensor.dim() - 2, -1, -1):
+        stride[dim] = stride[dim + 1] * tensor.shape[dim + 1]
+    return DTensor.from_local(
+        local, spec.mesh, list(spec.placements), run_check=False, shape=tensor.shape, stride=tuple(stride)
+    )
 
 
 class Gather(TableMapper):
