@@ -115,7 +115,7 @@ class PipelineExecutor:
 
     @property
     def stages(self) -> dict[int, nn.Module]:
-        return {s: r.module for s, r in self._runtimes.items()}  # type: ignore[misc]
+        return {s: r.module for s, r in self._runtimes.items()}
 
     @property
     def loss_rank(self) -> int:
@@ -131,9 +131,6 @@ class PipelineExecutor:
             src = dist.get_global_rank(self._pp_group, self.loss_rank)
             dist.broadcast(values, src=src, group=self._pp_group)
         return values[0], values[1]
-
-    def add_observer(self, observer: GradientObserver) -> None:
-        self._observers.append(observer)
 
     def train_step(
         self, microbatches: Sequence[MicrobatchInputs], loss_fn: PipelineLossFn, *, loss_scale: float = 1.0

@@ -42,7 +42,8 @@ class StageRuntime:
             )
         if module.stage != info:
             raise ValueError(f"module was built for {module.stage}, but is placed as {info}")
-        self.module = module
+        self.module: nn.Module = module
+        self._contract: PipelineStageModel = module
         self.info = info
         self._states: dict[int, _MicrobatchState] = {}
 
@@ -53,7 +54,7 @@ class StageRuntime:
     def output_meta(self, microbatch_inputs: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
         if self.info.is_last:
             return {}
-        meta = self.module.stage_output_meta(microbatch_inputs)  # type: ignore[union-attr]
+        meta = self._contract.stage_output_meta(microbatch_inputs)
         return dict(sorted(meta.items()))
 
     def forward(

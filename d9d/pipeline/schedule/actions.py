@@ -1,8 +1,8 @@
 """The instructions a pipeline program is made of.
 
-A program is, per rank, a flat list of actions. Compute actions name a (stage, microbatch) pair; communication
-actions name one tensor transfer between two ranks. Consecutive communication actions form one batch of async
-P2P operations, both in the executor and in the simulator, so the program alone fixes what is posted together.
+A program is, per rank, a flat list of actions. Compute actions name a (stage, microbatch) pair (or an
+overlapped pair of them); communication actions name one transfer of a stage's tensors between two ranks.
+The executor posts each run of consecutive communication actions as one batch of async P2P operations.
 """
 
 from __future__ import annotations

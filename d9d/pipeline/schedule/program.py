@@ -1,5 +1,4 @@
-"""A compiled schedule: per-rank action lists plus the facts every consumer needs (placement,
-microbatches)."""
+"""A compiled schedule: per-rank action lists, plus the placement and microbatch count they were built for."""
 
 from __future__ import annotations
 
@@ -37,25 +36,6 @@ class PipelineProgram:
     @property
     def num_stages(self) -> int:
         return self.placement.num_stages
-
-    @property
-    def split_backward(self) -> bool:
-        """Whether any rank runs input and weight gradients as separate actions."""
-        return any(
-            part.kind is ComputeKind.BACKWARD_INPUT for acts in self.actions for part in _computes(acts)
-        )
-
-    def compute_actions(self, rank: int) -> list[ComputeAction]:
-        return [a for a in self.actions[rank] if not isinstance(a, Send | Recv)]
-
-    def describe(self, rank: int) -> str:
-        return " ".join(str(a) for a in self.compute_actions(rank))
-
-
-def _computes(actions: Sequence[Action]) -> Iterator[Compute]:
-    for action in actions:
-        if not isinstance(action, Send | Recv):
-            yield from compute_parts(action)
 
 
 def add_communication(
@@ -143,17 +123,14 @@ def _send_for(part: Compute, rank: int, placement: StagePlacement) -> Send | Non
 
 def comm_batches(actions: Sequence[Action]) -> Iterator[tuple[int, list[Send | Recv] | ComputeAction]]:
     """Walk a rank's actions, yielding (index, compute action) or (index, maximal run of transfers)."""
-    i = 0
-    while i < len(actions):
-        action = actions[i]
+    run: list[Send | Recv] = []
+    for i, action in enumerate(actions):
         if isinstance(action, Send | Recv):
-            j = i
-            batch: list[Send | Recv] = []
-            while j < len(actions) and isinstance(actions[j], Send | Recv):
-                batch.append(actions[j])  # type: ignore[arg-type]
-                j += 1
-            yield i, batch
-            i = j
-        else:
-            yield i, action
-            i += 1
+            run.append(action)
+            continue
+        if run:
+            yield i - len(run), run
+            run = []
+        yield i, action
+    if run:
+        yield len(actions) - len(run), run

@@ -21,7 +21,7 @@ class ActionCosts(BaseModel):
     overlap_factor: float = Field(default=1.0, gt=0, le=1)
     """An overlapped forward+backward pair costs this fraction of the sum of its parts (1: no gain)."""
     communication: float = Field(default=0.0, ge=0)
-    """Latency of one batch of transfers once both sides have posted it."""
+    """Latency of one transfer once both ends have posted it."""
 
     def of(self, action: ComputeAction) -> float:
         if isinstance(action, Overlapped):

@@ -9,7 +9,7 @@ gradients, capped by the total. Each rank's share of the pipeline fill drops by 
 
 from __future__ import annotations
 
-from d9d.pipeline.schedule.actions import Compute
+from d9d.pipeline.schedule.actions import Compute, ComputeAction
 from d9d.pipeline.schedule.builders.common import Orders, bwd, fwd
 
 
@@ -34,9 +34,9 @@ def interleaved_orders(num_ranks: int, num_microbatches: int, stages_per_rank: i
         def b(k: int, r: int = r) -> Compute:
             return bwd(*_nth(r, num_ranks, stages_per_rank, k, backward=True))
 
-        order = [f(k) for k in range(warmup)]
+        order: list[ComputeAction] = [f(k) for k in range(warmup)]
         for i in range(total - warmup):
             order += [f(warmup + i), b(i)]
         order += [b(k) for k in range(total - warmup, total)]
-        orders.append(order)  # type: ignore[arg-type]
+        orders.append(order)
     return orders
