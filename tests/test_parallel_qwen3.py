@@ -10,13 +10,21 @@ import torch
 from torch import nn
 
 from d9d.core import DeviceMeshParameters, DistributedContext
-from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification
 from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
 from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
 from d9d.parallel.expert import AllToAllBackendConfig
 from d9d.parallel.plans import parallelize_qwen3, parallelize_qwen3_moe
 from tests.harness import RankEnv, run_distributed
-from tests.test_parallel_reference import Batch, RunResult, assert_runs_close, distributed_run, reference_run
+from tests.test_parallel_reference import (
+    Batch,
+    RunResult,
+    assert_runs_close,
+    distributed_run,
+    full_state,
+    load_full_state,
+    reference_run,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -25,9 +33,8 @@ SEQ = 8
 MAX_NORM = 0.5
 
 
-def _dense() -> nn.Module:
-    torch.manual_seed(0)
-    config = Qwen3Config(
+def _dense_config() -> Qwen3Config:
+    return Qwen3Config(
         vocab_size=43,
         vocab_splits=VOCAB,
         hidden_size=16,
@@ -39,7 +46,16 @@ def _dense() -> nn.Module:
         attention_backend="torch",
         loss_chunk_size=5,
     )
-    return Qwen3ForCausalLM(config)
+
+
+def _dense() -> nn.Module:
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(_dense_config())
+
+
+def _classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return Qwen3ForSequenceClassification(_dense_config(), num_labels=3)
 
 
 def _moe() -> nn.Module:
@@ -64,21 +80,26 @@ def _moe() -> nn.Module:
     return Qwen3MoEForCausalLM(config)
 
 
-MODELS = {"qwen3": _dense, "qwen3_moe": _moe}
+MODELS = {"qwen3": _dense, "qwen3_moe": _moe, "qwen3_cls": _classifier}
 
 
-def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+def _task_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     losses = model(input_ids=batch.inputs, labels=batch.targets)["loss"]
     return losses.sum()
 
 
-def _batches(steps: int, size: int) -> list[Batch]:
+def _batches(steps: int, size: int, *, classes: int | None = None) -> list[Batch]:
+    """Causal-LM batches (some labels ignored: uneven token counts per rank), or classification ones."""
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(steps):
         ids = torch.randint(0, 43, (size, SEQ + 1), generator=g)
+        if classes is not None:
+            labels = torch.randint(0, classes, (size,), generator=g)
+            out.append(Batch(ids[:, :-1], labels, torch.ones(size)))
+            continue
         labels = ids[:, 1:].clone()
-        labels[torch.rand(labels.shape, generator=g) < 0.2] = -100  # uneven token counts per rank
+        labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
         out.append(Batch(ids[:, :-1], labels, (labels != -100).float()))
     return out
 
@@ -91,6 +112,7 @@ class Case:
     ep: int = 1
     tp: int = 1
     sp: bool = False
+    meta: bool = False  # built on the meta device, parallelized, then materialized (late initialization)
 
     def __str__(self) -> str:
         parts = [
@@ -98,13 +120,17 @@ class Case:
             for k, v in (("dp", self.replicate), ("fsdp", self.shard), ("ep", self.ep), ("tp", self.tp))
             if v > 1
         ]
-        return f"{self.model}[{'×'.join(parts) or 'single'}{' sp' if self.sp else ''}]"
+        flags = (" sp" if self.sp else "") + (" meta" if self.meta else "")
+        return f"{self.model}[{'×'.join(parts) or 'single'}{flags}]"
 
 
 def _run_cases(env: RankEnv, cases: list[Case]) -> None:
-    batches = _batches(3, 8)
+    data = {name: _batches(3, 8, classes=3 if name == "qwen3_cls" else None) for name in MODELS}
+    initial = {name: full_state(build()) for name, build in MODELS.items()}
     references: dict[str, RunResult] = {
-        name: reference_run(build(), batches, _lm_loss, max_norm=MAX_NORM) for name, build in MODELS.items()
+        name: reference_run(build(), data[name], _task_loss, max_norm=MAX_NORM)
+        for name, build in MODELS.items()
+        if any(case.model == name for case in cases)
     }
     for case in cases:
         params = DeviceMeshParameters(
@@ -115,13 +141,18 @@ def _run_cases(env: RankEnv, cases: list[Case]) -> None:
         )
         assert params.world_size == env.world_size, case
         ctx = DistributedContext.create(params, backend="gloo")
-        model = MODELS[case.model]()
+        with torch.device("meta" if case.meta else "cpu"):
+            model = MODELS[case.model]()
         plan = parallelize_qwen3_moe if case.model == "qwen3_moe" else parallelize_qwen3
         plan(model, ctx, sequence_parallel=case.sp, expert_backend=AllToAllBackendConfig())
+        if case.meta:
+            model.to_empty(device="cpu")
+            model.reset_parameters()  # buffers (rotary tables); weights then come from the "checkpoint"
+            load_full_state(model, initial[case.model])
         sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
         dp = ctx.coordinates("batch")["dp"]
-        local = [b.shard(params.data_parallel, dp).split(2) for b in batches]
-        got = distributed_run(model, sync, local, _lm_loss, max_norm=MAX_NORM)
+        local = [b.shard(params.data_parallel, dp).split(2) for b in data[case.model]]
+        got = distributed_run(model, sync, local, _task_loss, max_norm=MAX_NORM)
         assert_runs_close(got, references[case.model], str(case))
         sync.close()
 
@@ -135,6 +166,7 @@ TWO_RANKS = [
     Case("qwen3_moe", shard=2, ep=2),
     Case("qwen3_moe", tp=2),
     Case("qwen3_moe", tp=2, ep=2, sp=True),
+    Case("qwen3_cls", tp=2, sp=True),
 ]
 
 FOUR_RANKS = [
@@ -144,6 +176,8 @@ FOUR_RANKS = [
     Case("qwen3_moe", replicate=2, shard=2, ep=2),
     Case("qwen3_moe", replicate=4, ep=2),
     Case("qwen3_moe", replicate=2, tp=2, ep=4),
+    Case("qwen3", shard=2, tp=2, sp=True, meta=True),
+    Case("qwen3_moe", replicate=2, shard=2, ep=2, meta=True),
 ]
 
 

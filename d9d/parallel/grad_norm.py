@@ -43,7 +43,13 @@ def _reduce_op(norm_type: float) -> dist.ReduceOp.RedOpType:
 
 
 def _partial(local_grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in local_grads])
+    # Per tensor in at least float32 (bf16 gradients), combined in float64.
+    norms = torch.stack(
+        [
+            torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32)).double()
+            for g in local_grads
+        ]
+    )
     return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
@@ -82,7 +88,7 @@ def global_grad_norm(
             part = part.to(device)
             total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
     if total is None:
-        total = torch.zeros((), dtype=torch.float32, device=_pp_device(pp_group))
+        total = torch.zeros((), dtype=torch.float64, device=_pp_device(pp_group))
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         total = total.to(_pp_device(pp_group))
         dist.all_reduce(total, op=op, group=pp_group)

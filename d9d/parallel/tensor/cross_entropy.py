@@ -19,10 +19,16 @@ import torch.distributed as dist
 IGNORE_INDEX = -100
 
 
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Logits and losses in at least float32, like the single-device head."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _local_logits(hidden: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    dtype = _loss_dtype(hidden.dtype)
     if not weights:
-        return hidden.new_zeros(hidden.shape[0], 0, dtype=torch.float32)
-    return torch.cat([hidden @ w.t() for w in weights], dim=-1).float()
+        return hidden.new_zeros(hidden.shape[0], 0, dtype=dtype)
+    return torch.cat([hidden @ w.t() for w in weights], dim=-1).to(dtype)
 
 
 def _target_columns(labels: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -49,7 +55,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         *weights: torch.Tensor,
     ) -> torch.Tensor:
         sizes = [w.shape[0] for w in weights]
-        losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        losses = torch.empty(hidden.shape[0], dtype=_loss_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(losses)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
@@ -78,7 +84,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, labels, lse, *weights = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden)
-        grad_weights = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in weights]
+        grad_weights = [torch.zeros(w.shape, dtype=_loss_dtype(w.dtype), device=w.device) for w in weights]
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end]
@@ -91,7 +97,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad_logits = probs.to(h.dtype)
             for i, (g, w) in enumerate(zip(grad_logits.split(ctx.sizes, dim=1), weights, strict=True)):
                 grad_hidden[start:end] += g @ w
-                grad_weights[i] += (g.t() @ h).float()
+                grad_weights[i] += (g.t() @ h).to(grad_weights[i].dtype)
         out_weights = [g.to(w.dtype) for g, w in zip(grad_weights, weights, strict=True)]
         return (grad_hidden, None, None, None, None, None, *out_weights)
 
@@ -106,7 +112,7 @@ def vocab_parallel_cross_entropy(
     chunk_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """Per-token float32 loss (0 where ignored) of `hidden @ full_vocab.T` against global `labels`.
+    """Per-token loss (at least float32, 0 where ignored) of `hidden @ vocab.T` against global `labels`.
 
     `weights` are this rank's vocabulary rows, one tensor per piece, piece i holding global ids
     `[starts[i], starts[i] + weights[i].shape[0])`; together the ranks of `group` hold every id once.

@@ -71,16 +71,17 @@ class VocabParallelTokenEmbedding(TokenEmbedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         shards = _VocabShards(self.weights, self.splits, self.tp_group)
-        out = None
+        out: torch.Tensor | None = None
         for weight, start in zip(shards.local, shards.starts, strict=True):
             if weight.shape[0] == 0:
-                continue
+                # Owning no row of this split: a zero row keeps the (empty) shard in the graph, so every
+                # rank ends backward with a gradient for every parameter.
+                weight = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])
             local_ids = input_ids - start
             inside = (local_ids >= 0) & (local_ids < weight.shape[0])
             rows = F.embedding(local_ids.clamp(0, weight.shape[0] - 1), weight) * inside[..., None]
             out = rows if out is None else out + rows
-        if out is None:  # this rank owns no row of any split
-            out = shards.local[0].new_zeros((*input_ids.shape, self.hidden_size))
+        assert out is not None
         return reduce_from_group(out, self.tp_group)
 
 
