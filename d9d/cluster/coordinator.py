@@ -88,7 +88,6 @@ class _Attempt:
     plan: WorldPlan
     pg: PlacementGroup
     resumed_from: int  # checkpoint step (0: from scratch)
-    started: float = field(default_factory=time.monotonic)
     actors: list[Any] = field(default_factory=list)
     heartbeats: dict[int, float] = field(default_factory=dict)
     progress: float = field(default_factory=time.monotonic)  # last step boundary or checkpoint call
@@ -378,6 +377,10 @@ class Coordinator:
             launches = await self._start_ranks(at)
         except Exception as e:
             return _Outcome("failed", f"starting ranks: {_describe(e)}")
+        # Opening a tracker (an MLflow store) can take longer than starting the ranks; training begins
+        # only once metric points can be written as they arrive.
+        await asyncio.to_thread(self._writer.wait_ready, self._spec.init_timeout_s)
+        at.progress = time.monotonic()
         if self._paused:
             await self.send(Command(CommandKind.PAUSE))
         runs = {asyncio.ensure_future(a.run.remote(launch)): r for r, (a, launch) in enumerate(launches)}
@@ -445,7 +448,6 @@ class Coordinator:
                 transfer=transfer,
             )
             launches.append((actor, launch))
-        at.started = at.progress = time.monotonic()
         return launches
 
     async def _watch(self, at: _Attempt, runs: dict[asyncio.Future[Any], int]) -> _Outcome:

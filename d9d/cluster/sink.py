@@ -7,6 +7,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -34,8 +35,13 @@ class MetricsWriter:
     def __init__(self, sink_factory: Callable[[], MetricSink]) -> None:
         self._queue: queue.Queue[MetricPoint | str] = queue.Queue()
         self._factory = sink_factory
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="d9d-metrics-writer", daemon=True)
         self._thread.start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the sink is open (or failed to open), so points are written as they come."""
+        return self._ready.wait(timeout_s)
 
     def submit(self, point: MetricPoint) -> None:
         self._queue.put(point)
@@ -50,6 +56,7 @@ class MetricsWriter:
             sink = self._factory()
         except Exception:
             _log.exception("cannot open the metrics tracker; metrics are not recorded")
+        self._ready.set()
         while True:
             items = [self._queue.get()]
             while not self._queue.empty():
@@ -68,13 +75,12 @@ class MetricsWriter:
 
 
 def metric_names(point: MetricPoint) -> dict[str, float]:
-    """Tracker keys: train values as they are, `eval/…`, `health/rank-<r>/…`, and `cluster/…`."""
+    """Tracker keys, as the engine's own launchers name them: train/eval values as they are,
+    `health/rank<r>/…` per rank, and `cluster/…` for the coordinator's own (rank -1)."""
     if point.rank < 0:
         prefix = "cluster/"
     elif point.kind == "health":
-        prefix = f"health/rank-{point.rank}/"
-    elif point.kind == "eval":
-        prefix = "eval/"
+        prefix = f"health/rank{point.rank}/"
     else:
         prefix = ""
     return {f"{prefix}{key}": float(value) for key, value in point.values.items()}
@@ -99,6 +105,9 @@ class TrackerSink:
         by_step: dict[int, dict[str, float]] = {}
         for p in points:
             by_step.setdefault(p.step, {}).update(metric_names(p))
+        reported = [p.wall_time for p in points if p.rank >= 0 and p.wall_time > 0]
+        if reported:  # how long the oldest point took from its rank to here (same clock on one node)
+            by_step[max(by_step)]["cluster/metrics_lag_s"] = max(0.0, time.time() - min(reported))
         for step, values in sorted(by_step.items()):
             self._tracker.log_scalars(step, values)
 
@@ -116,7 +125,9 @@ def build_sink(spec: JobSpec) -> MetricSink:
     from d9d.cluster.spec import tracker_config
 
     config = tracker_config(spec)
-    params = {"train": spec.train.model_dump(mode="json"), "cluster": spec.cluster.model_dump(mode="json")}
+    from d9d.engine.launch import run_params
+
+    params = {**run_params(spec.train), "cluster": spec.cluster.model_dump(mode="json")}
     run = RunSpec(name=spec.run_name, params=params, tags={"d9d.launcher": "ray"})
     resume = CheckpointStore(spec.checkpoint_dir, spec.train.checkpointing.keep_last).latest() is not None
     return TrackerSink(build_tracker(config, spec.run_dir), run, spec.run_dir / "tracker_state.json", resume)
