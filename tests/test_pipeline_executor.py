@@ -300,7 +300,7 @@ def _hybrid_body(env: RankEnv, expert_parallel: int) -> None:
     moe = expert_parallel > 1
     reference = reference_model(moe=moe)
     dp_rank = ctx.coordinates(MeshDomain.BATCH)["dp"]
-    programs = [program for _, _, program in programs_for(2, [2, 3, 4])]
+    programs = [program for _, _, program in programs_for(2, [3, 4])]
     for i, executor in enumerate(_pipeline_executors(ctx, reference, programs)):
         what = f"pp=2 dp=2 ep={expert_parallel} {executor.program.name} m={executor.num_microbatches}"
         m = executor.num_microbatches
