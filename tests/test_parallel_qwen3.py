@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from d9d.core import DeviceMeshParameters, DistributedContext
@@ -124,11 +125,17 @@ class Case:
         return f"{self.model}[{'×'.join(parts) or 'single'}{flags}]"
 
 
-def _run_cases(env: RankEnv, cases: list[Case]) -> None:
-    data = {name: _batches(3, 8, classes=3 if name == "qwen3_cls" else None) for name in MODELS}
+def _run_cases(env: RankEnv, cases: list[Case], backend: str = "gloo") -> None:
+    device = torch.device("cuda", env.rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        _join_nccl(env)
+    data = {
+        name: [b.to(device) for b in _batches(3, 8, classes=3 if name == "qwen3_cls" else None)]
+        for name in MODELS
+    }
     initial = {name: full_state(build()) for name, build in MODELS.items()}
     references: dict[str, RunResult] = {
-        name: reference_run(build(), data[name], _task_loss, max_norm=MAX_NORM)
+        name: reference_run(build().to(device), data[name], _task_loss, max_norm=MAX_NORM)
         for name, build in MODELS.items()
         if any(case.model == name for case in cases)
     }
@@ -140,13 +147,15 @@ def _run_cases(env: RankEnv, cases: list[Case]) -> None:
             expert_parallel=case.ep,
         )
         assert params.world_size == env.world_size, case
-        ctx = DistributedContext.create(params, backend="gloo")
+        ctx = DistributedContext.create(params, backend="nccl" if backend == "nccl" else "gloo")
         with torch.device("meta" if case.meta else "cpu"):
             model = MODELS[case.model]()
+        if not case.meta:
+            model.to(device)
         plan = parallelize_qwen3_moe if case.model == "qwen3_moe" else parallelize_qwen3
         plan(model, ctx, sequence_parallel=case.sp, expert_backend=AllToAllBackendConfig())
         if case.meta:
-            model.to_empty(device="cpu")
+            model.to_empty(device=device)
             model.reset_parameters()  # buffers (rotary tables); weights then come from the "checkpoint"
             load_full_state(model, initial[case.model])
         sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
@@ -181,9 +190,30 @@ FOUR_RANKS = [
 ]
 
 
+def _join_nccl(env: RankEnv) -> None:
+    """Replace the harness's gloo group by NCCL (with gloo alongside for CPU tensors)."""
+    dist.destroy_process_group()
+    torch.cuda.set_device(env.rank)
+    store = dist.FileStore(str(env.tmp_dir / "nccl-rendezvous"), env.world_size)
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo",
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        device_id=torch.device("cuda", env.rank),
+    )
+
+
 def test_two_rank_matrix() -> None:
     run_distributed(_run_cases, 2, TWO_RANKS, timeout=400)
 
 
 def test_four_rank_matrix() -> None:
     run_distributed(_run_cases, 4, FOUR_RANKS, timeout=500)
+
+
+@pytest.mark.gpu
+def test_two_gpu_matrix_over_nccl() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_distributed(_run_cases, 2, TWO_RANKS, "nccl", timeout=500)

@@ -85,6 +85,9 @@ class Batch:
         sl = slice(index * n // parts, (index + 1) * n // parts)
         return Batch(self.inputs[sl], self.targets[sl], self.weights[sl])
 
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.inputs.to(device), self.targets.to(device), self.weights.to(device))
+
     def split(self, microbatches: int) -> list[Batch]:
         return [self.shard(microbatches, i) for i in range(microbatches)]
 
@@ -159,8 +162,8 @@ def distributed_run(
         for mb in microbatches:
             loss = loss_fn(model, mb)
             loss.backward()
-            loss_sum += loss.detach().double()
-            weight += mb.weights.sum().double()
+            loss_sum += loss.detach().double().cpu()
+            weight += mb.weights.sum().double().cpu()
         total_weight = sync.wait(weight)
         assert total_weight is not None
         if max_norm is None:
@@ -168,10 +171,10 @@ def distributed_run(
         else:
             norm = clip_grad_norm_(model.parameters(), max_norm, pp_group=pp_group)
         opt.step()
-        losses.append(sync.global_sum(loss_sum) / total_weight.cpu())
+        losses.append(float(sync.global_sum(loss_sum)) / float(total_weight))
         norms.append(float(norm))
         states.append(full_state(model))
-    return [float(x) for x in losses], norms, states
+    return losses, norms, states
 
 
 def test_load_full_state_roundtrip() -> None:

@@ -56,7 +56,7 @@ class GradBucket:
         if not self.touched:
             self.buffer.zero_()
             self.touched = True
-        self._views[index].add_(grad.view(self._views[index].shape))
+        self._views[index].add_(grad)
 
     def mark_complete(self) -> None:
         self._missing -= 1
