@@ -160,3 +160,23 @@ class FiniteTokens:
 
     def load_state_dict(self, state) -> None:
         self.position = int(state["position"])
+
+
+def make_hf_qwen3(path, num_layers: int = 2):
+    """A tiny random transformers Qwen3 saved at `path` (vocab 32, matches the token fixtures)."""
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model

@@ -7,31 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from d9d.core import DeviceMeshParameters, DistributedContext
 from d9d.engine.inference import InferenceConfig, run_inference
-from tests.engine_fixtures import sample_tokens
+from tests.engine_fixtures import make_hf_qwen3, sample_tokens
 from tests.harness import RankEnv, run_distributed
 
 pytestmark = pytest.mark.distributed
-
-
-def _hf_checkpoint(path: Path) -> transformers.PreTrainedModel:
-    config = transformers.Qwen3Config(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model
 
 
 def _perplexity(env: RankEnv, checkpoint: Path, dp: int) -> None:
@@ -52,7 +34,7 @@ def _perplexity(env: RankEnv, checkpoint: Path, dp: int) -> None:
 
 def test_perplexity_matches_transformers(tmp_path: Path) -> None:
     checkpoint = tmp_path / "hf"
-    model = _hf_checkpoint(checkpoint)
+    model = make_hf_qwen3(checkpoint)
     tokens = torch.stack([sample_tokens(i) for i in range(10)])
     # transformers' logits scored on every next token: the targets d9d's data gives as labels.
     with torch.no_grad():

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.parallel.grad_sync import GradSyncConfig
+from d9d.pipeline.schedule.config import OneFOneBSchedule, ScheduleConfig, build_schedule
 from d9d.tracking import TrackerConfig
 
 
@@ -125,7 +126,8 @@ class TrainConfig(_Section):
     trainer: TrainerConfig
     data_loading: DataLoadingConfig = Field(default_factory=DataLoadingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    pipelining: dict[str, Any] | None = None
+    # The pipeline schedule (d9d.pipeline); None with pipeline_parallel > 1 means 1F1B.
+    pipelining: ScheduleConfig | None = None
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     gradient_clipping: GradientClippingConfig = Field(default_factory=GradientClippingConfig)
     gradient_manager: GradSyncConfig = Field(default_factory=GradSyncConfig)
@@ -143,8 +145,19 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _check_batching(self) -> Self:
-        self.batching.gradient_accumulation(self.mesh.data_parallel)
+        accumulation = self.batching.gradient_accumulation(self.mesh.data_parallel)
+        if self.mesh.pipeline_parallel > 1:
+            try:
+                build_schedule(self.schedule, self.mesh.pipeline_parallel, accumulation)
+            except ValueError as e:
+                raise ValueError(
+                    f"pipelining ({self.schedule.kind}, {accumulation} microbatches per step): {e}"
+                ) from e
         return self
+
+    @property
+    def schedule(self) -> ScheduleConfig:
+        return self.pipelining if self.pipelining is not None else OneFOneBSchedule()
 
     @property
     def run_dir(self) -> Path:

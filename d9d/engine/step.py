@@ -18,9 +18,13 @@ from torch import nn
 from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput, TrainTask
 from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, collect_synced_params
+from d9d.pipeline.runtime.executor import PipelineExecutor
 
 
 class StepRunner(Protocol):
+    #: The pipeline rank whose ranks compute the loss (and so update task metrics).
+    loss_pp_rank: int
+
     def forward_backward(self, microbatches: Sequence[PyTree]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run all microbatches; return local (loss sum, loss weight), zeros where no loss is computed."""
         ...
@@ -36,6 +40,8 @@ class GradientReducer(Protocol):
 
 class SequentialStepRunner:
     """One stage holds the whole model: plain forward/backward per microbatch, gradients accumulate."""
+
+    loss_pp_rank = 0
 
     def __init__(
         self,
@@ -62,6 +68,38 @@ class SequentialStepRunner:
                 if self.metrics:
                     self.task.update_metrics(self.metrics, outputs, microbatch, loss)
         return loss_total, weight_total
+
+
+class PipelinedStepRunner:
+    """The local stages run the pipeline program; the loss is computed where the last stage lives."""
+
+    def __init__(
+        self,
+        executor: PipelineExecutor,
+        task: TrainTask,
+        device: torch.device,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.executor = executor
+        self.task = task
+        self.device = device
+        self.metrics = metrics or {}
+        self.loss_pp_rank = executor.loss_rank
+
+    def forward_backward(self, microbatches: Sequence[PyTree]) -> tuple[torch.Tensor, torch.Tensor]:
+        def loss_fn(outputs: Any, microbatch: int) -> LossOutput:
+            loss = self.task.compute_loss(outputs, microbatches[microbatch])
+            if self.metrics:
+                with torch.no_grad():
+                    self.task.update_metrics(self.metrics, outputs, microbatches[microbatch], loss)
+            return loss
+
+        inputs = [self.task.forward_inputs(mb) for mb in microbatches]
+        result = self.executor.train_step(inputs, loss_fn)
+        if result.loss_sum is None or result.weight is None:
+            zero = torch.zeros((), dtype=torch.float64, device=self.device)
+            return zero, zero.clone()
+        return result.loss_sum.detach().double(), result.weight.detach().double()
 
 
 class SynchronizedGradientReducer:

@@ -46,10 +46,17 @@ from d9d.engine.progress import StepProgress
 from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTask
 from d9d.engine.registry import build_component
 from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankResult, RunReporter
-from d9d.engine.step import GradientReducer, SequentialStepRunner, StepRunner, build_gradient_reducer
+from d9d.engine.step import (
+    GradientReducer,
+    PipelinedStepRunner,
+    SequentialStepRunner,
+    StepRunner,
+    build_gradient_reducer,
+)
 from d9d.metrics import AsyncMetricCollector, ComposeMetric, to_scalars
 from d9d.parallel import clip_grad_norm_
 from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.setup import PipelineSetup
 from d9d.profiling import NullProfiler, StepHook, StepProfiler
 
 
@@ -125,15 +132,27 @@ class Trainer:
             self.metric_collector = AsyncMetricCollector(
                 ComposeMetric(self.metrics), group=self._data_group()
             )
-        self.runner: StepRunner = SequentialStepRunner(self.modules[0], self.task, ctx.device, self.metrics)
+        self.runner: StepRunner
+        if self.pipeline is not None:
+            executor = self.pipeline.executor(
+                {info.current_stage: m for info, m in zip(self.stage_infos, self.modules, strict=True)}
+            )
+            self.runner = PipelinedStepRunner(executor, self.task, ctx.device, self.metrics)
+        else:
+            self.runner = SequentialStepRunner(self.modules[0], self.task, ctx.device, self.metrics)
         self.checkpointer = Checkpointer(ctx, c.checkpoint_dir, self.reporter)
         self._resume()
 
     def _build_stages(self) -> list[nn.Module]:
-        if self.ctx.params.pipeline_parallel != 1:
-            raise NotImplementedError("pipeline parallelism is wired in by d9d.pipeline")
+        """Build this rank's stages on meta, shard, materialize, initialize (one stage without pipelining)."""
+        self.pipeline: PipelineSetup | None = None
+        infos = [PipelineStageInfo()]
+        if self.ctx.params.pipeline_parallel > 1:
+            self.pipeline = PipelineSetup.create(self.ctx, self.config.schedule, self.grad_accumulation)
+            infos = self.pipeline.local_stages
+        self.stage_infos = infos
         modules = []
-        for info in [PipelineStageInfo()]:
+        for info in infos:
             with torch.device("meta"):
                 module = self.model_provider.build_stage(info)
             self.model_provider.parallelize(module, self.ctx)
@@ -162,8 +181,8 @@ class Trainer:
     def _writes_task_metrics(self) -> bool:
         """Task metrics live where losses are computed: the data-rank-0 copy of the last stage writes them."""
         coords = self.ctx.coordinates(MeshDomain.BATCH)
-        last = coords["pp"] == self.ctx.params.pipeline_parallel - 1
-        return last and coords["dp"] == 0 and coords["cp"] == 0 and coords["tp"] == 0
+        holds_loss = coords["pp"] == self.runner.loss_pp_rank
+        return holds_loss and coords["dp"] == 0 and coords["cp"] == 0 and coords["tp"] == 0
 
     def _publish_task_metrics(self, wait: bool = False) -> None:
         if self.metric_collector is None:
@@ -298,15 +317,13 @@ class Trainer:
     def _global_loss(self, loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Sum of loss and weight over every rank that computes a distinct loss.
 
-        Only last-stage ranks compute a loss, and tensor-parallel ranks compute the same one, so each
-        distinct loss is contributed exactly once (by tp coordinate 0 of the last stage).
+        Runners return zeros where no loss is computed (pipeline ranks without the last stage), and
+        tensor-parallel ranks compute the same loss, so only tp coordinate 0 contributes.
         """
         totals = torch.stack([loss_sum, weight]).double()
         if not self.ctx.is_distributed:
             return totals
-        coords = self.ctx.coordinates(MeshDomain.REGULAR)
-        is_last = coords["pp"] == self.ctx.params.pipeline_parallel - 1
-        if not (is_last and coords["tp"] == 0):
+        if self.ctx.coordinates(MeshDomain.REGULAR)["tp"] != 0:
             totals = torch.zeros_like(totals)
         dist.all_reduce(totals)
         return totals
