@@ -99,11 +99,16 @@ class _CausalLMProvider:
         load_model_state(source, module, mapper, strict=True, allow_cast=True)
 
     def export(self, modules: Sequence[nn.Module], ctx: DistributedContext, path: Path) -> None:
-        mapper = d9d_to_hf_mapper(self.model_config)
-        for module in modules:
-            save_model_state(path, module, mapper, distributed=ctx.is_distributed, overwrite=True)
-        if ctx.is_main_process:
-            (path / "config.json").write_text(json.dumps(config_to_hf(self.model_config), indent=2) + "\n")
+        """All local stages and config.json in one atomic, distributed save (replicas written once)."""
+        config_json = json.dumps(config_to_hf(self.model_config), indent=2) + "\n"
+        save_model_state(
+            path,
+            list(modules),
+            d9d_to_hf_mapper(self.model_config),
+            distributed=ctx.is_distributed,
+            overwrite=True,
+            extra_files={"config.json": config_json},
+        )
 
     def subscribe(
         self,
