@@ -16,8 +16,9 @@ def lora_dropout(p: float) -> nn.Module:
 
 
 def fold(weight: torch.Tensor, delta: torch.Tensor) -> nn.Parameter:
-    """`weight + delta` as a new parameter, summed in float32 so low-precision weights round once."""
-    merged = (weight.detach().float() + delta.float()).to(weight.dtype)
+    """`weight + delta` as a new parameter, summed in at least float32 so low-precision weights round once."""
+    wide = torch.promote_types(weight.dtype, torch.float32)
+    merged = (weight.detach().to(wide) + delta.to(wide)).to(weight.dtype)
     return nn.Parameter(merged, requires_grad=weight.requires_grad)
 
 

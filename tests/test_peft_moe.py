@@ -1,0 +1,125 @@
+"""LoRA on grouped experts (per-expert A [E, in, r], B [E, r, out]) on a tiny d9d Qwen3-MoE, CPU."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import d9d.models as dm
+from d9d.modules.moe import EagerGroupedMM, GroupedExperts
+from d9d.peft import LoRA, LoRAConfig, LoRAGroupedExperts, inject_and_freeze, merge, merged
+
+CONFIG = dm.Qwen3MoEConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    mlp_only_layers=(1,),
+    attention_backend="eager",
+    grouped_mm="eager",
+    initializer_range=0.1,  # decisive routing: merging must not flip a near-tie between experts
+)
+TARGETS = r".*\.experts\.(gate_proj|down_proj)|.*\.q_proj"
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def test_grouped_lora_matches_a_per_expert_float64_reference() -> None:
+    torch.manual_seed(0)
+    base = GroupedExperts(3, 8, 6, grouped_mm=EagerGroupedMM()).to(torch.float64)
+    weights = {p: getattr(base, p).detach().clone() for p in ("gate_proj", "up_proj", "down_proj")}
+    lora = LoRAGroupedExperts(base, ["up_proj", "down_proj"], rank=2, alpha=5.0)
+    assert lora.gate_proj is base.gate_proj
+    assert list(lora.state_dict()) == [
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "up_proj_lora_A",
+        "up_proj_lora_B",
+        "down_proj_lora_A",
+        "down_proj_lora_B",
+    ]
+    assert lora.up_proj_lora_A.shape == (3, 8, 2) and lora.down_proj_lora_B.shape == (3, 2, 8)
+    with torch.no_grad():
+        lora.up_proj_lora_B.normal_()
+        lora.down_proj_lora_B.normal_()
+    counts = torch.tensor([2, 0, 3])
+    x = torch.randn(5, 8, dtype=torch.float64)
+
+    def factor(p: str, e: int) -> torch.Tensor:
+        a, b = getattr(lora, f"{p}_lora_A")[e].detach(), getattr(lora, f"{p}_lora_B")[e].detach()
+        return weights[p][e] + 2.5 * a @ b
+
+    rows = []
+    for e, chunk in enumerate(x.split(counts.tolist())):
+        hidden = F.silu(chunk @ weights["gate_proj"][e]) * (chunk @ factor("up_proj", e))
+        rows.append(hidden @ factor("down_proj", e))
+    expected = torch.cat(rows)
+    torch.testing.assert_close(lora(x, counts), expected, rtol=1e-12, atol=1e-12)
+    folded = lora.merged_module()
+    assert type(folded) is GroupedExperts and folded is base
+    torch.testing.assert_close(folded(x, counts), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_expert_lora_trains_only_adapters_and_merges() -> None:
+    torch.manual_seed(0)
+    model = dm.Qwen3MoEForCausalLM(CONFIG)
+    reference = copy.deepcopy(model)
+    base_keys = list(model.state_dict())
+    result = inject_and_freeze(model, LoRA(LoRAConfig(target_modules=TARGETS, rank=4, alpha=8.0)))
+    experts = model.model.layers["0"].mlp.experts
+    assert isinstance(experts, LoRAGroupedExperts) and experts.projections == ("gate_proj", "down_proj")
+    assert isinstance(model.model.layers["1"].mlp.down_proj, nn.Linear)  # dense layer: not a target
+    assert "model.layers.0.mlp.experts.gate_proj_lora_A" in result.trainable
+    assert torch.equal(model(input_ids=_ids())["logits"], reference(input_ids=_ids())["logits"])
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    losses = []
+    for step in range(8):
+        ids = _ids(seed=step % 2)
+        loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:])["loss"].mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-2] < 0.9 * losses[0], losses
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == result.trainable  # every adapter moved, nothing else did
+
+    adapted = model(input_ids=_ids())["logits"]
+    with merged(model):
+        assert list(model.state_dict()) == base_keys
+        torch.testing.assert_close(model(input_ids=_ids())["logits"], adapted, rtol=1e-5, atol=1e-5)
+    merge(model)
+    assert type(model.model.layers["0"].mlp.experts) is GroupedExperts
+    torch.testing.assert_close(model(input_ids=_ids())["logits"], adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_moe_exports_and_reloads_in_hf_format(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = dm.Qwen3MoEForCausalLM(CONFIG)
+    inject_and_freeze(model, LoRA(LoRAConfig(target_modules=TARGETS, rank=2)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    adapted = model(input_ids=_ids())["logits"]
+    with merged(model):
+        dm.save_pretrained(model, tmp_path / "merged")
+    reloaded = dm.from_pretrained(
+        tmp_path / "merged", config_overrides={"attention_backend": "eager", "grouped_mm": "eager"}
+    )
+    torch.testing.assert_close(reloaded(input_ids=_ids())["logits"], adapted, rtol=1e-5, atol=1e-5)
