@@ -23,7 +23,8 @@ def parallelize_expert_parallel(
     `expert_mesh` is the expert domain's `(ep_replicate, ep_shard)` mesh (or just an `ep_shard` mesh).
     Expert weights become DTensors `Shard(0)` over `ep_shard` (and `Replicate` over `ep_replicate`, whose
     gradient sum is left to the synchronizer); the experts compute on their local slice. The router and
-    the shared expert are not touched: parallelize them like any dense module.
+    the shared expert are not touched: parallelize them like any dense module. With `ep_shard` of size 1
+    the experts still become DTensors (replicated over `ep_replicate`) and keep the local dispatch.
     """
     names = expert_mesh.mesh_dim_names or ()
     if expert_mesh.ndim == 1:
@@ -46,6 +47,8 @@ def parallelize_expert_parallel(
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         mark_grad_reduce_mesh(experts, name, replicate_mesh)
     compute_with_local_parameters(experts, {name for name, _ in experts.named_parameters(recurse=False)})
+    if ep == 1:
+        return  # every expert is local: the layer's own (local) communication is exact and free
     reference = next(iter(experts.parameters()))
     moe_layer.communication = build_moe_communication(
         backend if backend is not None else AutoBackendConfig(),

@@ -87,8 +87,7 @@ def parallelize_qwen3(
         parallelize_replicate(model, dense["dp_cp_replicate"])
 
 
-parallelize_qwen3_moe = parallelize_qwen3
-"""Qwen3-MoE shares the plan: MoE layers are found by type."""
+parallelize_qwen3_moe = parallelize_qwen3  # one plan: MoE layers are found by type
 
 
 def _tensor_parallel(

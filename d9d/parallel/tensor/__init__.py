@@ -10,7 +10,6 @@ from d9d.parallel.tensor.comm import (
     gather_from_group,
     gather_sum_grad,
     reduce_from_group,
-    reduce_scatter_to_group,
     split_to_group,
 )
 from d9d.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
@@ -33,7 +32,6 @@ __all__ = [
     "parallelize_vocab_embedding",
     "parallelize_vocab_head",
     "reduce_from_group",
-    "reduce_scatter_to_group",
     "split_to_group",
     "vocab_parallel_cross_entropy",
 ]

@@ -10,7 +10,6 @@ matmul, one vocabulary shard's contribution) are summed exactly once.
 | `split_to_group`        | keep own chunk of `dim`  | all-gather                |
 | `gather_from_group`     | all-gather along `dim`   | keep own chunk            |
 | `gather_sum_grad`       | all-gather along `dim`   | reduce-scatter            |
-| `reduce_scatter_to_group` | reduce-scatter along `dim` | all-gather            |
 
 `d9d.parallel.local_params.sum_gradient` completes the set (identity forward, all-reduce backward).
 Chunks are equal: the size of `dim` must be divisible by the group size.
@@ -98,17 +97,6 @@ class _GatherSumGrad(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
-class _ReduceScatterTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
 def reduce_from_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out: torch.Tensor = _ReduceFrom.apply(x, group)
     return out
@@ -126,9 +114,4 @@ def gather_from_group(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> to
 
 def gather_sum_grad(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     out: torch.Tensor = _GatherSumGrad.apply(x, dim, group)
-    return out
-
-
-def reduce_scatter_to_group(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    out: torch.Tensor = _ReduceScatterTo.apply(x, dim, group)
     return out
