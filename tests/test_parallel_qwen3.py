@@ -15,7 +15,7 @@ from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClas
 from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
 from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
 from d9d.parallel.expert import AllToAllBackendConfig
-from d9d.parallel.plans import parallelize_qwen3, parallelize_qwen3_moe
+from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3, parallelize_qwen3_moe
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_reference import (
     Batch,
@@ -153,7 +153,9 @@ def _run_cases(env: RankEnv, cases: list[Case], backend: str = "gloo") -> None:
         if not case.meta:
             model.to(device)
         plan = parallelize_qwen3_moe if case.model == "qwen3_moe" else parallelize_qwen3
-        plan(model, ctx, sequence_parallel=case.sp, expert_backend=AllToAllBackendConfig())
+        plan(
+            model, ctx, ParallelPlanConfig(sequence_parallel=case.sp, expert_backend=AllToAllBackendConfig())
+        )
         if case.meta:
             model.to_empty(device=device)
             model.reset_parameters()  # buffers (rotary tables); weights then come from the "checkpoint"

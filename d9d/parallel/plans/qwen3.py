@@ -22,8 +22,9 @@ from d9d.models.qwen3.tasks import Qwen3StageModel
 from d9d.modules.heads import CausalLMHead
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe import MoELayer
-from d9d.parallel.expert import ExpertCommunicationConfig, parallelize_expert_parallel
+from d9d.parallel.expert import parallelize_expert_parallel
 from d9d.parallel.fsdp import parallelize_fsdp, parallelize_hsdp
+from d9d.parallel.plans.config import ParallelPlanConfig
 from d9d.parallel.replicate import parallelize_replicate
 from d9d.parallel.tensor import (
     gather_from_group,
@@ -40,20 +41,20 @@ from d9d.parallel.tensor import (
 def parallelize_qwen3(
     model: Qwen3StageModel,
     ctx: DistributedContext,
+    config: ParallelPlanConfig | None = None,
     *,
-    sequence_parallel: bool = False,
-    expert_backend: ExpertCommunicationConfig | None = None,
-    reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> None:
     """Apply expert, tensor and data parallelism to one pipeline stage of a Qwen3 / Qwen3-MoE task model.
 
     Works for any mix of `data_parallel_replicate × data_parallel_shard × expert_parallel ×
     tensor_parallel` (context parallel ranks share the data-parallel dims of the dense domain).
-    `sequence_parallel` shards the residual stream along the sequence between tp blocks (sequence length
-    divisible by tp; not with pipeline parallelism, whose stage boundaries carry full sequences).
-    `expert_backend` picks the token exchange (default: DeepEP where possible, all-to-all otherwise).
+    Sequence parallelism needs the sequence length divisible by tp and no pipeline parallelism (stage
+    boundaries carry full sequences). `mp_policy` is handed to FSDP when the plan shards.
     """
+    config = config or ParallelPlanConfig()
+    sequence_parallel = config.sequence_parallel
+    reshard_after_forward = config.fsdp_reshard_after_forward
     if sequence_parallel and ctx.params.pipeline_parallel > 1:
         raise ValueError("sequence_parallel=True is not supported together with pipeline_parallel > 1")
     layers = list(model.model.decoder_layers().values())
@@ -61,7 +62,7 @@ def parallelize_qwen3(
         expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
         for layer in layers:
             if isinstance(layer.mlp, MoELayer):
-                parallelize_expert_parallel(layer.mlp, expert_mesh, backend=expert_backend)
+                parallelize_expert_parallel(layer.mlp, expert_mesh, backend=config.expert_backend)
     dense = ctx.mesh_for(MeshDomain.DENSE)
     if dense["tp"].size() > 1:
         _tensor_parallel(model, layers, ctx, sequence_parallel)
