@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -81,3 +83,38 @@ def _fsdp_cases(env: RankEnv) -> None:
 
 def test_fsdp_and_hsdp_match_single_process() -> None:
     run_distributed(_fsdp_cases, 4, timeout=240)
+
+
+def _hsdp_overlap(env: RankEnv) -> None:
+    """HSDP's cross-replica all-reduce is the synchronizer's, started from FSDP's post-reduce-scatter hook
+    while backward still runs through earlier layers."""
+    ctx = DistributedContext.create(
+        DeviceMeshParameters(data_parallel_replicate=2, data_parallel_shard=2), backend="gloo"
+    )
+    dense = ctx.mesh_for(MeshDomain.DENSE)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    parallelize_hsdp(model, dense["dp_cp_replicate", "dp_cp_shard"], units=list(model))
+    sync = GradientSynchronizer(collect_synced_params(model), GradSyncConfig(bucket_size_mb=1e-6))
+    events: list[str] = []
+    real_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        events.append("all_reduce")
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce  # type: ignore[assignment]
+    try:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(env.rank)).requires_grad_()
+        x.register_hook(lambda grad: events.append("input_grad"))
+        model(x).sum().backward()
+        sync.wait()
+    finally:
+        dist.all_reduce = real_all_reduce  # type: ignore[assignment]
+    assert events.count("all_reduce") == 8, events  # weight and bias of 4 layers, one bucket each
+    assert events.index("input_grad") >= 6, events  # layers 3, 2, 1 were reduced before backward reached x
+    sync.close()
+
+
+def test_hsdp_replica_reduction_overlaps_backward() -> None:
+    run_distributed(_hsdp_overlap, 4, timeout=120)
