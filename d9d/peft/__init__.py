@@ -5,7 +5,7 @@ from d9d.peft.adapter import AdaptedModule, adapted_modules, base_view, merge, m
 from d9d.peft.build import build_peft_method
 from d9d.peft.config import FullTuneConfig, LoRAConfig, PeftConfig, StackConfig
 from d9d.peft.full_tune import FullTune
-from d9d.peft.hf_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_peft_adapter
+from d9d.peft.hf_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_peft_exportable, save_peft_adapter
 from d9d.peft.lora import EXPERT_PROJECTIONS, LoRA, LoRAGroupedExperts, LoRALinear
 from d9d.peft.method import InjectionResult, PeftMethod, inject_and_freeze
 from d9d.peft.stack import Stack
@@ -30,6 +30,7 @@ __all__ = [
     "adapted_modules",
     "base_view",
     "build_peft_method",
+    "check_peft_exportable",
     "frozen_parameter_names",
     "inject_and_freeze",
     "merge",

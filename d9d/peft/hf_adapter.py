@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from d9d.core.context import DistributedContext
 from d9d.core.dist_ops import gather_object
-from d9d.peft.adapter import AdaptedModule, adapted_modules
+from d9d.peft.adapter import adapted_modules
 from d9d.peft.lora.linear import LoRALinear
 from d9d.state.mapper import StateGroup, StateMapper, apply_group
 
@@ -35,7 +35,7 @@ PEFT_PREFIX = "base_model.model."
 
 @dataclass
 class _Adapter:
-    """One rank's share of the adapter: tensors by peft key, LoRA hyper-parameters by HF module."""
+    """An adapter's content: tensors by peft key, LoRA hyper-parameters by HF module."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     lora: dict[str, tuple[int, float, float]] = field(
@@ -47,6 +47,15 @@ class _Adapter:
         self.tensors |= other.tensors
         self.lora |= other.lora
         self.modules_to_save |= other.modules_to_save
+
+
+@dataclass
+class _Plan:
+    """Where each exported tensor comes from (peft key -> d9d parameter name); needs no tensor data."""
+
+    sources: dict[str, str] = field(default_factory=dict)
+    lora: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    modules_to_save: set[str] = field(default_factory=set)
 
 
 class _HFNames:
@@ -69,16 +78,10 @@ class _HFNames:
         )
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = t.full_tensor() if isinstance(t, DTensor) else t
-    return full.detach().to("cpu").contiguous()
-
-
-def _collect(module: nn.Module, names: _HFNames) -> _Adapter:
-    out = _Adapter()
+def _plan(module: nn.Module, names: _HFNames) -> _Plan:
+    plan = _Plan()
     adapter_params: set[str] = set()
-    adapted: list[tuple[str, AdaptedModule]] = adapted_modules(module)
-    for name, m in adapted:
+    for name, m in adapted_modules(module):
         adapter_params |= {f"{name}.{p}" for p in m.adapter_parameter_names()}
         if not isinstance(m, LoRALinear):
             raise ValueError(
@@ -89,15 +92,33 @@ def _collect(module: nn.Module, names: _HFNames) -> _Adapter:
             raise ValueError(f"{name} is both LoRA-adapted and full-tuned; peft cannot express that")
         hf_module = names.key(f"{name}.weight", "LoRA target").removesuffix(".weight")
         dropout = m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0
-        out.lora[hf_module] = (m.rank, m.alpha, dropout)
-        out.tensors[f"{PEFT_PREFIX}{hf_module}.lora_A.weight"] = _full(m.lora_A)
-        out.tensors[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = _full(m.lora_B)
+        plan.lora[hf_module] = (m.rank, m.alpha, dropout)
+        plan.sources[f"{PEFT_PREFIX}{hf_module}.lora_A.weight"] = f"{name}.lora_A"
+        plan.sources[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = f"{name}.lora_B"
     for name, param in module.named_parameters(remove_duplicate=False):
         if param.requires_grad and name not in adapter_params:
             hf_key = names.key(name, "full-tuned parameter")
-            out.modules_to_save.add(hf_key.rpartition(".")[0])
-            out.tensors[f"{PEFT_PREFIX}{hf_key}"] = _full(param)
-    return out
+            plan.modules_to_save.add(hf_key.rpartition(".")[0])
+            plan.sources[f"{PEFT_PREFIX}{hf_key}"] = name
+    return plan
+
+
+def check_peft_exportable(module: nn.Module, d9d_to_hf: StateMapper) -> None:
+    """Raise the error `save_peft_adapter` would raise for `module`, without touching data (works on meta),
+    so a job fails before training rather than at export."""
+    _plan(module, _HFNames(d9d_to_hf))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return full.detach().to("cpu").contiguous()
+
+
+def _collect(module: nn.Module, names: _HFNames) -> _Adapter:
+    plan = _plan(module, names)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    tensors = {key: _full(params[name]) for key, name in plan.sources.items()}
+    return _Adapter(tensors, plan.lora, plan.modules_to_save)
 
 
 def _config(adapter: _Adapter, base_model_name_or_path: str | None) -> dict[str, Any]:
