@@ -41,9 +41,10 @@ def _source(path: Path) -> Path:
     return path
 
 
-def _config(run_dir: Path, source: Path, method: dict[str, Any]) -> dict[str, Any]:
+def _config(run_dir: Path, source: Path, method: dict[str, Any], dp: int = 1) -> dict[str, Any]:
     return {
         "run": {"name": "lora", "dir": str(run_dir)},
+        "mesh": {"data_parallel_replicate": dp},
         "batching": {"global_batch_size": 8, "microbatch_size": 4},
         "trainer": {"total_steps": 20},
         "logging": {"progress_bar": "off", "period": 4},
@@ -64,24 +65,35 @@ def _config(run_dir: Path, source: Path, method: dict[str, Any]) -> dict[str, An
 
 def _train(env: RankEnv, source: Path) -> None:
     method = {"kind": "lora", "target_modules": TARGETS, "rank": RANK, "alpha": ALPHA}
-    config = parse_config(_config(env.tmp_dir / "run", source, method))
+    config = parse_config(_config(env.tmp_dir / f"dp{env.world_size}", source, method, env.world_size))
     reporter = LocalRunReporter(config.checkpoint_dir, 1)
     runtime = RankRuntime(
         rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
     )
     result = run_rank(config, runtime, reporter)
-    torch.save({"losses": list(result.losses)}, env.tmp_dir / "result.pt")
+    if env.rank == 0:
+        torch.save({"losses": list(result.losses)}, env.tmp_dir / f"dp{env.world_size}.pt")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _source(tmp_path_factory.mktemp("source"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("engine")
+    run_distributed(_train, 1, source, tmp_dir=tmp, timeout=240)
+    return tmp
 
 
 @pytest.mark.distributed
-def test_lora_through_the_engine(tmp_path: Path) -> None:
-    source = _source(tmp_path / "source")
-    run_distributed(_train, 1, source, tmp_dir=tmp_path, timeout=240)
-    losses = torch.tensor(torch.load(tmp_path / "result.pt")["losses"])
+def test_lora_through_the_engine(source: Path, one_rank: Path) -> None:
+    losses = torch.tensor(torch.load(one_rank / "dp1.pt")["losses"])
     assert len(losses) == 20
     assert losses[-3:].mean() < 0.7 * losses[:3].mean(), losses
 
-    export = tmp_path / "run" / "export"
+    export = one_rank / "dp1" / "export"
     base = load_file(source / "model.safetensors")
     merged = load_file(export / "model.safetensors")
     adapter = load_file(export / "adapter" / "adapter_model.safetensors")
@@ -107,8 +119,27 @@ def test_lora_through_the_engine(tmp_path: Path) -> None:
         torch.testing.assert_close(with_adapter(input_ids=ids).logits, hf_merged(input_ids=ids).logits)
 
 
-def test_provider_options_are_checked_at_config_time(tmp_path: Path) -> None:
-    source = _source(tmp_path / "source")
+@pytest.mark.distributed
+def test_lora_under_data_parallelism_matches_one_rank(source: Path, one_rank: Path, tmp_path: Path) -> None:
+    """Replicated (DTensor) base weights and adapters: same losses, same merged and adapter exports."""
+    run_distributed(_train, 2, source, tmp_dir=tmp_path, timeout=240)
+    torch.testing.assert_close(
+        torch.tensor(torch.load(tmp_path / "dp2.pt")["losses"]),
+        torch.tensor(torch.load(one_rank / "dp1.pt")["losses"]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        two, one = (
+            load_file(tmp_path / "dp2" / "export" / name),
+            load_file(one_rank / "dp1" / "export" / name),
+        )
+        assert two.keys() == one.keys()
+        for key in one:
+            torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+
+
+def test_provider_options_are_checked_at_config_time(source: Path, tmp_path: Path) -> None:
     lora = {"kind": "lora", "target_modules": TARGETS}
     config = _config(tmp_path, source, lora)
     config["model"]["options"]["base"]["options"]["dtype"] = "float16"
