@@ -5,13 +5,18 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 import d9d.models as dm
-from d9d.modules.moe import EagerGroupedMM, GroupedExperts
+from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
+from d9d.modules.moe import EagerGroupedMM, GroupedExperts, MoELayer, TopKRouter
+from d9d.parallel.expert import AllToAllBackendConfig, parallelize_expert_parallel
 from d9d.peft import LoRA, LoRAConfig, LoRAGroupedExperts, inject_and_freeze, merge, merged
+from tests.harness import RankEnv, run_distributed
 
 CONFIG = dm.Qwen3MoEConfig(
     vocab_size=64,
@@ -123,3 +128,43 @@ def test_merged_moe_exports_and_reloads_in_hf_format(tmp_path: Path) -> None:
         tmp_path / "merged", config_overrides={"attention_backend": "eager", "grouped_mm": "eager"}
     )
     torch.testing.assert_close(reloaded(input_ids=_ids())["logits"], adapted, rtol=1e-5, atol=1e-5)
+
+
+def _expert_parallel_lora(env: RankEnv) -> None:
+    """Expert parallelism shards the per-expert factors with the weights (`Shard(0)`): each rank's
+    tokens get the same outputs and factor gradients as the whole layer in one process."""
+    torch.manual_seed(0)
+    moe = MoELayer(
+        TopKRouter(8, num_experts=4, top_k=2),
+        GroupedExperts(4, 8, 6, grouped_mm=EagerGroupedMM()),
+    ).to(torch.float64)
+    inject_and_freeze(moe, LoRA(LoRAConfig(target_modules=r"experts\.(up_proj|down_proj)", rank=2)))
+    with torch.no_grad():
+        moe.experts.up_proj_lora_B.normal_()
+        moe.experts.down_proj_lora_B.normal_()
+    reference = copy.deepcopy(moe)
+    xs = [
+        torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(2)
+    ]
+    expected = [reference(x) for x in xs]
+    torch.cat(expected).sum().backward()
+
+    ctx = DistributedContext.create(
+        DeviceMeshParameters(expert_parallel=2, data_parallel_shard=2), backend="gloo"
+    )
+    parallelize_expert_parallel(
+        moe, ctx.mesh_for(MeshDomain.EXPERT)["ep_shard"], backend=AllToAllBackendConfig()
+    )
+    out = moe(xs[env.rank])
+    torch.testing.assert_close(out, expected[env.rank], rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    for name in ("up_proj_lora_A", "up_proj_lora_B", "down_proj_lora_A", "down_proj_lora_B"):
+        param = getattr(moe.experts, name)
+        assert isinstance(param, DTensor) and param.placements == (Shard(0),), name
+        want = getattr(reference.experts, name).grad.chunk(2)[env.rank]
+        torch.testing.assert_close(param.grad.to_local(), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.distributed
+def test_expert_lora_under_expert_parallelism() -> None:
+    run_distributed(_expert_parallel_lora, 2, timeout=120)
