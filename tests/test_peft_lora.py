@@ -214,3 +214,13 @@ def test_configs_and_targets_are_checked() -> None:
     )
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj already carries an adapter"):
         build_peft_method(twice).inject(_model())
+
+
+def test_tied_embeddings_are_one_trainable_parameter() -> None:
+    tied = CONFIG.model_copy(update={"tie_word_embeddings": True})
+    torch.manual_seed(0)
+    model = dm.Qwen3ForCausalLM(tied)
+    result = inject_and_freeze(model, FullTune(FullTuneConfig(target_modules=r"model\.embed_tokens|lm_head")))
+    assert result.trainable == {"model.embed_tokens.weights.regular", "lm_head.weights.regular"}
+    (table,) = result.parameters(model)
+    assert table is model.lm_head.weights["regular"] and table.requires_grad  # the head trains with it

@@ -32,7 +32,8 @@ class InjectionResult:
             raise KeyError(
                 f"the model has no parameter(s) {missing[:5]}: it is not the model that was injected"
             )
-        return [params[name] for name in sorted(self.trainable)]
+        unique = {id(params[name]): params[name] for name in sorted(self.trainable)}  # tied aliases once
+        return list(unique.values())
 
 
 class PeftMethod(Protocol):
