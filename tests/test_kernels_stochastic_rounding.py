@@ -202,7 +202,9 @@ def test_triton_kernel_on_cuda_matches_reference() -> None:
             strict=True,
         ):
             if a.dtype == torch.float32:
-                torch.testing.assert_close(b, a, rtol=2e-6, atol=1e-12, msg=name)
+                # The GPU contracts a*x + b*y into an FMA; where the result cancels towards zero the two
+                # differ by about one ulp of the *operands* (|terms| <= ~0.5 here), not of the result.
+                torch.testing.assert_close(b, a, rtol=2e-6, atol=1e-7)
                 continue
             # Same random bits; the fp32 values may differ by an ulp (FMA), which flips a rounding rarely.
             steps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()

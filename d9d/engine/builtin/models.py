@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from d9d.core.context import DistributedContext
@@ -21,9 +21,10 @@ from d9d.engine.events import EventBus, OptimizerStepFinished
 from d9d.models.hf.config import config_from_hf, config_to_hf
 from d9d.models.hf.io import build_causal_lm
 from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, hf_to_d9d_mapper
-from d9d.models.qwen3 import Qwen3Config
+from d9d.models.qwen3 import Qwen3Config, Qwen3StageModel
 from d9d.models.qwen3_moe import Qwen3MoEConfig
 from d9d.modules.moe import MoELayer, TopKRouter
+from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import load_model_state, read_header, resolve_checkpoint, save_model_state
 
@@ -37,6 +38,8 @@ class _CausalLMOptions(BaseModel):
     # A Hugging Face directory to initialize from; `architecture` then overrides d9d-only fields.
     source_checkpoint: Path | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # How data/tensor/expert parallelism is applied (the mesh sizes come from the job's `mesh`).
+    parallel: ParallelPlanConfig = Field(default_factory=ParallelPlanConfig)
 
     @model_validator(mode="after")
     def _need_one(self) -> _CausalLMOptions:
@@ -79,10 +82,10 @@ class _CausalLMProvider:
         return module.to(self.dtype)
 
     def parallelize(self, module: nn.Module, ctx: DistributedContext) -> None:
-        from d9d.parallel import parallelize_replicate
-
-        if ctx.is_distributed and ctx.params.data_parallel > 1:
-            parallelize_replicate(module, ctx.mesh_for(MeshDomain.BATCH)["dp"])
+        """Expert, tensor, then data parallelism (replicate / FSDP / HSDP) as the mesh asks."""
+        if ctx.is_distributed:
+            assert isinstance(module, Qwen3StageModel)
+            parallelize_qwen3(module, ctx, self.options.parallel)
 
     def initialize(self, module: nn.Module, ctx: DistributedContext) -> None:
         module.reset_parameters()  # type: ignore[operator]

@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.engine.config import ComponentConfig
+from d9d.engine.events import EventBus
+from d9d.engine.providers import ModelProvider
 from d9d.engine.registry import build_component, resolve_provider_class
 from d9d.models.hf import d9d_to_hf_mapper
 from d9d.models.qwen3 import Qwen3Config
@@ -64,7 +65,7 @@ class PeftModelProvider:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.base: Any = build_component("model", config.base, "model.options.base")
+        self.base: ModelProvider = build_component("model", config.base, "model.options.base")
         self.method = build_peft_method(config.method)
         hf_config = getattr(self.base, "model_config", None)
         if config.export_adapters and not isinstance(hf_config, Qwen3Config):
@@ -98,7 +99,11 @@ class PeftModelProvider:
             save_peft_adapter(modules, path / ADAPTER_DIR, d9d_to_hf_mapper(self.hf_config), ctx=ctx)
 
     def subscribe(
-        self, events: Any, modules: Sequence[nn.Module], ctx: DistributedContext, metrics: dict[str, float]
+        self,
+        events: EventBus,
+        modules: Sequence[nn.Module],
+        ctx: DistributedContext,
+        metrics: dict[str, float],
     ) -> None:
         subscribe = getattr(self.base, "subscribe", None)
         if subscribe is not None:
