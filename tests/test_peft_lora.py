@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -224,3 +226,18 @@ def test_tied_embeddings_are_one_trainable_parameter() -> None:
     assert result.trainable == {"model.embed_tokens.weights.regular", "lm_head.weights.regular"}
     (table,) = result.parameters(model)
     assert table is model.lm_head.weights["regular"] and table.requires_grad  # the head trains with it
+
+
+def _fail_inside(view: Callable[[nn.Module], AbstractContextManager[None]], model: nn.Module) -> None:
+    with view(model):
+        assert not any(isinstance(m, LoRALinear) for m in model.modules())
+        raise RuntimeError("boom")
+
+
+def test_views_put_the_adapters_back_after_an_error() -> None:
+    model = _model()
+    inject_and_freeze(model, LoRA(LoRAConfig(target_modules=ATTN_AND_DOWN, rank=2)))
+    for view in (base_view, merged):
+        with pytest.raises(RuntimeError, match="boom"):
+            _fail_inside(view, model)
+        assert sum(isinstance(m, LoRALinear) for m in model.modules()) == 3 * CONFIG.num_layers

@@ -84,16 +84,15 @@ def reset_adapters(model: nn.Module) -> None:
 def _swapped(
     model: nn.Module, build: Callable[[AdaptedModule], nn.Module], sync_back: bool
 ) -> Iterator[None]:
-    adapted = adapted_modules(model)
-    views = []
-    for name, module in adapted:
-        view = build(module)
-        replace_module(model, name, view)
-        views.append(view)
+    swapped: list[tuple[str, AdaptedModule, nn.Module]] = []
     try:
+        for name, module in adapted_modules(model):
+            view = build(module)
+            replace_module(model, name, view)
+            swapped.append((name, module, view))
         yield
     finally:
-        for (name, module), view in zip(adapted, views, strict=True):
+        for name, module, view in swapped:
             if sync_back:  # base code may have replaced the view's tensors instead of filling them
                 _point(module, view, _direct_tensor_names(view), {})  # type: ignore[arg-type]
             replace_module(model, name, module)  # type: ignore[arg-type]
