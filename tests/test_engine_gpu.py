@@ -13,19 +13,26 @@ import pytest
 import torch
 import yaml
 
-ARCH = {
-    "vocab_size": 32,
-    "hidden_size": 64,
-    "num_layers": 4,
-    "num_attention_heads": 4,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "router_aux_loss_coef": 0.01,
-}
+
+def _hf_moe(path: Path) -> None:
+    """GPU and CPU random init draw different streams, so both runs start from one checkpoint."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
 
 
 def _job(run_dir: Path, mesh: dict[str, int]) -> dict[str, Any]:
@@ -36,7 +43,7 @@ def _job(run_dir: Path, mesh: dict[str, int]) -> dict[str, Any]:
         "trainer": {"total_steps": 8},
         "logging": {"progress_bar": "off"},
         "checkpointing": {"period": 4},
-        "model": {"provider": "qwen3_moe", "options": {"architecture": ARCH}},
+        "model": {"provider": "qwen3_moe", "options": {"source_checkpoint": str(run_dir.parent / "hf")}},
         "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
         "optimizer": {"provider": "adamw", "options": {"lr": 3e-3}},
     }
@@ -78,6 +85,7 @@ def _torchrun(tmp: Path, name: str, mesh: dict[str, int], cuda: bool) -> list[fl
 def test_engine_on_two_gpus_matches_gloo(tmp_path: Path, mesh: dict[str, int]) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    _hf_moe(tmp_path / "hf")
     gpu = _torchrun(tmp_path, "nccl", mesh, cuda=True)
     cpu = _torchrun(tmp_path, "gloo", mesh, cuda=False)
     assert len(gpu) == len(cpu) == 8
