@@ -5,6 +5,7 @@ exported; the loss drops and only the adapters moved."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import peft
@@ -13,10 +14,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from d9d.core import DeviceMeshParameters
+from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import ConfigError, parse_config
 from d9d.engine.launch import run_rank
 from d9d.engine.runtime import RankRuntime
+from d9d.pipeline.api import PipelineStageInfo
 from tests.engine_fixtures import VOCAB
 from tests.harness import RankEnv, run_distributed
 
@@ -41,10 +45,9 @@ def _source(path: Path) -> Path:
     return path
 
 
-def _config(run_dir: Path, source: Path, method: dict[str, Any], dp: int = 1) -> dict[str, Any]:
+def _config(run_dir: Path, source: Path, method: dict[str, Any]) -> dict[str, Any]:
     return {
         "run": {"name": "lora", "dir": str(run_dir)},
-        "mesh": {"data_parallel_replicate": dp},
         "batching": {"global_batch_size": 8, "microbatch_size": 4},
         "trainer": {"total_steps": 20},
         "logging": {"progress_bar": "off", "period": 4},
@@ -63,9 +66,10 @@ def _config(run_dir: Path, source: Path, method: dict[str, Any], dp: int = 1) ->
     }
 
 
-def _train(env: RankEnv, source: Path) -> None:
+def _train(env: RankEnv, source: Path, mesh: dict[str, int]) -> None:
     method = {"kind": "lora", "target_modules": TARGETS, "rank": RANK, "alpha": ALPHA}
-    config = parse_config(_config(env.tmp_dir / f"dp{env.world_size}", source, method, env.world_size))
+    raw = _config(env.tmp_dir / f"dp{env.world_size}", source, method)
+    config = parse_config({**raw, "mesh": mesh})
     reporter = LocalRunReporter(config.checkpoint_dir, 1)
     runtime = RankRuntime(
         rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
@@ -83,7 +87,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def one_rank(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("engine")
-    run_distributed(_train, 1, source, tmp_dir=tmp, timeout=240)
+    run_distributed(_train, 1, source, {}, tmp_dir=tmp, timeout=240)
     return tmp
 
 
@@ -120,9 +124,14 @@ def test_lora_through_the_engine(source: Path, one_rank: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_lora_under_data_parallelism_matches_one_rank(source: Path, one_rank: Path, tmp_path: Path) -> None:
-    """Replicated (DTensor) base weights and adapters: same losses, same merged and adapter exports."""
-    run_distributed(_train, 2, source, tmp_dir=tmp_path, timeout=240)
+@pytest.mark.parametrize(
+    "mesh", [{"data_parallel_replicate": 2}, {"data_parallel_shard": 2}], ids=["dp2", "fsdp2"]
+)
+def test_lora_under_data_parallelism_matches_one_rank(
+    source: Path, one_rank: Path, tmp_path: Path, mesh: dict[str, int]
+) -> None:
+    """Replicated or FSDP-sharded (DTensor) base weights and adapters: same losses, same exports."""
+    run_distributed(_train, 2, source, mesh, tmp_dir=tmp_path, timeout=240)
     torch.testing.assert_close(
         torch.tensor(torch.load(tmp_path / "dp2.pt")["losses"]),
         torch.tensor(torch.load(one_rank / "dp1.pt")["losses"]),
@@ -137,6 +146,19 @@ def test_lora_under_data_parallelism_matches_one_rank(source: Path, one_rank: Pa
         assert two.keys() == one.keys()
         for key in one:
             torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+
+
+def test_tensor_parallelism_of_adapted_layers_is_refused(source: Path) -> None:
+    method = {"kind": "lora", "target_modules": TARGETS}
+    options = _config(Path("unused"), source, method)["model"]["options"]
+    provider = PeftModelProvider(PeftModelProvider.Config.model_validate(options))
+    with torch.device("meta"):
+        module = provider.build_stage(PipelineStageInfo())
+    ctx = SimpleNamespace(params=DeviceMeshParameters(tensor_parallel=2))
+    with pytest.raises(
+        ValueError, match=r"mesh\.tensor_parallel=2: LoRA-adapted layers cannot be tensor-parallel"
+    ):
+        provider.parallelize(module, ctx)  # type: ignore[arg-type]
 
 
 def test_provider_options_are_checked_at_config_time(source: Path, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from d9d.models.hf import d9d_to_hf_mapper
 from d9d.models.qwen3 import Qwen3Config
 from d9d.peft import (
     PeftConfig,
+    adapted_modules,
     base_view,
     build_peft_method,
     check_peft_exportable,
@@ -83,6 +84,12 @@ class PeftModelProvider:
         return module
 
     def parallelize(self, module: nn.Module, ctx: DistributedContext) -> None:
+        if ctx.params.tensor_parallel > 1 and adapted_modules(module):
+            # TP styles would shard LoRA factors like the weights they sit on; not supported yet
+            raise ValueError(
+                f"mesh.tensor_parallel={ctx.params.tensor_parallel}: LoRA-adapted layers cannot be tensor-"
+                "parallel; use data (replicate/FSDP), expert or pipeline parallelism"
+            )
         self.base.parallelize(module, ctx)
 
     def initialize(self, module: nn.Module, ctx: DistributedContext) -> None:
