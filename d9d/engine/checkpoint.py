@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from d9d.core.context import DistributedContext
 from d9d.core.dist_ops import gather_object
 from d9d.engine.runtime import CheckpointFile, RankCheckpointReport, RunReporter
+from d9d.peft import trainable_state_dict
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -136,23 +137,33 @@ def verify_manifest(step_dir: Path) -> None:
 class _ModelAndOptimizerState(Stateful):
     """DCP view of all local stages: merged FQN-keyed model state and flattened optimizer state."""
 
-    def __init__(self, modules: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        trainable_only: bool = False,
+    ) -> None:
         self.modules = modules
         self.optimizers = optimizers
+        self.trainable_only = trainable_only
+
+    def _model_state(self, module: nn.Module) -> dict[str, Any]:
+        state = get_model_state_dict(module)
+        return trainable_state_dict(module, state) if self.trainable_only else state
 
     def state_dict(self) -> dict[str, Any]:
         model: dict[str, Any] = {}
         optim: dict[str, Any] = {}
         for module, optimizer in zip(self.modules, self.optimizers, strict=True):
-            model.update(get_model_state_dict(module))
+            model.update(self._model_state(module))
             optim.update(get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS))
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         model, optim = state_dict["model"], state_dict["optim"]
         for module, optimizer in zip(self.modules, self.optimizers, strict=True):
-            own_model = {k: model[k] for k in get_model_state_dict(module)}
-            set_model_state_dict(module, own_model)
+            own_model = {k: model[k] for k in self._model_state(module)}
+            set_model_state_dict(module, own_model, options=StateDictOptions(strict=not self.trainable_only))
             own_optim = {
                 k: optim[k] for k in get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS)
             }
@@ -162,10 +173,13 @@ class _ModelAndOptimizerState(Stateful):
 class Checkpointer:
     """Saves and restores the engine's state through a `RunReporter` commit protocol."""
 
-    def __init__(self, ctx: DistributedContext, root: Path, reporter: RunReporter) -> None:
+    def __init__(
+        self, ctx: DistributedContext, root: Path, reporter: RunReporter, trainable_only: bool = False
+    ) -> None:
         self.ctx = ctx
         self.root = root
         self.reporter = reporter
+        self.trainable_only = trainable_only
 
     def save(
         self,
@@ -181,7 +195,10 @@ class Checkpointer:
             if step_dir.exists() and not is_committed(step_dir):
                 shutil.rmtree(step_dir)  # leftovers of an interrupted save of the same step
         self.ctx.barrier()
-        dcp_save({"app": _ModelAndOptimizerState(modules, optimizers)}, checkpoint_id=str(step_dir))
+        dcp_save(
+            {"app": _ModelAndOptimizerState(modules, optimizers, self.trainable_only)},
+            checkpoint_id=str(step_dir),
+        )
         rank = self.ctx.rank
         torch.save(dict(rank_state), step_dir / rank_state_name(rank))
         names = [p.name for p in step_dir.glob(f"__{rank}_*.distcp")] + [rank_state_name(rank)]
@@ -220,7 +237,10 @@ class Checkpointer:
         RNG streams cannot be mapped onto a new set of ranks, the rest of the state can.
         """
         try:
-            dcp_load({"app": _ModelAndOptimizerState(modules, optimizers)}, checkpoint_id=str(step_dir))
+            dcp_load(
+                {"app": _ModelAndOptimizerState(modules, optimizers, self.trainable_only)},
+                checkpoint_id=str(step_dir),
+            )
         except Exception as e:
             raise CheckpointError(f"cannot load {step_dir} into this model: {e}") from e
         engine_state: dict[str, Any] = torch.load(step_dir / ENGINE_STATE, weights_only=True)

@@ -82,6 +82,9 @@ class CheckpointingConfig(_Section):
     async_save: bool = False
     # Export the final model in Hugging Face format here (via the model provider's state mapper).
     export_hf_dir: Path | None = None
+    # Save only what training changes (trainable parameters, buffers, optimizer state). Frozen weights are
+    # re-created on resume by the model provider's `initialize` (source checkpoint or seeded init).
+    trainable_only: bool = False
 
 
 class GradientClippingConfig(_Section):

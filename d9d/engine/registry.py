@@ -20,6 +20,7 @@ BUILTIN_PROVIDERS: dict[str, dict[str, str]] = {
     "model": {
         "qwen3": "d9d.engine.builtin.models:Qwen3Provider",
         "qwen3_moe": "d9d.engine.builtin.models:Qwen3MoEProvider",
+        "peft": "d9d.engine.builtin.peft:PeftModelProvider",
     },
     "data": {"text": "d9d.engine.builtin.text_data:TextDataProvider"},
     "task": {"causal_lm": "d9d.engine.builtin.causal_lm:CausalLMTask"},

@@ -140,7 +140,9 @@ class Trainer:
             self.runner = PipelinedStepRunner(executor, self.task, ctx.device, self.metrics)
         else:
             self.runner = SequentialStepRunner(self.modules[0], self.task, ctx.device, self.metrics)
-        self.checkpointer = Checkpointer(ctx, c.checkpoint_dir, self.reporter)
+        self.checkpointer = Checkpointer(
+            ctx, c.checkpoint_dir, self.reporter, trainable_only=c.checkpointing.trainable_only
+        )
         self._resume()
 
     def _build_stages(self) -> list[nn.Module]:
