@@ -38,3 +38,10 @@ def _run(script: str, *args: str, tmp_path: Path) -> str:
 def test_perplexity(tmp_path: Path) -> None:
     out = _run("examples/perplexity/run.py", "--small", tmp_path=tmp_path)
     assert "perplexity matches transformers" in out
+
+
+@pytest.mark.ray
+def test_bring_your_own_model(tmp_path: Path) -> None:
+    out = _run("examples/bring_your_own_model/run.py", "--small", tmp_path=tmp_path)
+    assert "custom model trained on 2 rank actors: loss dropped, export reloads" in out
+    assert (tmp_path / "export" / "model.safetensors").is_file()
