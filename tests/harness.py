@@ -76,6 +76,7 @@ def _child(
 ) -> None:
     stack_file = open(Path(tmp_dir) / f".stack-rank{rank}.txt", "w")  # noqa: SIM115 - lives with the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)  # segfaults and aborts leave their stack too
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -210,7 +211,12 @@ def _collect(procs: list[Any], results: Any, tmp: Path, timeout: float) -> None:
                     break
             for r in dead:
                 if r not in reported:
-                    record("error", r, f"rank {r} exited with code {procs[r].exitcode} without reporting")
+                    stack = _read_stacks(tmp, [r])
+                    record(
+                        "error",
+                        r,
+                        f"rank {r} exited with code {procs[r].exitcode} without reporting\n{stack}",
+                    )
     # dicts keep insertion order: the first error to arrive is the cause, later ones are usually peers
     # failing in a collective with the dead rank.
     errors = {r: text for r, text in reported.items() if text is not None}

@@ -57,7 +57,11 @@ def _losses(run_dir: Path) -> list[float]:
 def _torchrun(tmp: Path, name: str, mesh: dict[str, int], cuda: bool) -> list[float]:
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(_job(tmp / name, mesh)))
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the same job on gloo/CPU as the reference
     cmd = [

@@ -33,7 +33,12 @@ def _losses(run_dir: Path) -> list[float]:
 def test_torchrun_matches_single_process(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(JOB))
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
     single = [
         sys.executable,
         "-m",
