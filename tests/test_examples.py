@@ -45,3 +45,11 @@ def test_bring_your_own_model(tmp_path: Path) -> None:
     out = _run("examples/bring_your_own_model/run.py", "--small", tmp_path=tmp_path)
     assert "custom model trained on 2 rank actors: loss dropped, export reloads" in out
     assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.ray
+def test_interactive(tmp_path: Path) -> None:
+    out = _run("examples/interactive.py", "--small", tmp_path=tmp_path)
+    assert "interactive session: every transition happened" in out
+    for transition in ("paused at step", "committed while paused", "resumed", "stopped on request"):
+        assert transition in out
