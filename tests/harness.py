@@ -73,6 +73,7 @@ def _child(
     init_pg: bool,
     pg_timeout_s: float,
     store_name: str,
+    backend: str,
 ) -> None:
     stack_file = open(Path(tmp_dir) / f".stack-rank{rank}.txt", "w")  # noqa: SIM115 - lives with the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -89,13 +90,24 @@ def _child(
     try:
         if init_pg:
             store = dist.FileStore(str(Path(tmp_dir) / store_name), world_size)
-            dist.init_process_group(
-                "gloo",
-                store=store,
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=pg_timeout_s),
-            )
+            timeout = datetime.timedelta(seconds=pg_timeout_s)
+            if backend == "nccl":
+                import torch
+
+                device = torch.device("cuda", rank)
+                torch.cuda.set_device(device)
+                dist.init_process_group(
+                    "cuda:nccl,cpu:gloo",
+                    store=store,
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
+                    device_id=device,
+                )
+            else:
+                dist.init_process_group(
+                    "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+                )
         _resolve(ref)(RankEnv(rank, world_size, Path(tmp_dir)), *args)
         results.put(("ok", rank, ""))
     except BaseException:
@@ -122,10 +134,12 @@ def run_distributed(
     timeout: float = 90.0,
     tmp_dir: str | Path | None = None,
     init_process_group: bool = True,
+    backend: str = "gloo",
 ) -> None:
     """Run `fn(RankEnv, *args)` on `world_size` ranks; raise `DistributedTestFailure` on any failure.
 
     `fn` must be importable by name (a module-level function), because ranks are separate processes.
+    `backend="nccl"` gives rank r GPU r and a `cuda:nccl,cpu:gloo` default group (GPU tests).
     """
     if not 1 <= world_size <= 8:
         raise ValueError(f"world_size must be in [1, 8], got {world_size}")

@@ -79,6 +79,13 @@ class DistributedContext:
                 dist.init_process_group(backend="cuda:nccl,cpu:gloo", device_id=device, **kwargs)  # type: ignore[arg-type]
             else:
                 dist.init_process_group(backend="gloo", **kwargs)  # type: ignore[arg-type]
+        existing = str(dist.get_backend())
+        if resolved == "nccl" and "nccl" not in existing:
+            raise RuntimeError(
+                f"backend='nccl' was requested but the default process group was initialized with "
+                f"{existing!r}; initialize it with NCCL (e.g. 'cuda:nccl,cpu:gloo' and device_id) or ask for "
+                "backend='gloo'"
+            )
         world_size = dist.get_world_size()
         params.check_world_size(world_size)
         ctx = cls(

@@ -18,6 +18,7 @@ from pydantic import Field
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.core.pytree import tree_to
 from d9d.determinism import RankSeeds, parameter_init_rng, seed_everything
 from d9d.engine.config import ComponentConfig, DeterminismConfig, RunConfig, TimeoutsConfig, _Section
 from d9d.engine.providers import DataProvider, DataSetup, InferenceTask, ModelProvider
@@ -101,6 +102,7 @@ class Inference:
             if not self._any_rank_has(bool(microbatches)):
                 break
             for microbatch in microbatches:
+                microbatch = tree_to(microbatch, self.ctx.device, non_blocking=True)
                 outputs = self.module(**self.task.forward_inputs(microbatch))
                 self.task.process_outputs(outputs, microbatch)
             self.steps += 1

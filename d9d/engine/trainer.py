@@ -24,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
+from d9d.core.pytree import tree_map_tensors, tree_to
+from d9d.core.types import PyTree
 from d9d.determinism import (
     RankSeeds,
     capture_rng_state,
@@ -296,6 +298,7 @@ class Trainer:
                 f"expected gradient_accumulation={self.grad_accumulation} (a finite dataset ran out? "
                 "repeat it, e.g. data.options.epochs=null for the text provider, or train for fewer steps)"
             )
+        microbatches = [self._to_device(mb) for mb in microbatches]
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self.reducer.begin_step()
@@ -315,6 +318,13 @@ class Trainer:
             scheduler.step()
         self.events.publish(OptimizerStepFinished(step, grad_norm, self._current_lr()))
         return global_loss / global_weight, global_weight, grad_norm
+
+    def _to_device(self, microbatch: PyTree) -> PyTree:
+        if self.ctx.device.type == "cpu":
+            return microbatch
+        if self.config.data_loading.pin_memory:
+            microbatch = tree_map_tensors(lambda t: t.pin_memory(), microbatch)
+        return tree_to(microbatch, self.ctx.device, non_blocking=True)
 
     def _global_loss(self, loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Sum of loss and weight over every rank that computes a distinct loss.
