@@ -53,3 +53,9 @@ def test_interactive(tmp_path: Path) -> None:
     assert "interactive session: every transition happened" in out
     for transition in ("paused at step", "committed while paused", "resumed", "stopped on request"):
         assert transition in out
+
+
+def test_lora_sft(tmp_path: Path) -> None:
+    out = _run("examples/lora_sft/run.py", "--small", tmp_path=tmp_path)
+    assert "LoRA fine-tune exported and verified" in out
+    assert (tmp_path / "export" / "adapter" / "adapter_model.safetensors").is_file()
