@@ -167,6 +167,7 @@ def run_distributed(
                 init_process_group,
                 pg_timeout_s,
                 store_name,
+                backend,
             ),
             daemon=True,
         )
