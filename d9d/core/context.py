@@ -120,7 +120,7 @@ class DistributedContext:
         for domain in MeshDomain:
             layout = compute_layout(self.params, domain)
             self._layouts[domain] = layout
-            self._meshes[domain] = DeviceMesh(self.device.type, layout.ranks, mesh_dim_names=layout.dim_names)
+            self._meshes[domain] = _cached_mesh(self.device.type, layout)
 
     # -- topology queries ---------------------------------------------------------------------------
 
@@ -204,8 +204,30 @@ class DistributedContext:
 
     def destroy(self) -> None:
         if self.is_distributed and dist.is_initialized():
+            _MESH_CACHE.clear()
             dist.destroy_process_group()
         self._meshes.clear()
+
+
+# Building a DeviceMesh creates process groups (collective, and NCCL communicators on GPU). Contexts with the
+# same layout on the same default group share meshes instead of creating new communicators each time; every
+# rank builds contexts in the same order, so the cache is consistent across ranks.
+_MESH_CACHE: dict[tuple[object, ...], DeviceMesh] = {}
+
+
+def _cached_mesh(device_type: str, layout: DomainLayout) -> DeviceMesh:
+    key = (
+        id(dist.group.WORLD),
+        device_type,
+        layout.dim_names,
+        layout.shape,
+        tuple(layout.ranks.flatten().tolist()),
+    )
+    mesh = _MESH_CACHE.get(key)
+    if mesh is None:
+        mesh = DeviceMesh(device_type, layout.ranks, mesh_dim_names=layout.dim_names)
+        _MESH_CACHE[key] = mesh
+    return mesh
 
 
 def _select_device(backend: Literal["nccl", "gloo"], device_index: int | None) -> torch.device:
