@@ -29,7 +29,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))  # the config names examples.lora_sft.data:InstructionData
 
 from d9d.core import DistributedContext  # noqa: E402
-from d9d.data import ByteTokenizer, pad_stack  # noqa: E402
+from d9d.data import ByteTokenizer  # noqa: E402
 from d9d.engine.checkpoint import LocalRunReporter  # noqa: E402
 from d9d.engine.config import parse_config  # noqa: E402
 from d9d.engine.trainer import Trainer  # noqa: E402
@@ -59,14 +59,14 @@ def make_random_base(path: Path) -> None:
 
 
 def prompts(path: Path, count: int = 4) -> torch.Tensor:
-    """A few prompts of the training set, tokenized the way training saw them, padded to one batch."""
+    """A few prompts of the training set, tokenized the way training saw them, cut to one length."""
     tokenizer = ByteTokenizer()
     rows = [
         torch.tensor([tokenizer.bos_id, *tokenizer.encode(TEMPLATE.format(prompt=p))])
         for p, _ in read_pairs(path)[:count]
     ]
     shortest = min(len(r) for r in rows)
-    return pad_stack([r[:shortest] for r in rows], tokenizer.pad_id)  # cut to one length: no padding
+    return torch.stack([r[:shortest] for r in rows])
 
 
 def greedy_reply(model: transformers.PreTrainedModel, prompt: str, max_new_tokens: int = 40) -> str:
