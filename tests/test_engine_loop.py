@@ -237,3 +237,21 @@ def test_task_metrics_are_synced_over_data_ranks(tmp_path: Path) -> None:
         assert s1 == s2
         assert 0.0 <= v1["task/accuracy"] <= 1.0
         assert abs(v1["task/accuracy"] - v2["task/accuracy"]) < 1e-6, (v1, v2)
+
+
+def test_checkpoint_of_an_incompatible_model_names_the_key(tmp_path: Path) -> None:
+    run_distributed(_train, 1, tmp_path / "run", "w16.pt", {"trainer__total_steps": 5}, tmp_dir=tmp_path)
+    with pytest.raises(
+        Exception,
+        match=r"cannot load .*step-00000005 into this model: Size mismatch between "
+        r"saved torch.Size\(\[32, 16\]\) and current: torch.Size\(\[32, 8\]\) for model key embed\.weight",
+    ):
+        run_distributed(
+            _train,
+            1,
+            tmp_path / "run",
+            "w8.pt",
+            {"trainer__total_steps": 10, "model__options": {"width": 8}},
+            tmp_dir=tmp_path,
+            timeout=60,
+        )

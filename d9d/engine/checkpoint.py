@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -132,6 +133,19 @@ def verify_manifest(step_dir: Path) -> None:
         path = step_dir / rel
         if not path.is_file() or path.stat().st_size != info["size"] or sha256_of(path) != info["sha256"]:
             raise CheckpointError(f"{path} does not match the manifest of {step_dir}")
+
+
+def _dcp_problem(error: BaseException) -> str:
+    """The informative line of a DCP load failure (it nests every rank's traceback), keys made readable."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if line.startswith(("ValueError", "RuntimeError", "KeyError")) or "mismatch" in line.lower():
+            return (
+                line.split(": ", 1)[-1]
+                .replace("app.model.", "model key ")
+                .replace("app.optim.", "optimizer key ")
+            )
+    return lines[-1] if lines else repr(error)
 
 
 class _ModelAndOptimizerState(Stateful):
@@ -241,8 +255,8 @@ class Checkpointer:
                 {"app": _ModelAndOptimizerState(modules, optimizers, self.trainable_only)},
                 checkpoint_id=str(step_dir),
             )
-        except Exception as e:
-            raise CheckpointError(f"cannot load {step_dir} into this model: {e}") from e
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"cannot load {step_dir} into this model: {_dcp_problem(e)}") from e
         engine_state: dict[str, Any] = torch.load(step_dir / ENGINE_STATE, weights_only=True)
         rank_file = step_dir / rank_state_name(self.ctx.rank)
         same_world = engine_state.get("world_size") == self.ctx.world_size

@@ -78,8 +78,6 @@ class CheckpointingConfig(_Section):
     period: int | None = Field(None, ge=1)
     keep_last: int = Field(3, ge=1)
     save_at_end: bool = True
-    # Block the step only for the device->host copy and write in a background thread.
-    async_save: bool = False
     # Export the final model in Hugging Face format here (via the model provider's state mapper).
     export_hf_dir: Path | None = None
     # Save only what training changes (trainable parameters, buffers, optimizer state). Frozen weights are
