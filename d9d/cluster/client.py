@@ -96,8 +96,9 @@ class TrainingJob:
         }
         head = _head_node_id()
         if head is not None:
-            # The head outlives worker nodes; in coordinator-storage mode it also holds the checkpoints.
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+            # The head outlives worker nodes (in coordinator-storage mode it also holds the checkpoints);
+            # a hard affinity, since a busy head would otherwise see the coordinator spill to a worker.
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
         try:
             self._handle = (
                 ray.remote(Coordinator).options(**options).remote(spec, functools.partial(build_sink, spec))
