@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from d9d.engine.checkpoint import LocalRunReporter, step_dir_name
+from d9d.engine.checkpoint import step_dir_name
 from d9d.engine.config import parse_config
 from d9d.engine.runtime import (
     CheckpointFile,
@@ -42,7 +42,6 @@ from d9d.engine.runtime import (
     RankRuntime,
     RunReporter,
 )
-from tests.harness import RankEnv, run_distributed
 
 
 class _Opts(BaseModel):
@@ -126,6 +125,22 @@ def sample(index: int, dim: int, seed: int, noise: float) -> tuple[torch.Tensor,
     x = torch.randn(dim, generator=g)
     teacher = torch.linspace(-1.0, 1.0, dim)
     return x, (x @ teacher + noise * torch.randn((), generator=g)).reshape(())
+
+
+def local_gradient(
+    w: torch.Tensor, indices: list[int], micro: int, model: ToyModel.Config, data: ToyData.Config
+) -> torch.Tensor:
+    """[sum of squared-error gradients, sum of squared errors] over `indices`, microbatch by microbatch."""
+    grad = torch.zeros(model.dim)
+    loss_sum = torch.zeros(())
+    for start in range(0, len(indices), micro):
+        pairs = [sample(i, model.dim, data.seed, data.noise) for i in indices[start : start + micro]]
+        x = torch.stack([p[0] for p in pairs])
+        y = torch.stack([p[1] for p in pairs])
+        err = x @ w - y
+        loss_sum += (err * err).sum()
+        grad += 2 * (x.T @ err)
+    return torch.cat([grad, loss_sum.reshape(1)])
 
 
 def _sha256(path: Path) -> str:
@@ -242,32 +257,24 @@ class _Toy:
         per_rank = self.global_batch // self.world
         first = self.position + self.rank * per_rank
         indices = list(range(first, first + per_rank))
-        grad = torch.zeros(self.model.dim)
-        loss_sum = torch.zeros(())
-        for start in range(0, per_rank, self.micro):
-            pairs = [
-                sample(i, self.model.dim, self.data.seed, self.data.noise)
-                for i in indices[start : start + self.micro]
-            ]
-            x = torch.stack([p[0] for p in pairs])
-            y = torch.stack([p[1] for p in pairs])
-            err = x @ self.w - y
-            loss_sum += (err * err).sum()
-            grad += 2 * (x.T @ err)
+        packed = local_gradient(self.w, indices, self.micro, self.model, self.data)
         if self._fault("hang", self.step + 1):
             time.sleep(3600)
         if self._fault("raise", self.step + 1):
             raise RuntimeError(f"injected failure at step {self.step + 1}")
-        packed = torch.cat([grad, loss_sum.reshape(1)])
         dist.all_reduce(packed)
-        grad, loss = packed[:-1] / self.global_batch, float(packed[-1]) / self.global_batch
-        self.mom = self.optim.momentum * self.mom + grad
-        self.w = self.w - self.lr * self.mom
+        loss = self.update(packed)
         self.position += self.global_batch
         self.step += 1
         with self.sample_log.open("a") as f:
             f.write(json.dumps({"step": self.step, "indices": indices}) + "\n")
         return loss
+
+    def update(self, summed: torch.Tensor) -> float:
+        """SGD with momentum on the all-reduced [gradient sum, loss sum]; returns the step's mean loss."""
+        self.mom = self.optim.momentum * self.mom + summed[:-1] / self.global_batch
+        self.w = self.w - self.lr * self.mom
+        return float(summed[-1]) / self.global_batch
 
     def run(self) -> RankResult:
         self.resume()
@@ -307,33 +314,44 @@ def toy_run_rank(config: dict[str, Any], runtime: RankRuntime, reporter: RunRepo
     return _Toy(config, runtime, reporter).run()
 
 
-# -- a bare-process launcher (the reference runs and the overhead baseline) -------------------------------
+# -- the failure-free reference ----------------------------------------------------------------------------
 
 
-def _local_body(env: RankEnv, config: dict[str, Any], run_dir: str) -> None:
-    cfg = parse_config(config, check_components=False)
-    runtime = RankRuntime(
-        rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=Path(run_dir)
-    )
-    reporter = LocalRunReporter(cfg.checkpoint_dir, cfg.checkpointing.keep_last)
-    result = toy_run_rank(config, runtime, reporter)
-    if env.rank == 0:
-        (Path(run_dir) / "local_result.json").write_text(
-            json.dumps(
-                {"losses": list(result.losses), "steps": result.steps, "tokens_per_s": result.tokens_per_s}
+def reference_losses(job: dict[str, Any], world: int) -> list[float]:
+    """Per-step losses of a failure-free run on `world` data-parallel ranks, simulated in this process.
+
+    Each simulated rank computes its slice exactly as a real rank does; their sums are added in rank
+    order in float32. For one or two ranks that is bit for bit what a gloo all-reduce gives (a single
+    commutative addition per element), so a real run must match exactly; for more ranks the summation
+    order differs and a comparison needs a tolerance.
+    """
+    cfg = parse_config({k: v for k, v in job.items() if k != "cluster"}, check_components=False)
+    model = ToyModel.Config.model_validate(cfg.model.options)
+    data = ToyData.Config.model_validate(cfg.data.options)
+    optim = ToySGD.Config.model_validate(cfg.optimizer.options)
+    batch, micro = cfg.batching.global_batch_size, cfg.batching.microbatch_size
+    per_rank = batch // world
+    w = torch.randn(model.dim, generator=torch.Generator().manual_seed(model.seed)) * 0.1
+    mom = torch.zeros(model.dim)
+    losses = []
+    for step in range(cfg.trainer.total_steps):
+        parts = [
+            local_gradient(
+                w,
+                list(range(step * batch + r * per_rank, step * batch + (r + 1) * per_rank)),
+                micro,
+                model,
+                data,
             )
-        )
-
-
-def run_local(job: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    """Run the engine part of a toy job on gloo processes without Ray; returns rank 0's result."""
-    engine = {k: v for k, v in job.items() if k != "cluster"}
-    run_dir = Path(engine["run"]["dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    world = parse_config(engine, check_components=False).mesh.world_size
-    run_distributed(_local_body, world, engine, str(run_dir), timeout=timeout)
-    result: dict[str, Any] = json.loads((run_dir / "local_result.json").read_text())
-    return result
+            for r in range(world)
+        ]
+        summed = parts[0]
+        for part in parts[1:]:
+            summed = summed + part
+        mom = optim.momentum * mom + summed[:-1] / batch
+        w = w - optim.lr * mom
+        losses.append(float(summed[-1]) / batch)
+    return losses
 
 
 def trained_samples(run_dir: Path) -> dict[int, list[int]]:

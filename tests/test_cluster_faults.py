@@ -16,7 +16,7 @@ from d9d.cluster import JobState, TrainingJob
 from d9d.cluster.coordinator import NAMESPACE, rank_name
 from d9d.cluster.spec import build_job
 from d9d.engine.checkpoint import read_latest, verify_manifest
-from tests.cluster_fixtures import run_local, toy_job, trained_samples
+from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -32,9 +32,8 @@ def _ray() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """Per-step losses of the failure-free run, from bare gloo processes (no Ray)."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    return list(run_local(toy_job("reference", run_dir, steps=STEPS))["losses"])
+    """Per-step losses of the failure-free run (2 data-parallel ranks, simulated exactly)."""
+    return reference_losses(toy_job("reference", tmp_path_factory.mktemp("reference"), steps=STEPS), world=2)
 
 
 def _losses(summary: Any) -> list[float]:

@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster
 from d9d.cluster import JobState, TrainingJob, build_job
 from d9d.cluster.coordinator import NAMESPACE, rank_name
 from d9d.engine.checkpoint import read_latest, verify_manifest
-from tests.cluster_fixtures import run_local, toy_job, trained_samples
+from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -71,7 +71,7 @@ def test_no_shared_storage_saves_and_restores_through_coordinator(cluster: Clust
         model={"options": {"step_sleep_s": 0.3}},
         cluster={"storage": storage, "placement_strategy": "SPREAD"},
     )
-    reference = run_local(toy_job("noshare-ref", tmp_path / "ref", steps=steps))["losses"]
+    reference = reference_losses(job, world=2)
     tj = TrainingJob(build_job(job)).start()
     _wait_for_step(tj, 5)
     ray.kill(ray.get_actor(rank_name("noshare", 1), namespace=NAMESPACE))
@@ -106,7 +106,7 @@ def test_node_loss_shrinks_keeps_global_batch_and_grows_back(cluster: Cluster, t
         model={"options": {"step_sleep_s": 0.25}},
         cluster={"min_workers": 2, "max_workers": 4, "placement_timeout_s": 30},
     )
-    reference = run_local(toy_job("elastic-ref", tmp_path / "ref", world=1, steps=steps))["losses"]
+    reference = reference_losses(job, world=1)  # one process, accumulation 8
     tj = TrainingJob(build_job(job)).start()
     _wait_for_step(tj, 4)
     assert tj.status().world_size == 4
