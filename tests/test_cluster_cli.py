@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -100,15 +101,18 @@ def _free_port() -> int:
         return port
 
 
-@pytest.fixture
-def ray_head(tmp_path: Path) -> Iterator[str]:
+@dataclass(frozen=True)
+class Head:
+    gcs: str  # for Ray drivers (d9d train --address, ray.init)
+    dashboard: str  # for the Jobs API (d9d submit/status/logs/stop)
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     """A real single-node Ray cluster (`ray start --head --block`), stopped by its own process id."""
-    dashboard = _free_port()
-    ports = [
-        f"--port={_free_port()}",
-        f"--dashboard-port={dashboard}",
-        f"--ray-client-server-port={_free_port()}",
-    ]
+    tmp_path = tmp_path_factory.mktemp("head")
+    dashboard, gcs = _free_port(), _free_port()
+    ports = [f"--port={gcs}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={_free_port()}"]
     ports += [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}"]
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", *ports, "--num-cpus=3", "--block", "--disable-usage-stats"],
@@ -124,7 +128,7 @@ def ray_head(tmp_path: Path) -> Iterator[str]:
             assert head.poll() is None, (tmp_path / "head.log").read_text()
             assert time.monotonic() < deadline, "the Ray head's dashboard never came up"
             time.sleep(1)
-        yield address
+        yield Head(gcs=f"127.0.0.1:{gcs}", dashboard=address)
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops everything it started
         try:
@@ -134,36 +138,69 @@ def ray_head(tmp_path: Path) -> Iterator[str]:
             head.wait()
 
 
-def test_submit_status_logs_stop(ray_head: str, tmp_path: Path) -> None:
+def test_submit_status_logs_stop(ray_head: Head, tmp_path: Path) -> None:
+    address = ray_head.dashboard
     work = tmp_path / "work"
     work.mkdir()
     run_dir = tmp_path / "run"
     job = toy_job("submitted", run_dir, steps=100_000, model={"options": {"step_sleep_s": 0.05}})
     _write(work / "job.yaml", job)
 
-    out = _d9d("submit", "job.yaml", "--address", ray_head, "--working-dir", str(work), cwd=work)
+    out = _d9d("submit", "job.yaml", "--address", address, "--working-dir", str(work), cwd=work)
     assert out.returncode == 0, out.stderr
     submission = out.stdout.strip()
     assert submission.startswith("d9d-submitted-")
 
     deadline = time.monotonic() + 180
     while True:
-        status = _d9d("status", "submitted", "--address", ray_head, cwd=work).stdout
+        status = _d9d("status", "submitted", "--address", address, cwd=work).stdout
         if "last: [d9d] step" in status:
             break
-        assert "FAILED" not in status, _d9d("logs", "submitted", "--address", ray_head, cwd=work).stdout
+        assert "FAILED" not in status, _d9d("logs", "submitted", "--address", address, cwd=work).stdout
         assert time.monotonic() < deadline, status
         time.sleep(1)
     assert f"Ray job {submission} RUNNING" in status
     assert "submitted/coordinator: ALIVE" in status
     assert "submitted/rank-0: ALIVE" in status and "submitted/rank-1: ALIVE" in status
 
-    logs = _d9d("logs", "submitted", "--address", ray_head, cwd=work).stdout
+    logs = _d9d("logs", "submitted", "--address", address, cwd=work).stdout
     assert "[d9d] run submitted: running" in logs
 
-    stopped = _d9d("stop", "submitted", "--address", ray_head, cwd=work)
+    stopped = _d9d("stop", "submitted", "--address", address, cwd=work)
     assert stopped.returncode == 0 and "STOPPED" in stopped.stdout
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["status"] == "stopped" and 0 < summary["steps"] < 100_000
-    final = _d9d("status", "submitted", "--address", ray_head, cwd=work).stdout
+    final = _d9d("status", "submitted", "--address", address, cwd=work).stdout
     assert "STOPPED" in final and "ALIVE" not in final
+
+
+_ATTACH = """
+import sys
+from d9d.cluster import TrainingJob, connect
+connect(sys.argv[1])
+job = TrainingJob.attach("detached")
+summary = job.result(timeout=180)
+job.close()  # a finished detached coordinator would otherwise linger for cluster.linger_s
+print(summary.status, summary.steps)
+"""
+
+
+def test_detached_run_outlives_its_driver(ray_head: Head, tmp_path: Path) -> None:
+    job = toy_job("detached", tmp_path / "run", steps=15, model={"options": {"step_sleep_s": 0.2}})
+    config = _write(tmp_path / "job.yaml", job)
+    out = _d9d("train", str(config), "--detach", "--address", ray_head.gcs, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "run detached started (detached)" in out.stdout  # and that driver process has exited
+
+    # Another client process (a notebook reconnecting) finds the run by name and waits for its end.
+    attach = subprocess.run(
+        [sys.executable, "-c", _ATTACH, ray_head.gcs],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert attach.returncode == 0, attach.stderr[-3000:]
+    assert attach.stdout.split()[-2:] == ["finished", "15"]
+    assert json.loads((tmp_path / "run" / "run_summary.json").read_text())["status"] == "finished"

@@ -181,7 +181,10 @@ class TrainingJob:
 
     def close(self) -> None:
         """Let a finished detached coordinator go now instead of after `cluster.linger_s`."""
-        ray.get(self._coordinator.close.remote())
+        state = self.status().state
+        if not state.terminal:
+            raise RuntimeError(f"run {self.run_name} is {state.value}; stop() it before closing")
+        ray.kill(self._coordinator, no_restart=True)
 
     @property
     def _coordinator(self) -> Any:

@@ -195,11 +195,6 @@ class Coordinator:
         await self._wait_until(lambda: self._done, timeout_s)
         return self._summary if self._done else None
 
-    async def close(self) -> None:
-        """Let a detached coordinator go now instead of lingering."""
-        if self._done:
-            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-
     # == rank API ========================================================================================
 
     async def report(self, attempt: int, point: MetricPoint) -> None:
