@@ -14,6 +14,8 @@ from d9d.cluster.state import JobState, JobStatus, RunSummary
 from d9d.engine.runtime import MetricPoint
 
 PREFIX = "[d9d]"
+# What a progress line shows of a train point when it has them (every value goes to the tracker).
+SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s")
 
 
 class _Display:
@@ -38,7 +40,7 @@ class _Display:
             print(f"{PREFIX} {text}", file=self.out, flush=True)
 
     def step(self, point: MetricPoint, total: int) -> None:
-        info = " ".join(f"{k} {v:.4g}" for k, v in point.values.items())
+        info = " ".join(f"{k} {point.values[k]:.4g}" for k in SHOWN if k in point.values)
         if self.bar is not None:
             self.bar.update(self.task, completed=point.step, info=info)
         else:

@@ -22,7 +22,7 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise _Terminated
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from d9d.cluster import TrainingJob, load_job
     from d9d.cluster.follow import follow
     from d9d.engine.config import ConfigError
@@ -61,4 +61,4 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--detach", action="store_true", help="return once started; the run outlives this process"
     )
-    parser.set_defaults(handler=_run)
+    parser.set_defaults(handler=run)
