@@ -1,5 +1,6 @@
 """The `d9d` cluster commands as a user runs them: `train` on an embedded local Ray instance (metrics read
-back from the MLflow store), config errors before Ray starts, and submit/status/logs/stop against a real
+back from the MLflow store), config errors before Ray starts, a detached run followed from a `ray://` client
+after its driver exited, and submit/status/logs/stop against a real
 `ray start --head` started by the test."""
 
 from __future__ import annotations
@@ -105,14 +106,15 @@ def _free_port() -> int:
 class Head:
     gcs: str  # for Ray drivers (d9d train --address, ray.init)
     dashboard: str  # for the Jobs API (d9d submit/status/logs/stop)
+    client: str  # for Ray clients (ray://), e.g. a notebook outside the cluster
 
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     """A real single-node Ray cluster (`ray start --head --block`), stopped by its own process id."""
     tmp_path = tmp_path_factory.mktemp("head")
-    dashboard, gcs = _free_port(), _free_port()
-    ports = [f"--port={gcs}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={_free_port()}"]
+    dashboard, gcs, client = _free_port(), _free_port(), _free_port()
+    ports = [f"--port={gcs}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}"]
     ports += [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}"]
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", *ports, "--num-cpus=3", "--block", "--disable-usage-stats"],
@@ -128,7 +130,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
             assert head.poll() is None, (tmp_path / "head.log").read_text()
             assert time.monotonic() < deadline, "the Ray head's dashboard never came up"
             time.sleep(1)
-        yield Head(gcs=f"127.0.0.1:{gcs}", dashboard=address)
+        yield Head(gcs=f"127.0.0.1:{gcs}", dashboard=address, client=f"ray://127.0.0.1:{client}")
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops everything it started
         try:
@@ -192,9 +194,9 @@ def test_detached_run_outlives_its_driver(ray_head: Head, tmp_path: Path) -> Non
     assert out.returncode == 0, out.stderr
     assert "run detached started (detached)" in out.stdout  # and that driver process has exited
 
-    # Another client process (a notebook reconnecting) finds the run by name and waits for its end.
+    # A Ray client (a notebook outside the cluster) finds the run by name and waits for its end.
     attach = subprocess.run(
-        [sys.executable, "-c", _ATTACH, ray_head.gcs],
+        [sys.executable, "-c", _ATTACH, ray_head.client],
         cwd=tmp_path,
         env=_env(),
         capture_output=True,
