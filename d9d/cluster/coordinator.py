@@ -78,8 +78,7 @@ class NoResources(RuntimeError):
 class _Outcome:
     kind: Literal["finished", "stopped", "failed", "resize"]
     reason: str = ""
-    result: RankResult | None = None
-    workers: int = 0
+    workers: int = 0  # for a resize
 
 
 @dataclass
@@ -206,13 +205,15 @@ class Coordinator:
         await self._push(point)
 
     async def heartbeat(self, attempt: int, rank: int) -> None:
-        if self._attempt is not None and self._current(attempt):
+        if self._current(attempt):
+            assert self._attempt is not None
             self._attempt.heartbeats[rank] = time.monotonic()
 
     async def boundary(self, attempt: int, step: int) -> None:
         """Rank 0 reached a step boundary (sent once per step): the job's progress signal."""
-        if self._attempt is None or not self._current(attempt):
+        if not self._current(attempt):
             return
+        assert self._attempt is not None
         self._attempt.progress = time.monotonic()
         self._step_seen(step)
         await self._notify()
@@ -464,7 +465,7 @@ class Coordinator:
                 self._step_seen(final.steps)
                 if final.final_loss is not None and final.steps not in self._losses:
                     self._losses[final.steps] = final.final_loss
-                return _Outcome("finished" if final.status == "finished" else "stopped", result=final)
+                return _Outcome("finished" if final.status == "finished" else "stopped")
             now = time.monotonic()
             if self._kill:
                 return _Outcome("stopped", "killed by request")
