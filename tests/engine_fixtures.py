@@ -180,3 +180,29 @@ def make_hf_qwen3(path, num_layers: int = 2):
     model = transformers.Qwen3ForCausalLM(config).eval()
     model.save_pretrained(path)
     return model
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a launcher subprocess: the repo importable, the caller's PYTHONPATH kept."""
+    import os
+
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def torchrun_command(job, *overrides: str, nproc: int = 2) -> list[str]:
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd += ["-m", "d9d.engine.launch", str(job)]
+    for item in overrides:
+        cmd += ["--set", item]
+    return cmd
+
+
+def jsonl_losses(run_dir) -> list[float]:
+    """Per-step losses from the default tracker's metrics.jsonl in a run directory."""
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["values"]["loss"] for r in records if r["event"] == "scalars" and "loss" in r["values"]]

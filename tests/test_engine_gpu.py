@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
+
+from tests.engine_fixtures import jsonl_losses, subprocess_env, torchrun_command
 
 
 def _hf_moe(path: Path) -> None:
@@ -49,35 +48,14 @@ def _job(run_dir: Path, mesh: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _losses(run_dir: Path) -> list[float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["values"]["loss"] for r in records if r["event"] == "scalars" and "loss" in r["values"]]
-
-
 def _torchrun(tmp: Path, name: str, mesh: dict[str, int], cuda: bool) -> list[float]:
     job = tmp / f"{name}.yaml"
     job.write_text(yaml.safe_dump(_job(tmp / name, mesh)))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": "1",
-    }
-    if not cuda:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the same job on gloo/CPU as the reference
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "d9d.engine.launch",
-        str(job),
-    ]
+    env = subprocess_env(CUDA_VISIBLE_DEVICES="") if not cuda else subprocess_env()  # gloo/CPU reference
+    cmd = torchrun_command(job)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return _losses(tmp / name)
+    return jsonl_losses(tmp / name)
 
 
 @pytest.mark.gpu

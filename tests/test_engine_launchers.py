@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.engine_fixtures import jsonl_losses, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -25,20 +25,10 @@ JOB = {
 }
 
 
-def _losses(run_dir: Path) -> list[float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["values"]["loss"] for r in records if r["event"] == "scalars" and "loss" in r["values"]]
-
-
 def test_torchrun_matches_single_process(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(JOB))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = subprocess_env(GLOO_SOCKET_IFNAME="lo")
     single = [
         sys.executable,
         "-m",
@@ -50,22 +40,10 @@ def test_torchrun_matches_single_process(tmp_path: Path) -> None:
         "mesh.data_parallel_replicate=1",
     ]
     subprocess.run(single, env=env, check=True, capture_output=True, timeout=300)
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "d9d.engine.launch",
-        str(job),
-        "--set",
-        f"run.dir={tmp_path / 'two'}",
-    ]
+    torchrun = torchrun_command(job, f"run.dir={tmp_path / 'two'}")
     proc = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    one, two = jsonl_losses(tmp_path / "one"), jsonl_losses(tmp_path / "two")
     assert len(one) == len(two) == 5
     for a, b in zip(one, two, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (one, two)
