@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.engine_fixtures import jsonl_losses, torchrun_command
+from tests.engine_fixtures import jsonl_losses, subprocess_env, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
