@@ -1,23 +1,30 @@
 """What running under Ray actors costs compared with the engine's own bare-process launcher.
 
-Runs the same job twice on the same machine, back to back:
+Runs the same job on the same machine, back to back:
   1. bare:  torchrun --standalone --nproc-per-node N -m d9d.engine.launch CONFIG   (the engine's launcher)
   2. ray:   d9d.cluster.TrainingJob on a fresh local Ray instance (rank actors + coordinator)
-and prints the median step time of each (rank 0, after warm-up) and their ratio (target <= 1.03x),
-the actor start-up time (start() -> ranks running, -> first step), the tracker lag (rank report ->
-MLflow write, from the coordinator's `cluster/metrics_lag_s`), and, in a third run, the recovery time
-after a rank actor is killed (kill -> first step completed by the restarted ranks).
+  3. ray again, killing rank 1 halfway, for the start-up and recovery times
+and prints, after warm-up:
+  - the step time: median of the engine's `step_time_s` (forward/backward/optimizer of rank 0),
+  - the wall time per step: median interval between consecutive steps' reports, which also holds every
+    per-step cost outside the step (reporting, command polling, CPU taken by the coordinator and Ray),
+  - ray / bare for both (target <= 1.03x), the actor start-up time (start() -> ranks running, -> first
+    step), the tracker lag (rank report -> tracker write, the coordinator's `cluster/metrics_lag_s`), and the
+    recovery time (kill -> first step completed by the restarted ranks).
+Both launchers log to the same tracker (`--tracker`, default the cheap `log` JSON-lines tracker).
 
     .venv/bin/python benchmarks/cluster_overhead.py                      # built-in tiny LM, dp2
     .venv/bin/python benchmarks/cluster_overhead.py --config examples/qwen3_moe_pretrain/tiny.yaml --nproc 4
 
 Without --config the job is the engine tests' tiny LM (tests/engine_fixtures.py) on `--nproc` DP ranks; its
-steps are milliseconds long, so the fixed per-step cost of the reporter calls is as visible as it can get.
+steps take milliseconds, so any fixed per-step cost is as visible as it can get. On a machine with fewer
+cores than ranks + 1, the coordinator and Ray's own processes compete with the ranks for CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -47,32 +54,58 @@ def builtin_job(nproc: int, steps: int, width: int) -> dict:
     }
 
 
-def median_step(times: dict[int, float], warmup: int) -> float:
-    kept = [t for step, t in sorted(times.items()) if step > warmup]
-    return statistics.median(kept)
+def medians(steps: dict[int, tuple[float, float]], warmup: int) -> tuple[float, float]:
+    """(median step_time_s, median wall interval between consecutive steps) over steps after warm-up."""
+    kept = sorted((s, v) for s, v in steps.items() if s > warmup)
+    compute = statistics.median(v[0] for _, v in kept)
+    wall = statistics.median(b[1] - a[1] for (sa, a), (sb, b) in itertools.pairwise(kept) if sb == sa + 1)
+    return compute, wall
 
 
-def run_bare(config: Path, nproc: int, overrides: list[str], run_dir: Path) -> dict[int, float]:
-    sets = [
-        a
-        for o in [*overrides, f"run.dir={run_dir}", "logging.tracker={kind: log, stdout: false}"]
-        for a in ("--set", o)
-    ]
+def read_log_tracker(run_dir: Path) -> tuple[dict[int, tuple[float, float]], list[float]]:
+    """Step -> (step_time_s, wall time) and the `cluster/metrics_lag_s` values from a log tracker's file."""
+    steps, lag = {}, []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") != "scalars":
+            continue
+        values = record["values"]
+        if "step_time_s" in values and "loss" in values:
+            steps[int(record["step"])] = (float(values["step_time_s"]), float(record["time"]))
+        if "cluster/metrics_lag_s" in values:
+            lag.append(float(values["cluster/metrics_lag_s"]))
+    return steps, lag
+
+
+def run_bare(config: Path, nproc: int, overrides: list[str]) -> dict[int, tuple[float, float]]:
+    sets = [a for o in overrides for a in ("--set", o)]
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "d9d.engine.launch", str(config), *sets]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"bare launcher failed:\n{out.stderr[-3000:]}")
-    times = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():  # the engine's default log tracker
-        record = json.loads(line)
-        if record.get("event") == "scalars" and "step_time_s" in record["values"]:
-            times[int(record["step"])] = float(record["values"]["step_time_s"])
-    return times
+    run_dir = Path(next(o for o in overrides if o.startswith("run.dir=")).partition("=")[2])
+    return read_log_tracker(run_dir)[0]
 
 
-def run_ray(config: Path, nproc: int, overrides: list[str], kill_at: int | None) -> dict[str, object]:
+def run_ray(config: Path, overrides: list[str]) -> tuple[dict[int, tuple[float, float]], list[float]]:
+    """Nobody watches: the driver waits for the end in one call."""
+    from d9d.cluster import TrainingJob
+
+    job = TrainingJob(config, overrides=overrides).start()
+    job.result()
+    steps = {
+        p.step: (float(p.values["step_time_s"]), p.wall_time)
+        for p in job.metrics()
+        if p.kind == "train" and p.rank == 0
+    }
+    log_file = job.spec.run_dir / "metrics.jsonl"
+    return steps, read_log_tracker(job.spec.run_dir)[1] if log_file.exists() else []
+
+
+def run_ray_with_kill(config: Path, overrides: list[str], kill_at: int) -> dict[str, object]:
+    """Start-up and recovery, watched from the driver: kill rank 1 once step `kill_at` is reported."""
     from d9d.cluster import JobState, TrainingJob
 
     job = TrainingJob(config, overrides=overrides)
@@ -80,44 +113,31 @@ def run_ray(config: Path, nproc: int, overrides: list[str], kill_at: int | None)
     job.start()
     running_at = first_step_at = killed_at = recovered_at = None
     killed_step = 0
-    times: dict[int, float] = {}
     while True:
-        points, ended = job.poll_metrics(0.05)
+        points, ended = job.poll_metrics(0.2)
         now = time.perf_counter()
-        status = job.status()
-        if running_at is None and status.state is JobState.RUNNING:
+        if running_at is None and job.status().state is JobState.RUNNING:
             running_at = now
         for p in points:
             if p.kind != "train" or p.rank != 0:
                 continue
             first_step_at = first_step_at or now
-            times[p.step] = float(p.values["step_time_s"])
             # The restarted ranks resume from a checkpoint before `killed_step` and train it again.
             if killed_at is not None and recovered_at is None and p.step <= killed_step:
                 recovered_at = now
-            if kill_at is not None and killed_at is None and p.step >= kill_at:
+            if killed_at is None and p.step >= kill_at:
                 job.kill_rank(1)
                 killed_at, killed_step = time.perf_counter(), p.step
         if ended:
             break
     summary = job.result()
-    lag = []
-    tracker_db = job.spec.run_dir / "mlflow.db"
-    if tracker_db.exists():
-        from mlflow import MlflowClient
-
-        client = MlflowClient(tracking_uri=f"sqlite:///{tracker_db}")
-        run = client.search_runs([client.get_experiment_by_name("d9d").experiment_id])[0]
-        lag = [m.value for m in client.get_metric_history(run.info.run_id, "cluster/metrics_lag_s")]
     return {
-        "times": times,
         "startup_running_s": (running_at or now) - started,
         "startup_first_step_s": (first_step_at or now) - started,
         "recovery_external_s": None
         if killed_at is None or recovered_at is None
         else recovered_at - killed_at,
         "recovery_summary_s": summary.recovery_times_s,
-        "lag": lag,
         "status": summary.status,
     }
 
@@ -128,13 +148,15 @@ def main() -> None:
     )
     parser.add_argument("--config", type=Path, help="job file (default: a built-in tiny LM job)")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--width", type=int, default=256, help="tiny LM width (built-in job only)")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--tracker", default="log", choices=["log", "mlflow", "null"], help="for both launchers"
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-
     from d9d.cluster import connect, disconnect
 
     tmp = Path(tempfile.mkdtemp(prefix="d9d-overhead-"))
@@ -142,39 +164,47 @@ def main() -> None:
     if config is None:
         config = tmp / "job.yaml"
         config.write_text(yaml.safe_dump(builtin_job(args.nproc, args.steps, args.width)))
-    common = [*args.overrides, f"trainer.total_steps={args.steps}", "checkpointing.period=null"]
+    tracker = {"log": '{kind: "log", stdout: false}', "mlflow": '{kind: "mlflow"}', "null": '{kind: "null"}'}
+    common = [
+        *args.overrides,
+        f"trainer.total_steps={args.steps}",
+        "checkpointing.period=null",
+        f"logging.tracker={tracker[args.tracker]}",
+    ]
 
-    bare = run_bare(config, args.nproc, common, tmp / "bare")
-    os.environ["OMP_NUM_THREADS"] = "1"  # Ray sets it to the actor's CPUs; the bare run above used 1
+    bare = run_bare(config, args.nproc, [*common, f"run.dir={tmp / 'bare'}"])
+    os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for the bare ranks
     connect(local_cpus=args.nproc + 1)
-    plain = run_ray(config, args.nproc, [*common, f"run.dir={tmp / 'ray'}", "run.name=overhead-ray"], None)
+    ray_steps, lag = run_ray(config, [*common, f"run.dir={tmp / 'ray'}", "run.name=overhead-ray"])
     period = max(2, args.steps // 6)
-    assert (args.steps // 2 + 1) % period != 0
-    faulty = run_ray(
+    kill_at = args.steps // 2 + 1 if (args.steps // 2 + 1) % period else args.steps // 2 + 2
+    faulty = run_ray_with_kill(
         config,
-        args.nproc,
         [*common, f"run.dir={tmp / 'kill'}", "run.name=overhead-kill", f"checkpointing.period={period}"],
-        kill_at=args.steps // 2 + 1,  # not a checkpoint step: the restart must recompute it
+        kill_at=kill_at,  # not a checkpoint step: the restart must recompute it
     )
     disconnect()
 
-    bare_step = median_step(bare, args.warmup)
-    ray_step = median_step(plain["times"], args.warmup)  # type: ignore[arg-type]
-    print(f"job: {config} on {args.nproc} ranks, {args.steps} steps (median over steps > {args.warmup})")
-    ratio = ray_step / bare_step
-    print(f"step time   bare {bare_step * 1e3:.3f} ms, ray {ray_step * 1e3:.3f} ms, ray/bare {ratio:.3f}x")
+    bare_compute, bare_wall = medians(bare, args.warmup)
+    ray_compute, ray_wall = medians(ray_steps, args.warmup)
+    print(f"job: {config} on {args.nproc} ranks, {args.steps} steps, tracker {args.tracker}")
+    for name, bare_v, ray_v in (
+        ("step time", bare_compute, ray_compute),
+        ("wall per step", bare_wall, ray_wall),
+    ):
+        print(
+            f"{name:14s} bare {bare_v * 1e3:.3f} ms, ray {ray_v * 1e3:.3f} ms, ray/bare {ray_v / bare_v:.3f}x"
+        )
     print(
-        f"start-up    start() -> ranks running {plain['startup_running_s']:.2f} s, "
-        f"-> first step {plain['startup_first_step_s']:.2f} s"
+        f"start-up       start() -> ranks running {faulty['startup_running_s']:.2f} s, "
+        f"-> first step {faulty['startup_first_step_s']:.2f} s"
     )
-    lag: list[float] = plain["lag"]  # type: ignore[assignment]
     if lag:
-        median_ms, max_ms = statistics.median(lag) * 1e3, max(lag) * 1e3
-        print(f"tracker lag rank report -> MLflow write: median {median_ms:.1f} ms, max {max_ms:.1f} ms")
-    external = faulty["recovery_external_s"]
+        print(f"tracker lag    median {statistics.median(lag) * 1e3:.1f} ms, max {max(lag) * 1e3:.1f} ms")
     print(
-        f"recovery    kill -> first step after restart {external} s (measured here), "
-        f"{faulty['recovery_summary_s']} s (coordinator: detection -> first step), status {faulty['status']}"
+        f"recovery       kill -> first step after restart {faulty['recovery_external_s']:.2f} s (here), "
+        f"{[round(r, 2) for r in faulty['recovery_summary_s']]} s (coordinator: detection -> first step), "
+        f"status {faulty['status']}"
     )
 
 

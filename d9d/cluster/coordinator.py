@@ -196,27 +196,25 @@ class Coordinator:
 
     # == rank API ========================================================================================
 
-    async def report(self, attempt: int, point: MetricPoint) -> None:
-        if not self._current(attempt):
-            return
-        if point.kind == "train" and point.rank == 0 and "loss" in point.values:
-            self._losses[point.step] = float(point.values["loss"])
-            self._step_seen(point.step)
-        await self._push(point)
+    async def report(self, attempt: int, points: list[MetricPoint]) -> None:
+        if self._current(attempt):
+            await self._accept(points)
 
-    async def heartbeat(self, attempt: int, rank: int) -> None:
+    async def heartbeat(self, attempt: int, rank: int, points: list[MetricPoint]) -> None:
         if self._current(attempt):
             assert self._attempt is not None
             self._attempt.heartbeats[rank] = time.monotonic()
+            await self._accept(points)
 
-    async def boundary(self, attempt: int, step: int) -> None:
-        """Rank 0 reached a step boundary (sent once per step): the job's progress signal."""
+    async def boundary(self, attempt: int, step: int, points: list[MetricPoint]) -> None:
+        """Rank 0 reached a step boundary (sent once per step, with the points reported since the last
+        one): the job's progress signal."""
         if not self._current(attempt):
             return
         assert self._attempt is not None
         self._attempt.progress = time.monotonic()
         self._step_seen(step)
-        await self._notify()
+        await self._accept(points)
 
     async def next_commands(self, attempt: int, seq: int) -> tuple[int, list[Command]]:
         """Long poll of rank 0: commands issued after `seq`."""
@@ -360,15 +358,8 @@ class Coordinator:
         self._summary.world_sizes.append(at.plan.world_size)
         self._summary.resumed_from.append(at.resumed_from or None)
         self._latest_step = at.resumed_from or None
-        await self._push(
-            MetricPoint(
-                at.resumed_from,
-                CLUSTER_RANK,
-                {"world_size": at.plan.world_size, "data_parallel": at.plan.data_parallel},
-                kind="health",
-                wall_time=time.time(),
-            )
-        )
+        layout: dict[str, float] = {"world_size": at.plan.world_size, "data_parallel": at.plan.data_parallel}
+        await self._accept([MetricPoint(at.resumed_from, CLUSTER_RANK, layout, "health", time.time())])
         try:
             launches = await self._start_ranks(at)
         except Exception as e:
@@ -536,8 +527,12 @@ class Coordinator:
             point = MetricPoint(step, CLUSTER_RANK, {"recovery_time_s": recovery}, "health", time.time())
             self._buffer_point(point)
 
-    async def _push(self, point: MetricPoint) -> None:
-        self._buffer_point(point)
+    async def _accept(self, points: list[MetricPoint]) -> None:
+        for point in points:
+            if point.kind == "train" and point.rank == 0 and "loss" in point.values:
+                self._losses[point.step] = float(point.values["loss"])
+                self._step_seen(point.step)
+            self._buffer_point(point)
         await self._notify()
 
     def _buffer_point(self, point: MetricPoint) -> None:

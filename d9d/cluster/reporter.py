@@ -1,7 +1,9 @@
 """The `RunReporter` a rank actor hands to the engine: every call goes to the coordinator actor.
 
-Nothing here may stall a training step on the coordinator: metric points and step boundaries are
-fire-and-forget calls, and `commands()` keeps one long-poll outstanding and only checks (without waiting)
+Nothing here may stall a training step on the coordinator, and a step should cost it as few calls as
+possible: metric points are queued locally and leave with the next fire-and-forget call that goes anyway —
+rank 0's step boundary (right after the step's points were reported) or the rank's heartbeat (every
+`heartbeat_interval_s`). `commands()` keeps one long-poll outstanding and only checks (without waiting)
 whether it has come back. Checkpoint calls do wait; they are the commit protocol.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,22 +41,37 @@ class RayRunReporter:
         transfer: CoordinatorTransfer | None,
     ) -> None:
         self._coordinator = coordinator
-        self._attempt = attempt
+        self.attempt = attempt
         self._rank = rank
         self._command_seq = command_seq
         self._poll: Any = None
         self._boundary: int | None = None
         self._transfer = transfer
+        self._pending: list[MetricPoint] = []
+        self._lock = threading.Lock()
 
     def metrics(self, point: MetricPoint) -> None:
-        self._coordinator.report.remote(self._attempt, point)
+        with self._lock:
+            self._pending.append(point)
+
+    def take_pending(self) -> list[MetricPoint]:
+        """Queued points, for the next call to the coordinator (also called from the heartbeat thread)."""
+        with self._lock:
+            points, self._pending = self._pending, []
+        return points
+
+    def flush(self) -> None:
+        """Deliver queued points and wait for it (the last ones of a run)."""
+        points = self.take_pending()
+        if points:
+            ray.get(self._coordinator.report.remote(self.attempt, points))
 
     def commands(self, step: int) -> Sequence[Command]:
         if step != self._boundary:
             self._boundary = step
-            self._coordinator.boundary.remote(self._attempt, step)
+            self._coordinator.boundary.remote(self.attempt, step, self.take_pending())
         if self._poll is None:
-            self._poll = self._coordinator.next_commands.remote(self._attempt, self._command_seq)
+            self._poll = self._coordinator.next_commands.remote(self.attempt, self._command_seq)
         ready, _ = ray.wait([self._poll], timeout=0)
         if not ready:
             return []
@@ -65,10 +83,10 @@ class RayRunReporter:
     def checkpoint_written(self, report: RankCheckpointReport) -> None:
         if self._transfer is not None:
             self._upload(report)
-        ray.get(self._coordinator.checkpoint_written.remote(self._attempt, report))
+        ray.get(self._coordinator.checkpoint_written.remote(self.attempt, report))
 
     def commit_checkpoint(self, step: int, reports: Sequence[RankCheckpointReport]) -> None:
-        ray.get(self._coordinator.commit.remote(self._attempt, step, list(reports)))
+        ray.get(self._coordinator.commit.remote(self.attempt, step, list(reports)))
 
     def latest_checkpoint(self) -> Path | None:
         latest = ray.get(self._coordinator.latest.remote())
@@ -92,7 +110,7 @@ class RayRunReporter:
                     ref = ray.put(data)  # the bytes travel through the object store, not the call
                     ray.get(
                         self._coordinator.write_chunk.remote(
-                            self._attempt, report.step, f.relative_path, offset, [ref]
+                            self.attempt, report.step, f.relative_path, offset, [ref]
                         )
                     )
                     offset += len(data)
