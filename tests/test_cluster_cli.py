@@ -1,7 +1,7 @@
-"""The `d9d` cluster commands as a user runs them: `train` on an embedded local Ray instance (metrics read
-back from the MLflow store), config errors before Ray starts, a detached run followed from a `ray://` client
-after its driver exited, and submit/status/logs/stop against a real
-`ray start --head` started by the test."""
+"""The `d9d` cluster commands as a user runs them: the demo (`d9d train` of the tiny Qwen3-MoE example on 4
+rank actors of an embedded local Ray instance, metrics read back from the MLflow store), config errors
+before Ray starts, a detached run followed from a `ray://` client after its driver exited, and
+submit/status/logs/stop against a real `ray start --head` started by the test."""
 
 from __future__ import annotations
 
@@ -70,29 +70,37 @@ def test_train_reports_config_errors_before_starting_ray(
     assert not (tmp_path / "run").exists()
 
 
-def test_train_runs_on_local_ray_and_logs_to_mlflow(tmp_path: Path) -> None:
-    job = toy_job("cli-train", tmp_path / "run", steps=20, logging={"tracker": {"kind": "mlflow"}})
-    config = _write(tmp_path / "job.yaml", job)
-    out = _d9d("train", str(config), "--set", "trainer.total_steps=6", cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "[d9d] run cli-train finished: 6 steps" in out.stdout
+def test_demo_trains_tiny_qwen3_moe_on_four_rank_actors_into_mlflow(tmp_path: Path) -> None:
+    """`d9d demo` = `d9d train examples/qwen3_moe_pretrain/tiny.yaml --cpu`: 4 ranks, HSDP 2×2 × EP 2."""
+    steps, run_dir = 5, tmp_path / "run"
+    sets = [f"trainer.total_steps={steps}", "logging.period=1", f"run.dir={run_dir}"]
+    out = _d9d("demo", *[a for s in sets for a in ("--set", s)], cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[d9d] run tiny-qwen3-moe: running (attempt 0, 4 ranks, dp 4)" in out.stdout
+    assert f"[d9d] run tiny-qwen3-moe finished: {steps} steps" in out.stdout
 
-    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
-    assert summary["status"] == "finished" and summary["steps"] == 6 and summary["restarts"] == 0
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == steps and summary["restarts"] == 0
     assert summary["recovery_times_s"] == [] and summary["tokens_per_s"] > 0
+    assert summary["final_loss"] < summary["losses"]["1"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{steps:08d}"
 
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("d9d").experiment_id])
-    assert [r.info.run_name for r in runs] == ["cli-train"]
+    assert [r.info.run_name for r in runs] == ["tiny-qwen3-moe"]
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.data.params["config.trainer.total_steps"] == "6"
+    assert run.data.params["config.trainer.total_steps"] == str(steps)
+    assert run.data.params["cluster.num_workers"] == "4"
     history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert history == {int(k): v for k, v in summary["losses"].items()}
-    assert len(client.get_metric_history(run.info.run_id, "health/rank1/step_time_s")) == 6
-    assert client.get_metric_history(run.info.run_id, "cluster/world_size")[0].value == 2
+    assert sorted(history) == list(range(1, steps + 1))
+    for rank in range(4):
+        assert len(client.get_metric_history(run.info.run_id, f"health/rank{rank}/step_time_s")) == steps
+    assert client.get_metric_history(run.info.run_id, "cluster/world_size")[0].value == 4
+    assert max(m.value for m in client.get_metric_history(run.info.run_id, "cluster/metrics_lag_s")) < 1.0
 
 
 def _free_port() -> int:
