@@ -214,3 +214,18 @@ def test_detached_run_outlives_its_driver(ray_head: Head, tmp_path: Path) -> Non
     assert attach.returncode == 0, attach.stderr[-3000:]
     assert attach.stdout.split()[-2:] == ["finished", "15"]
     assert json.loads((tmp_path / "run" / "run_summary.json").read_text())["status"] == "finished"
+
+
+def test_status_of_a_local_run_reads_its_summary(tmp_path: Path) -> None:
+    summary = {"run_name": "local", "status": "finished", "steps": 3, "restarts": 0}
+    (tmp_path / "run_summary.json").write_text(json.dumps(summary))
+    unreachable = f"http://127.0.0.1:{_free_port()}"  # no Ray dashboard there: fall back to the run dir
+    out = _d9d(
+        "status", "local", "--address", unreachable, "--run-dir", str(tmp_path), cwd=tmp_path, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == summary
+    missing = _d9d(
+        "status", "other", "--address", unreachable, "--run-dir", str(tmp_path / "none"), cwd=tmp_path
+    )
+    assert missing.returncode == 1 and "d9d status:" in missing.stderr
