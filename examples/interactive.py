@@ -5,8 +5,9 @@ rank actors, watch its metrics, pause it, force a checkpoint, change the learnin
     python examples/interactive.py --address ray://HEAD:10001   # a cluster (or set RAY_ADDRESS)
     python examples/interactive.py --small                      # fewer steps between commands (CI)
 
-Each cell of a notebook would be one block of `main()`. Every command takes effect at the next step
-boundary of the run; the script checks that each transition really happened and exits non-zero if not.
+Each cell of a notebook would be one block of `main()`. Every command takes effect at the next step boundary
+of the run; the script checks that each transition really happened and exits non-zero if not. Through a Ray
+client the ranks run on the cluster: the text file and the run directory must exist on its nodes.
 """
 
 from __future__ import annotations
