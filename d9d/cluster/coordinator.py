@@ -120,6 +120,9 @@ class Coordinator:
         self._stop = False
         self._kill = False
         self._resize_to: int | None = None
+        # Alive nodes when a resize last fell short of its target (fragmented room): no new attempt to
+        # grow until the set of nodes changes.
+        self._grow_blocked: frozenset[str] | None = None
         # faults
         self._failures: list[str] = []
         self._failure_time: float | None = None
@@ -275,6 +278,7 @@ class Coordinator:
 
     async def _supervise(self) -> JobState:
         target = self._spec.initial_workers
+        growing = False
         while True:
             if self._stop:
                 return JobState.STOPPED
@@ -283,6 +287,8 @@ class Coordinator:
             self._attempt = await self._reserve(target)
             if self._attempt is None:
                 return JobState.STOPPED
+            if growing and self._attempt.plan.world_size < target:
+                self._grow_blocked = _alive_nodes()
             outcome = await self._run_attempt(self._attempt)
             await self._teardown()
             if outcome.kind == "finished":
@@ -291,7 +297,8 @@ class Coordinator:
                 return JobState.STOPPED
             self._machine.to(JobState.RESTARTING)
             await self._notify()
-            if outcome.kind == "resize":
+            growing = outcome.kind == "resize"
+            if growing:
                 self._summary.resizes += 1
                 target = outcome.workers
                 continue
@@ -500,6 +507,8 @@ class Coordinator:
         spec = self._spec
         if not spec.elastic or at.plan.world_size >= spec.max_workers:
             return
+        if self._grow_blocked is not None and self._grow_blocked == _alive_nodes():
+            return
         room = at.plan.world_size + free_capacity(ray.available_resources(), spec.cluster.resources)
         plans = spec.plans(max_workers=min(spec.max_workers, room))
         if plans and plans[0].world_size > at.plan.world_size:
@@ -583,6 +592,10 @@ def _device_placement(nodes: Sequence[RankNode], *, gpus: bool) -> list[tuple[in
         ids = sorted(per_node[n.node_id], key=lambda g: (len(g), g))
         out.append((ids.index(n.gpu_ids[0]), len(ids), ",".join(ids)))
     return out
+
+
+def _alive_nodes() -> frozenset[str]:
+    return frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
 
 def _wait_names_free(names: Sequence[str], timeout_s: float) -> None:
