@@ -255,3 +255,39 @@ def test_checkpoint_of_an_incompatible_model_names_the_key(tmp_path: Path) -> No
             tmp_dir=tmp_path,
             timeout=60,
         )
+
+
+class _ScriptedReporter(LocalRunReporter):
+    """Pauses at step 2, then delivers an lr update together with the resume in one poll."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, 1, self._record)
+        self.lrs: list[float] = []
+        self.polls = 0
+
+    def _record(self, point: Any) -> None:
+        if point.kind == "train":
+            self.lrs.append(point.values["lr"])
+
+    def commands(self, step: int) -> list[Any]:
+        from d9d.engine.runtime import Command, CommandKind
+
+        self.polls += 1
+        if step == 2 and self.polls < 10:
+            if self.polls == 3:
+                return [Command(CommandKind.PAUSE)]
+            if self.polls == 5:
+                return [Command(CommandKind.UPDATE, {"lr": 1e-3}), Command(CommandKind.RESUME)]
+        return []
+
+
+def _paused_update(env: RankEnv, run_dir: Path) -> None:
+    config = parse_config(_config(run_dir, trainer__total_steps=4, checkpointing__period=None))
+    reporter = _ScriptedReporter(config.checkpoint_dir)
+    runtime = RankRuntime(rank=0, world_size=1, local_rank=0, run_dir=run_dir)
+    run_rank(config, runtime, reporter)
+    assert reporter.lrs == [1e-2, 1e-2, 1e-3, 1e-3], reporter.lrs
+
+
+def test_update_delivered_with_resume_is_applied(tmp_path: Path) -> None:
+    run_distributed(_paused_update, 1, tmp_path / "run", tmp_dir=tmp_path, timeout=120)

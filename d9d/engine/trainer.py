@@ -379,13 +379,14 @@ class Trainer:
             while True:
                 time.sleep(0.2)
                 commands = self._broadcast_commands()
-                if any(cmd.kind in (CommandKind.RESUME, CommandKind.STOP) for cmd in commands):
-                    break
+                # Apply everything that arrived with a resume/stop before acting on it.
                 for command in commands:
                     if command.kind is CommandKind.CHECKPOINT_NOW and self.state.step > 0:
                         self.save_checkpoint()
                     elif command.kind is CommandKind.UPDATE:
                         self._update(command.values)
+                if any(cmd.kind in (CommandKind.RESUME, CommandKind.STOP) for cmd in commands):
+                    break
             if any(cmd.kind is CommandKind.STOP for cmd in commands):
                 return False
             self.ctx.logger.info("resumed at step %d", self.state.step)
