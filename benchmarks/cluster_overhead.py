@@ -2,15 +2,18 @@
 
 Runs the same job on the same machine, back to back:
   1. bare:  torchrun --standalone --nproc-per-node N -m d9d.engine.launch CONFIG   (the engine's launcher)
-  2. ray:   d9d.cluster.TrainingJob on a fresh local Ray instance (rank actors + coordinator)
-  3. ray again, killing rank 1 halfway, for the start-up and recovery times
+  2. bare again while an idle local Ray instance is up (what Ray's own daemons cost this machine)
+  3. ray:   d9d.cluster.TrainingJob on that Ray instance (rank actors + coordinator)
+  4. ray again, killing rank 1 halfway, for start-up, failure detection and recovery
 and prints, after warm-up:
-  - the step time: median of the engine's `step_time_s` (forward/backward/optimizer of rank 0),
-  - the wall time per step: median interval between consecutive steps' reports, which also holds every
-    per-step cost outside the step (reporting, command polling, CPU taken by the coordinator and Ray),
-  - ray / bare for both (target <= 1.03x), the actor start-up time (start() -> ranks running, -> first
-    step), the tracker lag (rank report -> tracker write, the coordinator's `cluster/metrics_lag_s`), and the
-    recovery time (kill -> first step completed by the restarted ranks).
+  - step time: median of the engine's `step_time_s` (forward/backward/optimizer of rank 0),
+  - wall per step: median interval between consecutive steps' reports, which also holds every per-step
+    cost outside the step (reporting, command polling, CPU taken by the coordinator and Ray),
+  - both against the bare run (target <= 1.03x) and against the bare run beside an idle Ray (the actor
+    layer alone),
+  - start-up (start() -> ranks running, -> first step), tracker lag (rank report -> tracker write, the
+    coordinator's `cluster/metrics_lag_s`), failure detection (kill -> the coordinator leaves `running`,
+    target < 3 s) and recovery (kill -> first step completed by the restarted ranks).
 Both launchers log to the same tracker (`--tracker`, default the cheap `log` JSON-lines tracker).
 
     .venv/bin/python benchmarks/cluster_overhead.py                      # built-in tiny LM, dp2
@@ -104,20 +107,23 @@ def run_ray(config: Path, overrides: list[str]) -> tuple[dict[int, tuple[float, 
     return steps, read_log_tracker(job.spec.run_dir)[1] if log_file.exists() else []
 
 
-def run_ray_with_kill(config: Path, overrides: list[str], kill_at: int) -> dict[str, object]:
-    """Start-up and recovery, watched from the driver: kill rank 1 once step `kill_at` is reported."""
+def run_ray_with_kill(config: Path, overrides: list[str], kill_at: int, victim: int) -> dict[str, object]:
+    """Start-up and recovery, watched from the driver: kill rank `victim` once step `kill_at` is reported."""
     from d9d.cluster import JobState, TrainingJob
 
     job = TrainingJob(config, overrides=overrides)
     started = time.perf_counter()
     job.start()
-    running_at = first_step_at = killed_at = recovered_at = None
+    running_at = first_step_at = killed_at = detected_at = recovered_at = None
     killed_step = 0
     while True:
-        points, ended = job.poll_metrics(0.2)
+        points, ended = job.poll_metrics(0.02 if killed_at is not None and detected_at is None else 0.2)
         now = time.perf_counter()
-        if running_at is None and job.status().state is JobState.RUNNING:
+        state = job.status().state
+        if running_at is None and state is JobState.RUNNING:
             running_at = now
+        if killed_at is not None and detected_at is None and state is not JobState.RUNNING:
+            detected_at = now
         for p in points:
             if p.kind != "train" or p.rank != 0:
                 continue
@@ -126,7 +132,7 @@ def run_ray_with_kill(config: Path, overrides: list[str], kill_at: int) -> dict[
             if killed_at is not None and recovered_at is None and p.step <= killed_step:
                 recovered_at = now
             if killed_at is None and p.step >= kill_at:
-                job.kill_rank(1)
+                job.kill_rank(victim)
                 killed_at, killed_step = time.perf_counter(), p.step
         if ended:
             break
@@ -134,6 +140,7 @@ def run_ray_with_kill(config: Path, overrides: list[str], kill_at: int) -> dict[
     return {
         "startup_running_s": (running_at or now) - started,
         "startup_first_step_s": (first_step_at or now) - started,
+        "detection_s": None if killed_at is None or detected_at is None else detected_at - killed_at,
         "recovery_external_s": None
         if killed_at is None or recovered_at is None
         else recovered_at - killed_at,
@@ -151,6 +158,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--width", type=int, default=256, help="tiny LM width (built-in job only)")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each launcher, interleaved")
     parser.add_argument(
         "--tracker", default="log", choices=["log", "mlflow", "null"], help="for both launchers"
     )
@@ -172,35 +180,62 @@ def main() -> None:
         f"logging.tracker={tracker[args.tracker]}",
     ]
 
-    bare = run_bare(config, args.nproc, [*common, f"run.dir={tmp / 'bare'}"])
+    # Machines like CI's are noisy: each launcher runs `--repeats` times, interleaved, and every row is the
+    # median over runs of each run's median (with the spread of the run medians).
+    runs: dict[str, list[tuple[float, float]]] = {"bare": [], "bare, Ray idle": [], "ray": []}
+    for i in range(args.repeats):
+        bare = run_bare(config, args.nproc, [*common, f"run.dir={tmp / f'bare-{i}'}"])
+        runs["bare"].append(medians(bare, args.warmup))
     os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for the bare ranks
     connect(local_cpus=args.nproc + 1)
-    ray_steps, lag = run_ray(config, [*common, f"run.dir={tmp / 'ray'}", "run.name=overhead-ray"])
+    lag: list[float] = []
+    for i in range(args.repeats):
+        # The same bare run while an idle Ray instance is up: what Ray's own daemons cost on this machine.
+        bare_idle = run_bare(config, args.nproc, [*common, f"run.dir={tmp / f'bare-ray-idle-{i}'}"])
+        runs["bare, Ray idle"].append(medians(bare_idle, args.warmup))
+        ray_steps, ray_lag = run_ray(
+            config, [*common, f"run.dir={tmp / f'ray-{i}'}", f"run.name=overhead-{i}"]
+        )
+        runs["ray"].append(medians(ray_steps, args.warmup))
+        lag += ray_lag
     period = max(2, args.steps // 6)
     kill_at = args.steps // 2 + 1 if (args.steps // 2 + 1) % period else args.steps // 2 + 2
     faulty = run_ray_with_kill(
         config,
         [*common, f"run.dir={tmp / 'kill'}", "run.name=overhead-kill", f"checkpointing.period={period}"],
         kill_at=kill_at,  # not a checkpoint step: the restart must recompute it
+        victim=min(1, args.nproc - 1),
     )
     disconnect()
 
-    bare_compute, bare_wall = medians(bare, args.warmup)
-    ray_compute, ray_wall = medians(ray_steps, args.warmup)
-    print(f"job: {config} on {args.nproc} ranks, {args.steps} steps, tracker {args.tracker}")
-    for name, bare_v, ray_v in (
-        ("step time", bare_compute, ray_compute),
-        ("wall per step", bare_wall, ray_wall),
-    ):
-        print(
-            f"{name:14s} bare {bare_v * 1e3:.3f} ms, ray {ray_v * 1e3:.3f} ms, ray/bare {ray_v / bare_v:.3f}x"
-        )
+    rows = {
+        name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+        for name, rs in runs.items()
+    }
+    print(
+        f"job: {config} on {args.nproc} ranks, {args.steps} steps x {args.repeats} runs, "
+        f"tracker {args.tracker}"
+    )
+    print(
+        f"{'':16s}{'step time':>12s}{'wall/step':>12s}{'step ratio':>12s}{'wall ratio':>12s}"
+        "  run medians (ms)"
+    )
+    base_step, base_wall = rows["bare"]
+    for name, (step, wall) in rows.items():
+        ratios = f"{step / base_step:11.3f}x{wall / base_wall:11.3f}x"
+        spread = ", ".join(f"{r[1] * 1e3:.2f}" for r in runs[name])
+        print(f"{name:16s}{step * 1e3:10.3f}ms{wall * 1e3:10.3f}ms{ratios}  wall [{spread}]")
+    idle_step, idle_wall = rows["bare, Ray idle"]
+    ray_step, ray_wall = rows["ray"]
+    layer = f"{ray_step / idle_step:.3f}x step, {ray_wall / idle_wall:.3f}x wall"
+    print(f"ray vs bare beside an idle Ray (the actor layer alone): {layer}")
     print(
         f"start-up       start() -> ranks running {faulty['startup_running_s']:.2f} s, "
         f"-> first step {faulty['startup_first_step_s']:.2f} s"
     )
     if lag:
         print(f"tracker lag    median {statistics.median(lag) * 1e3:.1f} ms, max {max(lag) * 1e3:.1f} ms")
+    print(f"detection      kill -> coordinator leaves `running` {faulty['detection_s']:.2f} s")
     print(
         f"recovery       kill -> first step after restart {faulty['recovery_external_s']:.2f} s (here), "
         f"{[round(r, 2) for r in faulty['recovery_summary_s']]} s (coordinator: detection -> first step), "

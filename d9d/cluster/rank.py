@@ -12,7 +12,6 @@ import contextlib
 import datetime
 import importlib
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -104,19 +103,20 @@ class RankActor:
         if launch.cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = launch.cuda_visible_devices
         self._init_process_group(launch)
-        reporter = RayRunReporter(self._coordinator, rt.attempt, rt.rank, launch.command_seq, launch.transfer)
-        stop = threading.Event()
-        beat = threading.Thread(
-            target=self._heartbeat, args=(stop, reporter, rt.rank, launch.heartbeat_interval_s), daemon=True
-        )
-        beat.start()
+        reporter = RayRunReporter(
+            self._coordinator,
+            rt.attempt,
+            rt.rank,
+            launch.command_seq,
+            launch.transfer,
+            heartbeat_interval_s=launch.heartbeat_interval_s,
+        ).start()
         try:
             entrypoint = resolve_entrypoint(launch.entrypoint)
             result: RankResult = entrypoint(launch.config, rt, reporter)
             return result
         finally:
-            stop.set()
-            reporter.flush()
+            reporter.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -143,11 +143,3 @@ class RankActor:
             dist.init_process_group(
                 "gloo", store=store, rank=rt.rank, world_size=rt.world_size, timeout=timeout
             )
-
-    def _heartbeat(
-        self, stop: threading.Event, reporter: RayRunReporter, rank: int, interval_s: float
-    ) -> None:
-        """Liveness, and the ride for metric points no step boundary picked up."""
-        while not stop.is_set():
-            self._coordinator.heartbeat.remote(reporter.attempt, rank, reporter.take_pending())
-            stop.wait(interval_s)

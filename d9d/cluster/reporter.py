@@ -1,17 +1,20 @@
 """The `RunReporter` a rank actor hands to the engine: every call goes to the coordinator actor.
 
-Nothing here may stall a training step on the coordinator, and a step should cost it as few calls as
-possible: metric points are queued locally and leave with the next fire-and-forget call that goes anyway —
-rank 0's step boundary (right after the step's points were reported) or the rank's heartbeat (every
-`heartbeat_interval_s`). `commands()` keeps one long-poll outstanding and only checks (without waiting)
-whether it has come back. Checkpoint calls do wait; they are the commit protocol.
+Nothing here may stall a training step on the coordinator, and a step should not pay for a Ray call at all:
+submitting one costs a few hundred microseconds of the caller's CPU, as much as a whole step of a small
+model. So the step path only touches local memory. A courier thread carries queued metric points and rank
+0's step boundary to the coordinator (at most every `courier_interval_s`, and a heartbeat every
+`heartbeat_interval_s`), and on rank 0 a listener thread keeps one long-poll for commands outstanding and
+queues what it returns for the next step boundary. Checkpoint calls do wait; they are the commit protocol.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,8 @@ import ray
 
 from d9d.engine.checkpoint import sha256_of, step_dir_name
 from d9d.engine.runtime import Command, MetricPoint, RankCheckpointReport
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,46 +44,95 @@ class RayRunReporter:
         rank: int,
         command_seq: int,
         transfer: CoordinatorTransfer | None,
+        heartbeat_interval_s: float = 0.5,
+        courier_interval_s: float = 0.05,
     ) -> None:
         self._coordinator = coordinator
         self.attempt = attempt
         self._rank = rank
         self._command_seq = command_seq
-        self._poll: Any = None
-        self._boundary: int | None = None
         self._transfer = transfer
-        self._pending: list[MetricPoint] = []
+        self._heartbeat_s = heartbeat_interval_s
+        self._courier_s = courier_interval_s
         self._lock = threading.Lock()
+        self._pending: list[MetricPoint] = []
+        self._step: int | None = None  # rank 0's latest step boundary
+        self._commands: list[Command] = []
+        self._listener: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._courier = threading.Thread(target=self._carry, name="d9d-courier", daemon=True)
+
+    def start(self) -> RayRunReporter:
+        self._courier.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the threads and deliver what is still queued, waiting for it (the last points of a run)."""
+        self._stop.set()
+        if self._courier.is_alive():
+            self._courier.join()
+        self._send(wait=True)
+
+    # -- the step path: local memory only ----------------------------------------------------------------
 
     def metrics(self, point: MetricPoint) -> None:
         with self._lock:
             self._pending.append(point)
 
-    def take_pending(self) -> list[MetricPoint]:
-        """Queued points, for the next call to the coordinator (also called from the heartbeat thread)."""
+    def commands(self, step: int) -> Sequence[Command]:
+        if self._listener is None:
+            self._listener = threading.Thread(target=self._listen, name="d9d-commands", daemon=True)
+            self._listener.start()
+        with self._lock:
+            self._step = step
+            commands, self._commands = self._commands, []
+        return commands
+
+    # -- background threads ------------------------------------------------------------------------------
+
+    def _send(self, wait: bool = False, last_step: int | None = None) -> int | None:
+        """One call with the queued points: a boundary when rank 0 moved past `last_step`, else a report."""
         with self._lock:
             points, self._pending = self._pending, []
-        return points
+            step = self._step
+        if step is not None and step != last_step:
+            ref = self._coordinator.boundary.remote(self.attempt, step, points)
+        elif points:
+            ref = self._coordinator.report.remote(self.attempt, points)
+        else:
+            return last_step
+        if wait:
+            ray.get(ref)
+        return step
 
-    def flush(self) -> None:
-        """Deliver queued points and wait for it (the last ones of a run)."""
-        points = self.take_pending()
-        if points:
-            ray.get(self._coordinator.report.remote(self.attempt, points))
+    def _carry(self) -> None:
+        """Courier: the step boundary and metric points every `courier_interval_s`, liveness on its own
+        schedule (a rank deep in a long step still beats)."""
+        sent_step: int | None = None
+        next_beat = 0.0
+        while not self._stop.wait(self._courier_s):
+            try:
+                sent_step = self._send(last_step=sent_step)
+                if time.monotonic() >= next_beat:
+                    self._coordinator.heartbeat.remote(self.attempt, self._rank, [])
+                    next_beat = time.monotonic() + self._heartbeat_s
+            except Exception:  # the coordinator is gone: its supervisor tears this rank down
+                _log.debug("courier call failed", exc_info=True)
 
-    def commands(self, step: int) -> Sequence[Command]:
-        if step != self._boundary:
-            self._boundary = step
-            self._coordinator.boundary.remote(self.attempt, step, self.take_pending())
-        if self._poll is None:
-            self._poll = self._coordinator.next_commands.remote(self.attempt, self._command_seq)
-        ready, _ = ray.wait([self._poll], timeout=0)
-        if not ready:
-            return []
-        seq, commands = ray.get(self._poll)
-        self._poll = None
-        self._command_seq = seq
-        return list(commands)
+    def _listen(self) -> None:
+        """Rank 0: one long-poll for commands outstanding at all times; results wait for the next boundary."""
+        while not self._stop.is_set():
+            try:
+                seq, commands = ray.get(
+                    self._coordinator.next_commands.remote(self.attempt, self._command_seq)
+                )
+            except Exception:
+                _log.debug("command poll failed", exc_info=True)
+                return
+            if commands:
+                with self._lock:
+                    self._commands.extend(commands)
+            self._command_seq = seq
 
     def checkpoint_written(self, report: RankCheckpointReport) -> None:
         if self._transfer is not None:
