@@ -1,10 +1,10 @@
 """What running under Ray actors costs compared with the engine's own bare-process launcher.
 
-Runs the same job on the same machine, back to back:
+Runs the same job on the same machine, back to back, `--repeats` times:
   1. bare:  torchrun --standalone --nproc-per-node N -m d9d.engine.launch CONFIG   (the engine's launcher)
   2. bare again while an idle local Ray instance is up (what Ray's own daemons cost this machine)
   3. ray:   d9d.cluster.TrainingJob on that Ray instance (rank actors + coordinator)
-  4. ray again, killing rank 1 halfway, for start-up, failure detection and recovery
+  4. (last repeat) ray again, killing rank 1 halfway, for start-up, failure detection and recovery
 and prints, after warm-up:
   - step time: median of the engine's `step_time_s` (forward/backward/optimizer of rank 0),
   - wall per step: median interval between consecutive steps' reports, which also holds every per-step
@@ -18,6 +18,7 @@ Both launchers log to the same tracker (`--tracker`, default the cheap `log` JSO
 
     .venv/bin/python benchmarks/cluster_overhead.py                      # built-in tiny LM, dp2
     .venv/bin/python benchmarks/cluster_overhead.py --config examples/qwen3_moe_pretrain/tiny.yaml --nproc 4
+    python benchmarks/cluster_overhead.py --model qwen3 --nproc 2 --steps 30   # GPUs: Qwen3-0.6B shape, dp2
 
 Without --config the job is the engine tests' tiny LM (tests/engine_fixtures.py) on `--nproc` DP ranks; its
 steps take milliseconds, so any fixed per-step cost is as visible as it can get. On a machine with fewer
@@ -57,6 +58,27 @@ def builtin_job(nproc: int, steps: int, width: int) -> dict:
     }
 
 
+def qwen3_job(nproc: int, steps: int) -> dict:
+    """GPU: the Qwen3-0.6B shape of `train_throughput.py` (bf16, batch 8 x 2048 random tokens per rank)."""
+    from benchmarks.train_throughput import BATCH, DENSE, SEQ
+
+    return {
+        "run": {"name": "overhead"},
+        "mesh": {"data_parallel_replicate": nproc},
+        "batching": {"global_batch_size": BATCH * nproc, "microbatch_size": BATCH},
+        "trainer": {"total_steps": steps},
+        "model": {
+            "provider": "qwen3",
+            "options": {"architecture": {**DENSE, "max_position_embeddings": SEQ}, "dtype": "bfloat16"},
+        },
+        "data": {"provider": "benchmarks.train_throughput:RandomTokens"},
+        "optimizer": {"provider": "adamw", "options": {"lr": 1e-4}},
+        "checkpointing": {"period": None, "save_at_end": False},
+        "logging": {"progress_bar": "off"},
+        "cluster": {"resources": {"cpus": 4, "gpus": 1}},
+    }
+
+
 def medians(steps: dict[int, tuple[float, float]], warmup: int) -> tuple[float, float]:
     """(median step_time_s, median wall interval between consecutive steps) over steps after warm-up."""
     kept = sorted((s, v) for s, v in steps.items() if s > warmup)
@@ -82,9 +104,11 @@ def read_log_tracker(run_dir: Path) -> tuple[dict[int, tuple[float, float]], lis
 
 def run_bare(config: Path, nproc: int, overrides: list[str]) -> dict[int, tuple[float, float]]:
     sets = [a for o in overrides for a in ("--set", o)]
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "d9d.engine.launch", str(config), *sets]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"bare launcher failed:\n{out.stderr[-3000:]}")
@@ -129,7 +153,8 @@ def run_ray_with_kill(config: Path, overrides: list[str], kill_at: int, victim: 
                 continue
             first_step_at = first_step_at or now
             # The restarted ranks resume from a checkpoint before `killed_step` and train it again.
-            if killed_at is not None and recovered_at is None and p.step <= killed_step:
+            # (points already on their way when the rank died do not count: only those after detection)
+            if detected_at is not None and recovered_at is None and p.step <= killed_step:
                 recovered_at = now
             if killed_at is None and p.step >= kill_at:
                 job.kill_rank(victim)
@@ -144,7 +169,7 @@ def run_ray_with_kill(config: Path, overrides: list[str], kill_at: int, victim: 
         "recovery_external_s": None
         if killed_at is None or recovered_at is None
         else recovered_at - killed_at,
-        "recovery_summary_s": summary.recovery_times_s,
+        "recovery_summary_s": [round(r, 2) for r in summary.recovery_times_s],
         "status": summary.status,
     }
 
@@ -156,6 +181,9 @@ def main() -> None:
     parser.add_argument("--config", type=Path, help="job file (default: a built-in tiny LM job)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument(
+        "--model", choices=["tiny", "qwen3"], default="tiny", help="built-in job (qwen3: one GPU per rank)"
+    )
     parser.add_argument("--width", type=int, default=256, help="tiny LM width (built-in job only)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each launcher, interleaved")
@@ -171,7 +199,15 @@ def main() -> None:
     config = args.config
     if config is None:
         config = tmp / "job.yaml"
-        config.write_text(yaml.safe_dump(builtin_job(args.nproc, args.steps, args.width)))
+        job = (
+            qwen3_job(args.nproc, args.steps)
+            if args.model == "qwen3"
+            else builtin_job(args.nproc, args.steps, args.width)
+        )
+        config.write_text(yaml.safe_dump(job))
+    cpus = int(yaml.safe_load(config.read_text()).get("cluster", {}).get("resources", {}).get("cpus", 1))
+    # Ray gives an actor as many OpenMP threads as it reserved CPUs; the bare ranks get the same.
+    os.environ["OMP_NUM_THREADS"] = str(cpus)
     tracker = {"log": '{kind: "log", stdout: false}', "mlflow": '{kind: "mlflow"}', "null": '{kind: "null"}'}
     common = [
         *args.overrides,
@@ -180,16 +216,16 @@ def main() -> None:
         f"logging.tracker={tracker[args.tracker]}",
     ]
 
-    # Machines like CI's are noisy: each launcher runs `--repeats` times, interleaved, and every row is the
-    # median over runs of each run's median (with the spread of the run medians).
+    # Machines like CI's are noisy: every repeat runs the three launchers back to back (Ray started for the
+    # repeat and stopped after it, so the first run is truly without Ray), and every row is the median over
+    # repeats of each run's median (with the run medians, for the spread).
     runs: dict[str, list[tuple[float, float]]] = {"bare": [], "bare, Ray idle": [], "ray": []}
+    lag: list[float] = []
+    faulty: dict[str, object] = {}
     for i in range(args.repeats):
         bare = run_bare(config, args.nproc, [*common, f"run.dir={tmp / f'bare-{i}'}"])
         runs["bare"].append(medians(bare, args.warmup))
-    os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for the bare ranks
-    connect(local_cpus=args.nproc + 1)
-    lag: list[float] = []
-    for i in range(args.repeats):
+        connect(local_cpus=args.nproc * cpus + 1)
         # The same bare run while an idle Ray instance is up: what Ray's own daemons cost on this machine.
         bare_idle = run_bare(config, args.nproc, [*common, f"run.dir={tmp / f'bare-ray-idle-{i}'}"])
         runs["bare, Ray idle"].append(medians(bare_idle, args.warmup))
@@ -198,15 +234,21 @@ def main() -> None:
         )
         runs["ray"].append(medians(ray_steps, args.warmup))
         lag += ray_lag
-    period = max(2, args.steps // 6)
-    kill_at = args.steps // 2 + 1 if (args.steps // 2 + 1) % period else args.steps // 2 + 2
-    faulty = run_ray_with_kill(
-        config,
-        [*common, f"run.dir={tmp / 'kill'}", "run.name=overhead-kill", f"checkpointing.period={period}"],
-        kill_at=kill_at,  # not a checkpoint step: the restart must recompute it
-        victim=min(1, args.nproc - 1),
-    )
-    disconnect()
+        if i == args.repeats - 1:
+            period = max(2, args.steps // 6)
+            kill_at = args.steps // 2 + 1 if (args.steps // 2 + 1) % period else args.steps // 2 + 2
+            faulty = run_ray_with_kill(
+                config,
+                [
+                    *common,
+                    f"run.dir={tmp / 'kill'}",
+                    "run.name=overhead-kill",
+                    f"checkpointing.period={period}",
+                ],
+                kill_at=kill_at,  # not a checkpoint step: the restart must recompute it
+                victim=min(1, args.nproc - 1),
+            )
+        disconnect()
 
     rows = {
         name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
@@ -235,11 +277,14 @@ def main() -> None:
     )
     if lag:
         print(f"tracker lag    median {statistics.median(lag) * 1e3:.1f} ms, max {max(lag) * 1e3:.1f} ms")
-    print(f"detection      kill -> coordinator leaves `running` {faulty['detection_s']:.2f} s")
+
+    def seconds(value: object) -> str:
+        return f"{value:.2f} s" if isinstance(value, float) else "n/a (the job ended before the kill)"
+
+    print(f"detection      kill -> coordinator leaves `running` {seconds(faulty['detection_s'])}")
     print(
-        f"recovery       kill -> first step after restart {faulty['recovery_external_s']:.2f} s (here), "
-        f"{[round(r, 2) for r in faulty['recovery_summary_s']]} s (coordinator: detection -> first step), "
-        f"status {faulty['status']}"
+        f"recovery       kill -> first step after restart {seconds(faulty['recovery_external_s'])} (here), "
+        f"{faulty['recovery_summary_s']} s (coordinator: detection -> first step), status {faulty['status']}"
     )
 
 

@@ -13,7 +13,7 @@ from d9d.cluster.coordinator import _device_placement
 from d9d.cluster.elastic import valid_plans
 from d9d.cluster.placement import assign_bundles, free_capacity, local_ranks, node_capacity
 from d9d.cluster.rank import RankNode
-from d9d.cluster.sink import metric_names
+from d9d.cluster.sink import ReplayFilter, metric_names
 from d9d.cluster.spec import build_job, load_job
 from d9d.cluster.state import IllegalTransition, JobState, RunSummary, StateMachine
 from d9d.core import DeviceMeshParameters
@@ -35,6 +35,14 @@ def test_job_resolves_paths_and_defaults(tmp_path: Path) -> None:
     assert (spec.initial_workers, spec.min_workers, spec.max_workers, spec.elastic) == (2, 2, 2, False)
     assert spec.step_timeout_s == 30 and spec.init_timeout_s == 60
     assert spec.rank_config(1)["checkpointing"]["dir"] == str(spec.checkpoint_dir)
+
+
+def test_job_resolves_the_export_dir_where_the_driver_runs(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    job = toy_job("units", tmp_path / "run")
+    job["checkpointing"] = {**job.get("checkpointing", {}), "export_hf_dir": "exported"}
+    spec = build_job(job)
+    assert spec.rank_config(0)["checkpointing"]["export_hf_dir"] == str(tmp_path.resolve() / "exported")
 
 
 def test_coordinator_storage_gives_each_rank_its_own_scratch(tmp_path: Path) -> None:
@@ -154,6 +162,20 @@ def test_metric_names() -> None:
         "cluster/recovery_time_s": 4.0
     }
     assert metric_names(MetricPoint(1, 0, {"eval/ppl": 9.0}, "eval")) == {"eval/ppl": 9.0}
+
+
+def test_replay_filter_drops_recomputed_steps_but_not_late_streams() -> None:
+    f = ReplayFilter()
+    loss = [MetricPoint(s, 0, {"loss": 1.0, "lr": 0.1}) for s in (1, 2, 3)]
+    assert [f.fresh(p) for p in loss] == [True, True, True]
+    # a background collector finishes step 2's task metrics after step 3's loss: a stream of its own
+    assert f.fresh(MetricPoint(2, 0, {"task/accuracy": 0.5}))
+    assert f.fresh(MetricPoint(3, 1, {"step_time_s": 0.1}, "health"))
+    # after a restart from the checkpoint of step 1, steps 2-3 come again and are not written twice
+    assert not f.fresh(MetricPoint(2, 0, {"loss": 1.0, "lr": 0.1}))
+    assert not f.fresh(MetricPoint(2, 0, {"task/accuracy": 0.5}))
+    assert not f.fresh(MetricPoint(3, 1, {"step_time_s": 0.1}, "health"))
+    assert f.fresh(MetricPoint(4, 0, {"loss": 1.0, "lr": 0.1}))
 
 
 # -- commit protocol --------------------------------------------------------------------------------------

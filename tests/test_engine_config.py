@@ -80,6 +80,15 @@ def test_unknown_provider_and_bad_options() -> None:
         parse_config({**BASE, "optimizer": {"provider": "adamw", "options": {"lrr": 1}}})
 
 
+def test_schedule_longer_than_the_run_is_a_config_error() -> None:
+    warmup = {"provider": "piecewise", "options": {"phases": [{"kind": "steps", "steps": 20, "target": 1.0}]}}
+    with pytest.raises(
+        ConfigError, match=r"lr_scheduler\.options: phases\[0\] ends at step 20, beyond total"
+    ):
+        parse_config({**BASE, "lr_scheduler": warmup})
+    parse_config({**BASE, "trainer": {"total_steps": 20}, "lr_scheduler": warmup})
+
+
 def test_bad_mesh_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"mesh: Value error, expert_parallel=3 must divide"):
         parse_config({**BASE, "mesh": {"data_parallel_shard": 2, "expert_parallel": 3}})

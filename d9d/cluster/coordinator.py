@@ -42,7 +42,7 @@ from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.placement import assign_bundles, bundle_for, free_capacity, local_ranks, node_capacity
 from d9d.cluster.rank import RankActor, RankLaunch, RankNode
 from d9d.cluster.reporter import CoordinatorTransfer
-from d9d.cluster.sink import MetricSink, MetricsWriter
+from d9d.cluster.sink import MetricSink, MetricsWriter, ReplayFilter
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, JobStatus, RunSummary, StateMachine
 from d9d.engine.runtime import (
@@ -109,7 +109,7 @@ class Coordinator:
         # metrics
         self._metric_seq = 0
         self._buffer: deque[tuple[int, MetricPoint]] = deque(maxlen=_METRIC_BUFFER)
-        self._logged: dict[tuple[str, int], int] = {}
+        self._replays = ReplayFilter()
         self._losses: dict[int, float] = {}
         self._last_step = 0
         # commands
@@ -547,9 +547,7 @@ class Coordinator:
     def _buffer_point(self, point: MetricPoint) -> None:
         self._metric_seq += 1
         self._buffer.append((self._metric_seq, point))
-        key = (point.kind, point.rank)
-        if point.rank == CLUSTER_RANK or point.step > self._logged.get(key, -1):
-            self._logged[key] = point.step
+        if point.rank == CLUSTER_RANK or self._replays.fresh(point):
             self._writer.submit(point)
 
     def _finish(self, state: JobState) -> None:

@@ -81,6 +81,26 @@ class MetricsWriter:
                 return
 
 
+class ReplayFilter:
+    """Keeps a restarted attempt's recomputed steps out of the tracker.
+
+    After a restart the ranks train again the steps between the checkpoint and the failure and report
+    them a second time; a stream only moves forward. A stream is one source of one kind of values: (kind,
+    rank, the value names), because one rank reports several streams per step (the step's loss, task
+    metrics that a background collector finishes steps later) and each must pass on its own.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, int, tuple[str, ...]], int] = {}
+
+    def fresh(self, point: MetricPoint) -> bool:
+        key = (point.kind, point.rank, tuple(sorted(point.values)))
+        if point.step <= self._last.get(key, -1):
+            return False
+        self._last[key] = point.step
+        return True
+
+
 def metric_names(point: MetricPoint) -> dict[str, float]:
     """Tracker keys, as the engine's own launchers name them: train/eval values as they are,
     `health/rank<r>/…` per rank, and `cluster/…` for the coordinator's own (rank -1)."""

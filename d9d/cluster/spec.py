@@ -122,6 +122,8 @@ def build_job(data: dict[str, Any], *, num_workers: int | None = None, cpu: bool
     absolute = train.model_dump(mode="json")
     absolute["run"]["dir"] = str(train.run_dir.resolve())
     absolute["checkpointing"]["dir"] = str(train.checkpoint_dir.resolve())
+    if train.checkpointing.export_hf_dir is not None:
+        absolute["checkpointing"]["export_hf_dir"] = str(train.checkpointing.export_hf_dir.resolve())
     spec = JobSpec(cluster=cluster, train=parse_config(absolute, check_components=False))
     _check_world_sizes(spec)
     tracker_config(spec)

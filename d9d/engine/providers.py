@@ -129,6 +129,10 @@ class OptimizerProvider(Protocol):
 
 @runtime_checkable
 class LRSchedulerProvider(Protocol):
+    """Any provider may also define `check_run(self, config: TrainConfig) -> None`, raising ValueError for
+    options that do not fit this run (a schedule longer than `trainer.total_steps`); config validation
+    calls it, so the mistake is reported before any process starts."""
+
     Config: ClassVar[type[BaseModel]]
 
     def build(

@@ -85,7 +85,15 @@ def validate_components(config: TrainConfig) -> None:
     for kind, component, field in sections:
         if component is not None:
             cls = resolve_provider_class(kind, component.provider, f"{field}.provider")
-            validate_options(cls, component.options, field)
+            options = validate_options(cls, component.options, field)
+            # Options that are only wrong for this run (a schedule longer than the run) fail here too,
+            # not at the first step; a provider opts in with `check_run(config)`.
+            check = getattr(cls, "check_run", None)
+            if check is not None:
+                try:
+                    check(cls(options), config)
+                except ValueError as e:
+                    raise _config_error(f"{field}.options: {e}") from None
 
 
 def _config_error(message: str) -> Exception:

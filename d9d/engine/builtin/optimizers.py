@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from d9d.optim import PiecewiseScheduleConfig, StochasticAdamW, build_piecewise_lr
+
+if TYPE_CHECKING:
+    from d9d.engine.config import TrainConfig
 
 
 class _Options(BaseModel):
@@ -99,3 +102,6 @@ class PiecewiseLRProvider:
         self, optimizer: torch.optim.Optimizer, total_steps: int
     ) -> torch.optim.lr_scheduler.LRScheduler:
         return build_piecewise_lr(self.config, optimizer, total_steps)
+
+    def check_run(self, config: TrainConfig) -> None:
+        self.config.resolve(config.trainer.total_steps)
