@@ -213,6 +213,7 @@ def main() -> None:
         *args.overrides,
         f"trainer.total_steps={args.steps}",
         "checkpointing.period=null",
+        "logging.period=1",  # every step is reported (and timed)
         f"logging.tracker={tracker[args.tracker]}",
     ]
 
