@@ -57,6 +57,7 @@ def test_causal_lm_head_logits_and_loss() -> None:
     labels[0, -1] = -100
     loss = head(hidden, labels)
     assert loss.shape == (2, 5) and loss.dtype == torch.float32
+    assert loss._base is None  # not a view: FSDP2 warns about (and mishandles in-place ops on) views
     expected = F.cross_entropy(logits.reshape(-1, 13), labels.reshape(-1), reduction="none").view(2, 5)
     torch.testing.assert_close(loss, expected)
     with pytest.raises(ValueError, match=r"labels shape \(2, 4\) does not match hidden \(2, 5\)"):

@@ -58,15 +58,6 @@ class CausalLMHead(nn.Module):
         weights = [self.weights[name] for name in self.splits]
         if labels is None:
             return torch.cat([hidden @ w.t() for w in weights], dim=-1)
-        if labels.shape != hidden.shape[:-1]:
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape[:-1])}"
-            )
-        losses = linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]),
-            weights,
-            labels.reshape(-1),
-            chunk_size=self.loss_chunk_size,
-            ignore_index=IGNORE_INDEX,
+        return linear_cross_entropy(
+            hidden, weights, labels, chunk_size=self.loss_chunk_size, ignore_index=IGNORE_INDEX
         )
-        return losses.view(labels.shape)

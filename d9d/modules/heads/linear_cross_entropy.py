@@ -34,9 +34,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         chunk_size: int,
         ignore_index: int,
+        out_shape: torch.Size,
         *weights: torch.Tensor,
     ) -> torch.Tensor:
-        losses = torch.empty(hidden.shape[0], dtype=_accumulation_dtype(hidden.dtype), device=hidden.device)
+        # Allocated in the caller's shape and filled through a flat view: the result is not itself a view,
+        # which FSDP2 warns about on a module's output.
+        result = torch.empty(out_shape, dtype=_accumulation_dtype(hidden.dtype), device=hidden.device)
+        losses = result.view(-1)
         lse = torch.empty_like(losses)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
@@ -50,13 +54,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(hidden, labels, lse, *weights)
         ctx.chunk_size = chunk_size
         ctx.ignore_index = ignore_index
-        return losses
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, labels, lse, *weights = ctx.saved_tensors
+        grad_losses = grad_losses.reshape(-1)
         need_hidden = ctx.needs_input_grad[0]
-        need_weights = ctx.needs_input_grad[4:]
+        need_weights = ctx.needs_input_grad[5:]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # accumulate in at least float32: summing per-chunk bf16 products would round once per chunk
         grad_weights = [
@@ -85,7 +90,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         out_weights = [
             acc.to(w.dtype) if acc is not None else None for acc, w in zip(grad_weights, weights, strict=True)
         ]
-        return (grad_hidden, None, None, None, *out_weights)
+        return (grad_hidden, None, None, None, None, *out_weights)
 
 
 def linear_cross_entropy(
@@ -99,12 +104,17 @@ def linear_cross_entropy(
     """Per-token cross-entropy of `hidden @ cat(weights).T` against `labels` in at least float32, 0 where
     ignored.
 
-    `hidden` [tokens, dim]; `weights` are the vocabulary splits [split_size, dim] in id order; `labels`
-    [tokens] (already aligned with `hidden`: label t is the target for row t).
+    `hidden` [*, dim]; `weights` are the vocabulary splits [split_size, dim] in id order; `labels` [*]
+    (already aligned with `hidden`: label t is the target for row t). The result has the shape of `labels`.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if hidden.shape[0] != labels.shape[0]:
-        raise ValueError(f"hidden has {hidden.shape[0]} rows but labels has {labels.shape[0]}")
-    out: torch.Tensor = _LinearCrossEntropy.apply(hidden, labels, chunk_size, ignore_index, *weights)
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape[:-1])}"
+        )
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    out: torch.Tensor = _LinearCrossEntropy.apply(
+        flat_hidden, labels.reshape(-1), chunk_size, ignore_index, labels.shape, *weights
+    )
     return out
