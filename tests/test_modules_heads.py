@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,61 @@ def test_linear_cross_entropy_matches_full_logits_float64(chunk_size: int) -> No
     assert losses[2] == 0 and losses[9] == 0
     for got, t in zip(ours, (hidden, w1, w2), strict=True):
         torch.testing.assert_close(got, t.grad, rtol=1e-6, atol=1e-9)
+
+
+def _count_logit_chunks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    lce = importlib.import_module("d9d.modules.heads.linear_cross_entropy")
+    calls: list[int] = []
+    original = lce._chunk_logits
+
+    def counted(h: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+        calls.append(h.shape[0])
+        out: torch.Tensor = original(h, w)
+        return out
+
+    monkeypatch.setattr(lce, "_chunk_logits", counted)
+    return calls
+
+
+@pytest.mark.parametrize(("ignored", "eager"), [([2, 9], None), (list(range(13)), None), ([2, 9], False)])
+def test_linear_cross_entropy_summed_loss_needs_no_recompute(
+    monkeypatch: pytest.MonkeyPatch, ignored: list[int], eager: bool | None
+) -> None:
+    """A sum of the losses gets its gradients from the forward: each chunk's logits are computed once
+    (twice with eager_grads=False), and the gradients equal the float64 reference either way."""
+    calls = _count_logit_chunks(monkeypatch)
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 27, (2, 13))
+    labels[:, ignored] = -100
+    losses = linear_cross_entropy(hidden, [w1, w2], labels, chunk_size=8, eager_grads=eager)
+    (losses.sum() / 3.0).backward()
+    assert len(calls) == (4 if eager is None else 8)  # 26 tokens in chunks of 8
+    ours = [t.grad.clone() for t in (hidden, w1, w2)]  # type: ignore[union-attr]
+    for t in (hidden, w1, w2):
+        t.grad = None
+    logits = hidden @ torch.cat([w1, w2]).t()
+    reference = F.cross_entropy(logits.reshape(-1, 27), labels.reshape(-1), reduction="none").view(2, 13)
+    (reference.sum() / 3.0).backward()
+    torch.testing.assert_close(losses.double(), reference, rtol=1e-6, atol=1e-6)
+    for got, t in zip(ours, (hidden, w1, w2), strict=True):
+        torch.testing.assert_close(got, t.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_linear_cross_entropy_without_grad_does_no_gradient_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_logit_chunks(monkeypatch)
+    hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    lce = importlib.import_module("d9d.modules.heads.linear_cross_entropy")
+
+    def fail(*args: object) -> None:
+        pytest.fail("gradients computed under no_grad")
+
+    monkeypatch.setattr(lce, "ce_grad", fail)
+    with torch.no_grad():
+        linear_cross_entropy(hidden, [weight], torch.randint(0, 5, (6,)), chunk_size=4)
+    assert len(calls) == 2
 
 
 def test_linear_cross_entropy_skips_frozen_split() -> None:

@@ -7,24 +7,29 @@ from typing import Any
 
 import torch
 
+from d9d.kernels.backend import KernelBackend
+from d9d.kernels.cross_entropy import accumulation_dtype, ce_grad, ce_rows
+
 IGNORE_INDEX = -100
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _chunk_logits(hidden: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    logits = torch.cat([hidden @ w.t() for w in weights], dim=-1)
-    return logits.to(_accumulation_dtype(logits.dtype))
+    """A chunk's logits in the model's dtype; the row-wise kernels compute in float32 from them."""
+    if len(weights) == 1:
+        return hidden @ weights[0].t()  # (a one-tensor cat would still copy the whole chunk)
+    return torch.cat([hidden @ w.t() for w in weights], dim=-1)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Forward and backward walk the tokens in chunks: peak extra memory is one chunk's logits, upcast to
-    at least float32.
+    """Forward and backward walk the tokens in chunks: peak extra memory is one chunk's logits (in the
+    model's dtype with the Triton row kernels, upcast to float32 on the PyTorch reference).
 
-    Only the per-token log-sum-exp is kept for backward, which recomputes each chunk's logits (one extra
-    vocabulary matmul per chunk, the price of never holding [tokens, vocab] in float32).
+    With `eager_grads` (a backward will follow) the forward also computes, while it holds each chunk's
+    logits, the gradients of the plain sum of the losses. They are the gradients whenever the upstream
+    gradient is one number for every token, which autograd shows without a host sync: the backward of a
+    `sum()` hands over that number broadcast with stride 0. The backward then only scales them — the head
+    costs three vocabulary matmuls per chunk instead of four. Any other upstream gradient (a per-token
+    weighting) makes the backward recompute each chunk's logits from the kept log-sum-exp instead.
     """
 
     @staticmethod
@@ -35,62 +40,105 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         ignore_index: int,
         out_shape: torch.Size,
+        eager_grads: bool,
+        backend: KernelBackend,
         *weights: torch.Tensor,
     ) -> torch.Tensor:
         # Allocated in the caller's shape and filled through a flat view: the result is not itself a view,
         # which FSDP2 warns about on a module's output.
-        result = torch.empty(out_shape, dtype=_accumulation_dtype(hidden.dtype), device=hidden.device)
+        result = torch.empty(out_shape, dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         losses = result.view(-1)
         lse = torch.empty_like(losses)
+        need_hidden = eager_grads and ctx.needs_input_grad[0]
+        need_weights = [eager_grads and need for need in ctx.needs_input_grad[_WEIGHTS:]]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weights = _weight_accumulators(weights, need_weights)
+        sizes = [w.shape[0] for w in weights]
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
-            logits = _chunk_logits(hidden[start:end], weights)
+            h = hidden[start:end]
+            logits = _chunk_logits(h, weights)
             chunk_labels = labels[start:end]
-            valid = chunk_labels != ignore_index
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, chunk_labels.clamp(min=0)[:, None]).squeeze(1)
-            losses[start:end] = torch.where(valid, chunk_lse - target, 0.0)
-            lse[start:end] = chunk_lse
+            lse[start:end], losses[start:end] = ce_rows(logits, chunk_labels, ignore_index, backend)
+            if need_hidden or any(need_weights):
+                ones = torch.ones_like(lse[start:end])
+                grad_logits = ce_grad(logits, lse[start:end], chunk_labels, ones, ignore_index, backend)
+                _add_weight_grads(grad_weights, grad_logits, sizes, h)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = _hidden_grad(grad_logits, weights, sizes, h)
         ctx.save_for_backward(hidden, labels, lse, *weights)
         ctx.chunk_size = chunk_size
         ctx.ignore_index = ignore_index
+        ctx.backend = backend
+        ctx.eager = (grad_hidden, grad_weights) if need_hidden or any(need_weights) else None
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, labels, lse, *weights = ctx.saved_tensors
-        grad_losses = grad_losses.reshape(-1)
         need_hidden = ctx.needs_input_grad[0]
-        need_weights = ctx.needs_input_grad[5:]
+        need_weights = ctx.needs_input_grad[_WEIGHTS:]
+        eager, ctx.eager = ctx.eager, None
+        none = (None,) * _WEIGHTS
+        if eager is not None and grad_losses.numel() > 0 and not any(grad_losses.stride()):
+            eager_hidden, eager_weights = eager
+            scale = grad_losses.reshape(-1)[0]  # every element is this one (stride 0): no sync to know it
+            grad_hidden = (eager_hidden * scale).to(hidden.dtype) if need_hidden else None
+            out = [
+                (acc * scale).to(w.dtype) if acc is not None else None
+                for acc, w in zip(eager_weights, weights, strict=True)
+            ]
+            return (grad_hidden, *none[1:], *out)
+        grad_losses = grad_losses.reshape(-1)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # accumulate in at least float32: summing per-chunk bf16 products would round once per chunk
-        grad_weights = [
-            torch.zeros(w.shape, dtype=_accumulation_dtype(w.dtype), device=w.device) if need else None
-            for w, need in zip(weights, need_weights, strict=True)
-        ]
+        grad_weights = _weight_accumulators(weights, need_weights)
         sizes = [w.shape[0] for w in weights]
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end]
-            chunk_labels = labels[start:end]
-            valid = chunk_labels != ctx.ignore_index
-            probs = torch.exp(_chunk_logits(h, weights) - lse[start:end, None])
-            rows = torch.arange(h.shape[0], device=h.device)
-            probs[rows, chunk_labels.clamp(min=0)] -= 1.0
-            probs *= torch.where(valid, grad_losses[start:end], 0.0)[:, None]
-            grad_logits = probs.to(h.dtype)
+            grad_logits = ce_grad(
+                _chunk_logits(h, weights),
+                lse[start:end],
+                labels[start:end],
+                grad_losses[start:end],
+                ctx.ignore_index,
+                ctx.backend,
+            )
+            _add_weight_grads(grad_weights, grad_logits, sizes, h)
             if grad_hidden is not None:
-                grad_hidden[start:end] = sum(
-                    (g @ w for g, w in zip(grad_logits.split(sizes, dim=1), weights, strict=True)),
-                    torch.zeros_like(h),
-                )
-            for acc, g in zip(grad_weights, grad_logits.split(sizes, dim=1), strict=True):
-                if acc is not None:
-                    acc += g.t() @ h
+                grad_hidden[start:end] = _hidden_grad(grad_logits, weights, sizes, h)
         out_weights = [
             acc.to(w.dtype) if acc is not None else None for acc, w in zip(grad_weights, weights, strict=True)
         ]
-        return (grad_hidden, None, None, None, None, *out_weights)
+        return (grad_hidden, *none[1:], *out_weights)
+
+
+_WEIGHTS = 7  # position of the first weight among `_LinearCrossEntropy.forward`'s inputs
+
+
+def _weight_accumulators(weights: Sequence[torch.Tensor], need: Sequence[bool]) -> list[torch.Tensor | None]:
+    # accumulate in at least float32: summing per-chunk bf16 products would round once per chunk
+    return [
+        torch.zeros(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device) if n else None
+        for w, n in zip(weights, need, strict=True)
+    ]
+
+
+def _add_weight_grads(
+    grad_weights: list[torch.Tensor | None], grad_logits: torch.Tensor, sizes: list[int], h: torch.Tensor
+) -> None:
+    for acc, g in zip(grad_weights, grad_logits.split(sizes, dim=1), strict=True):
+        if acc is not None:
+            acc += g.t() @ h
+
+
+def _hidden_grad(
+    grad_logits: torch.Tensor, weights: Sequence[torch.Tensor], sizes: list[int], h: torch.Tensor
+) -> torch.Tensor:
+    return sum(
+        (g @ w for g, w in zip(grad_logits.split(sizes, dim=1), weights, strict=True)),
+        torch.zeros_like(h),
+    )
 
 
 def linear_cross_entropy(
@@ -100,12 +148,17 @@ def linear_cross_entropy(
     *,
     chunk_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
+    eager_grads: bool | None = None,
+    backend: KernelBackend = "auto",
 ) -> torch.Tensor:
     """Per-token cross-entropy of `hidden @ cat(weights).T` against `labels` in at least float32, 0 where
     ignored.
 
     `hidden` [*, dim]; `weights` are the vocabulary splits [split_size, dim] in id order; `labels` [*]
     (already aligned with `hidden`: label t is the target for row t). The result has the shape of `labels`.
+    `eager_grads`: compute the gradients of a summed loss in the forward (default: whenever a backward can
+    follow); turn it off when the losses are weighted per token, which would make that work wasted.
+    `backend`: the row-wise kernels (`d9d.kernels.cross_entropy`; Triton on CUDA by default).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -113,8 +166,17 @@ def linear_cross_entropy(
         raise ValueError(
             f"labels shape {tuple(labels.shape)} does not match hidden {tuple(hidden.shape[:-1])}"
         )
+    if eager_grads is None:
+        eager_grads = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, *weights))
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     out: torch.Tensor = _LinearCrossEntropy.apply(
-        flat_hidden, labels.reshape(-1), chunk_size, ignore_index, labels.shape, *weights
+        flat_hidden,
+        labels.reshape(-1),
+        chunk_size,
+        ignore_index,
+        labels.shape,
+        eager_grads,
+        backend,
+        *weights,
     )
     return out
