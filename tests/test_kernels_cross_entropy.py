@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,6 +10,7 @@ import torch.nn.functional as F
 
 from d9d.kernels.cross_entropy import ce_grad, ce_rows
 from d9d.kernels.cross_entropy.reference import ce_grad_torch, ce_rows_torch
+from tests.triton_interpreter import run_in_interpreter
 
 
 def test_reference_matches_autograd_of_cross_entropy_in_float64() -> None:
@@ -76,13 +74,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
 
 
 def test_triton_kernels_match_reference_in_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "interpreter ok" in result.stdout
+    run_in_interpreter(_INTERPRETER_CHECK)
 
 
 @pytest.mark.gpu

@@ -1,8 +1,5 @@
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,6 +15,7 @@ from d9d.kernels.stochastic_rounding import (
     resolve_backend,
     stochastic_round_bf16,
 )
+from tests.triton_interpreter import run_in_interpreter
 
 
 def _words(counter: tuple[int, int, int, int], key: tuple[int, int]) -> list[int]:
@@ -166,13 +164,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
 
 
 def test_triton_kernel_matches_reference_bitwise_in_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "interpreter ok" in result.stdout
+    run_in_interpreter(_INTERPRETER_CHECK)
 
 
 @pytest.mark.gpu
