@@ -233,7 +233,7 @@ class _Toy:
 
     def apply_commands(self) -> bool:
         """False when training must stop. Paused: keep polling until resume/stop."""
-        paused = False
+        paused = announced = False
         while True:
             checkpoint = False
             for command in self._commands():
@@ -251,6 +251,9 @@ class _Toy:
                 self.save()
             if not paused:
                 return True
+            if not announced and self.rank == 0:  # the RunReporter contract: say where the ranks stopped
+                self.reporter.metrics(MetricPoint(self.step, 0, {"paused": 1.0}, "health", time.time()))
+            announced = True
             time.sleep(0.05)
 
     def train_step(self) -> float:
@@ -286,6 +289,8 @@ class _Toy:
             if not self.apply_commands():
                 status = "stopped"
                 break
+            if self.model.step_sleep_s:  # inside the step: commands sent meanwhile wait for its end
+                time.sleep(self.model.step_sleep_s)
             start = time.perf_counter()
             loss = self.train_step()
             elapsed = time.perf_counter() - start
@@ -297,8 +302,6 @@ class _Toy:
                 self.reporter.metrics(MetricPoint(self.step, 0, values, "train", now))
             health = {"step_time_s": elapsed, "rss_bytes": float(psutil.Process().memory_info().rss)}
             self.reporter.metrics(MetricPoint(self.step, self.rank, health, "health", now))
-            if self.model.step_sleep_s:
-                time.sleep(self.model.step_sleep_s)
             if period is not None and self.step % period == 0:
                 self.save()
         return RankResult(

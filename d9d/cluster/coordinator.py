@@ -160,9 +160,7 @@ class Coordinator:
         if state.terminal:
             raise RuntimeError(f"run {self._spec.run_name} has already ended ({state.value})")
         if command.kind is CommandKind.PAUSE:
-            self._paused = True
-            if state is JobState.RUNNING:
-                self._machine.to(JobState.PAUSED)
+            self._paused = True  # the state reads `paused` once rank 0 reports that it stopped
         elif command.kind is CommandKind.RESUME:
             self._paused = False
             if state is JobState.PAUSED:
@@ -378,7 +376,7 @@ class Coordinator:
         if self._paused:
             await self.send(Command(CommandKind.PAUSE))
         runs = {asyncio.ensure_future(a.run.remote(launch)): r for r, (a, launch) in enumerate(launches)}
-        self._machine.to(JobState.PAUSED if self._paused else JobState.RUNNING)
+        self._machine.to(JobState.RUNNING)  # a paused job pauses at its first step boundary
         await self._notify()
         return await self._watch(at, runs)
 
@@ -536,11 +534,18 @@ class Coordinator:
             point = MetricPoint(step, CLUSTER_RANK, {"recovery_time_s": recovery}, "health", time.time())
             self._buffer_point(point)
 
+    def _ranks_paused(self) -> None:
+        """Rank 0 stopped at a step boundary; a resume sent meanwhile wins (the ranks go on at once)."""
+        if self._paused and self._machine.state is JobState.RUNNING:
+            self._machine.to(JobState.PAUSED)
+
     async def _accept(self, points: list[MetricPoint]) -> None:
         for point in points:
             if point.kind == "train" and point.rank == 0 and "loss" in point.values:
                 self._losses[point.step] = float(point.values["loss"])
                 self._step_seen(point.step)
+            if point.kind == "health" and point.rank == 0 and "paused" in point.values:
+                self._ranks_paused()
             self._buffer_point(point)
         await self._notify()
 

@@ -8,6 +8,8 @@ can ship it between processes and the engine never imports Ray.
 Rules the engine follows (and launchers may rely on):
 - `reporter.commands()` is called only on global rank 0, once per step boundary; rank 0 broadcasts the
   result so every rank applies the same command at the same step.
+- When a PAUSE stops the ranks at a boundary, rank 0 reports a `health` point `{"paused": 1.0}` at that
+  step: launchers tell "paused" from "pause requested" by it.
 - A checkpoint step is written by every rank into `<checkpoint_root>/step-<N>/`; each rank then calls
   `checkpoint_written` with its files (a launcher without shared storage uploads them there). After every
   rank returned from it, rank 0 gathers all reports and calls `commit_checkpoint`, which writes the manifest

@@ -376,6 +376,7 @@ class Trainer:
             if not paused:
                 return True
             self.ctx.logger.info("paused at step %d", self.state.step)
+            self._report_paused()
             while True:
                 time.sleep(0.2)
                 commands = self._broadcast_commands()
@@ -391,6 +392,13 @@ class Trainer:
                 return False
             self.ctx.logger.info("resumed at step %d", self.state.step)
             return True
+
+    def _report_paused(self) -> None:
+        """`health/rank0/paused` = 1 at the step where the ranks really stopped, which is what a launcher's
+        status should say (not when the command was sent). Resuming is not reported: it happens at the
+        same step, and a tracker keeps one value per step."""
+        if self.ctx.is_main_process:
+            self.reporter.metrics(MetricPoint(self.state.step, 0, {"paused": 1.0}, "health", time.time()))
 
     def _broadcast_commands(self) -> list[Command]:
         commands = list(self.reporter.commands(self.state.step)) if self.ctx.is_main_process else []
