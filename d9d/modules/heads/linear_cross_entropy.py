@@ -49,50 +49,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
         result = torch.empty(out_shape, dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         losses = result.view(-1)
         lse = torch.empty_like(losses)
-        need_hidden = eager_grads and ctx.needs_input_grad[0]
-        need_weights = [eager_grads and need for need in ctx.needs_input_grad[_WEIGHTS:]]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weights = _weight_accumulators(weights, need_weights)
-        sizes = [w.shape[0] for w in weights]
+        grads = _Gradients(
+            hidden,
+            weights,
+            eager_grads and ctx.needs_input_grad[0],
+            [eager_grads and need for need in ctx.needs_input_grad[_WEIGHTS:]],
+        )
+        ones = torch.ones(min(chunk_size, hidden.shape[0]), dtype=lse.dtype, device=lse.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             h = hidden[start:end]
             logits = _chunk_logits(h, weights)
             chunk_labels = labels[start:end]
             lse[start:end], losses[start:end] = ce_rows(logits, chunk_labels, ignore_index, backend)
-            if need_hidden or any(need_weights):
-                ones = torch.ones_like(lse[start:end])
-                grad_logits = ce_grad(logits, lse[start:end], chunk_labels, ones, ignore_index, backend)
-                _add_weight_grads(grad_weights, grad_logits, sizes, h)
-                if grad_hidden is not None:
-                    grad_hidden[start:end] = _hidden_grad(grad_logits, weights, sizes, h)
+            if grads.wanted:  # the gradients of the plain sum: every row's upstream gradient is 1
+                grad_logits = ce_grad(
+                    logits, lse[start:end], chunk_labels, ones[: h.shape[0]], ignore_index, backend
+                )
+                grads.add(start, h, grad_logits)
         ctx.save_for_backward(hidden, labels, lse, *weights)
         ctx.chunk_size = chunk_size
         ctx.ignore_index = ignore_index
         ctx.backend = backend
-        ctx.eager = (grad_hidden, grad_weights) if need_hidden or any(need_weights) else None
+        ctx.eager = grads if grads.wanted else None
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, labels, lse, *weights = ctx.saved_tensors
-        need_hidden = ctx.needs_input_grad[0]
-        need_weights = ctx.needs_input_grad[_WEIGHTS:]
         eager, ctx.eager = ctx.eager, None
-        none = (None,) * _WEIGHTS
+        none = (None,) * (_WEIGHTS - 1)
         if eager is not None and grad_losses.numel() > 0 and not any(grad_losses.stride()):
-            eager_hidden, eager_weights = eager
             scale = grad_losses.reshape(-1)[0]  # every element is this one (stride 0): no sync to know it
-            grad_hidden = (eager_hidden * scale).to(hidden.dtype) if need_hidden else None
-            out = [
-                (acc * scale).to(w.dtype) if acc is not None else None
-                for acc, w in zip(eager_weights, weights, strict=True)
-            ]
-            return (grad_hidden, *none[1:], *out)
+            grad_hidden, grad_weights = eager.result(scale)
+            return (grad_hidden, *none, *grad_weights)
         grad_losses = grad_losses.reshape(-1)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weights = _weight_accumulators(weights, need_weights)
-        sizes = [w.shape[0] for w in weights]
+        grads = _Gradients(hidden, weights, ctx.needs_input_grad[0], ctx.needs_input_grad[_WEIGHTS:])
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end]
@@ -104,41 +96,58 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 ctx.ignore_index,
                 ctx.backend,
             )
-            _add_weight_grads(grad_weights, grad_logits, sizes, h)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = _hidden_grad(grad_logits, weights, sizes, h)
-        out_weights = [
-            acc.to(w.dtype) if acc is not None else None for acc, w in zip(grad_weights, weights, strict=True)
-        ]
-        return (grad_hidden, *none[1:], *out_weights)
+            grads.add(start, h, grad_logits)
+        grad_hidden, grad_weights = grads.result()
+        return (grad_hidden, *none, *grad_weights)
 
 
 _WEIGHTS = 7  # position of the first weight among `_LinearCrossEntropy.forward`'s inputs
 
 
-def _weight_accumulators(weights: Sequence[torch.Tensor], need: Sequence[bool]) -> list[torch.Tensor | None]:
-    # accumulate in at least float32: summing per-chunk bf16 products would round once per chunk
-    return [
-        torch.zeros(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device) if n else None
-        for w, n in zip(weights, need, strict=True)
-    ]
+class _Gradients:
+    """The head's input and weight gradients, filled chunk by chunk from each chunk's logits gradient
+    (by the forward for a summed loss, or by the backward's recomputation)."""
 
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weights: Sequence[torch.Tensor],
+        need_hidden: bool,
+        need_weights: Sequence[bool],
+    ) -> None:
+        self._hidden_dtype = hidden.dtype
+        self._weights = weights
+        self._sizes = [w.shape[0] for w in weights]
+        self.hidden = torch.empty_like(hidden) if need_hidden else None
+        # accumulate in at least float32: summing per-chunk bf16 products would round once per chunk
+        self.weights = [
+            torch.zeros(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device) if need else None
+            for w, need in zip(weights, need_weights, strict=True)
+        ]
+        self.wanted = need_hidden or any(need_weights)
 
-def _add_weight_grads(
-    grad_weights: list[torch.Tensor | None], grad_logits: torch.Tensor, sizes: list[int], h: torch.Tensor
-) -> None:
-    for acc, g in zip(grad_weights, grad_logits.split(sizes, dim=1), strict=True):
-        if acc is not None:
-            acc += g.t() @ h
+    def add(self, start: int, h: torch.Tensor, grad_logits: torch.Tensor) -> None:
+        parts = grad_logits.split(self._sizes, dim=1)
+        for acc, g in zip(self.weights, parts, strict=True):
+            if acc is not None:
+                acc += g.t() @ h
+        if self.hidden is not None:
+            self.hidden[start : start + h.shape[0]] = sum(
+                (g @ w for g, w in zip(parts, self._weights, strict=True)), torch.zeros_like(h)
+            )
 
+    def result(
+        self, scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """The gradients in the parameters' dtypes, times `scale` when given."""
 
-def _hidden_grad(
-    grad_logits: torch.Tensor, weights: Sequence[torch.Tensor], sizes: list[int], h: torch.Tensor
-) -> torch.Tensor:
-    return sum(
-        (g @ w for g, w in zip(grad_logits.split(sizes, dim=1), weights, strict=True)),
-        torch.zeros_like(h),
-    )
+        def finish(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return (t if scale is None else t * scale).to(dtype)
+
+        grad_weights = [finish(acc, w.dtype) for acc, w in zip(self.weights, self._weights, strict=True)]
+        return finish(self.hidden, self._hidden_dtype), grad_weights
 
 
 def linear_cross_entropy(
