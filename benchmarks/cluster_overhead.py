@@ -103,9 +103,9 @@ def read_log_tracker(run_dir: Path) -> tuple[dict[int, tuple[float, float]], lis
 
 
 def run_bare(config: Path, nproc: int, overrides: list[str]) -> dict[int, tuple[float, float]]:
-    sets = [a for o in overrides for a in ("--set", o)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["-m", "d9d.engine.launch", str(config), *sets]
+    from tests.engine_fixtures import torchrun_command
+
+    cmd = torchrun_command(config, *overrides, nproc=nproc)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     )
