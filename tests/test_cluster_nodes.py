@@ -29,6 +29,7 @@ _FAST_HEALTH = {
     "health_check_failure_threshold": 2,
     "health_check_initial_delay_ms": 0,
 }
+_HEARTBEAT_TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,12 @@ def test_node_loss_shrinks_keeps_global_batch_and_grows_back(cluster: Cluster, t
         world=4,
         steps=steps,
         model={"options": {"step_sleep_s": 0.25}},
-        cluster={"min_workers": 2, "max_workers": 4, "placement_timeout_s": 30},
+        cluster={
+            "min_workers": 2,
+            "max_workers": 4,
+            "placement_timeout_s": 30,
+            "heartbeat_timeout_s": _HEARTBEAT_TIMEOUT_S,
+        },
     )
     reference = reference_losses(job, world=1)  # one process, accumulation 8
     tj = TrainingJob(build_job(job)).start()
@@ -115,7 +121,13 @@ def test_node_loss_shrinks_keeps_global_batch_and_grows_back(cluster: Cluster, t
     lost = time.monotonic()
     cluster.remove_node(victim, allow_graceful=False)
     _wait_state(job=tj, predicate=lambda s: s.state not in (JobState.RUNNING, JobState.PAUSED))
-    assert time.monotonic() - lost < 3.0, "the lost node was not noticed within 3 s"
+    noticed_s = time.monotonic() - lost
+    # Noticed as a failed rank (its actor died, or a survivor's collective broke), not by the heartbeat
+    # or step timeouts that would catch it otherwise. How fast is a benchmark's business
+    # (benchmarks/node_loss.py).
+    reason = tj.status().last_failure or ""
+    assert reason.startswith("rank ") and "no heartbeat" not in reason, reason
+    assert noticed_s < _HEARTBEAT_TIMEOUT_S, f"noticed after {noticed_s:.1f}s: {reason}"
 
     # Running on what is left; hold the job while a node joins, so the grow lands at a checkpoint.
     _wait_state(tj, lambda s: s.state is JobState.RUNNING and s.world_size == 2)
@@ -125,10 +137,11 @@ def test_node_loss_shrinks_keeps_global_batch_and_grows_back(cluster: Cluster, t
     tj.resume()
     summary = tj.result(timeout=240)
 
-    assert summary.status == "finished", summary.error
-    assert summary.world_sizes == [4, 2, 4]
-    assert summary.resizes == 1 and len(summary.failures) == 1
-    assert len(summary.recovery_times_s) == 1
+    story = f"world sizes {summary.world_sizes}, resizes {summary.resizes}, failures {summary.failures}"
+    assert summary.status == "finished", f"{summary.error}; {story}"
+    assert summary.world_sizes == [4, 2, 4], story
+    assert summary.resizes == 1 and len(summary.failures) == 1, story
+    assert len(summary.recovery_times_s) == 1, story
     # Same global batch at every DP degree: the curve matches a single process up to summation order.
     assert [summary.losses[s] for s in range(1, steps + 1)] == pytest.approx(reference, rel=1e-4)
     # Every global sample trained exactly once, in order, across all three layouts.

@@ -288,21 +288,23 @@ class Coordinator:
             if growing and self._attempt.plan.world_size < target:
                 self._grow_blocked = _alive_nodes()
             outcome = await self._run_attempt(self._attempt)
-            await self._teardown()
-            if outcome.kind == "finished":
-                return JobState.FINISHED
-            if outcome.kind == "stopped":
-                return JobState.STOPPED
+            if outcome.kind in ("finished", "stopped"):
+                await self._teardown()
+                return JobState.FINISHED if outcome.kind == "finished" else JobState.STOPPED
+            # The failure is known now: say so before the teardown, which waits for Ray to release the
+            # dead actors (seconds after a node loss).
+            growing = outcome.kind == "resize"
+            if not growing:
+                self._failures.append(outcome.reason)
+                self._failure_time = time.monotonic()
+                _log.warning("run %s attempt failed: %s", self._spec.run_name, outcome.reason)
             self._machine.to(JobState.RESTARTING)
             await self._notify()
-            growing = outcome.kind == "resize"
+            await self._teardown()
             if growing:
                 self._summary.resizes += 1
                 target = outcome.workers
                 continue
-            self._failures.append(outcome.reason)
-            self._failure_time = time.monotonic()
-            _log.warning("run %s attempt failed: %s", self._spec.run_name, outcome.reason)
             if len(self._failures) > self._spec.cluster.max_failures:
                 self._summary.error = (
                     f"gave up after {len(self._failures)} failures (cluster.max_failures="
