@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from d9d.core import DeviceMeshParameters, DistributedContext
@@ -127,8 +126,6 @@ class Case:
 
 def _run_cases(env: RankEnv, cases: list[Case], backend: str = "gloo") -> None:
     device = torch.device("cuda", env.rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        _join_nccl(env)
     data = {
         name: [b.to(device) for b in _batches(3, 8, classes=3 if name == "qwen3_cls" else None)]
         for name in MODELS
@@ -190,20 +187,6 @@ FOUR_RANKS = [
     Case("qwen3", shard=2, tp=2, sp=True, meta=True),
     Case("qwen3_moe", replicate=2, shard=2, ep=2, meta=True),
 ]
-
-
-def _join_nccl(env: RankEnv) -> None:
-    """Replace the harness's gloo group by NCCL (with gloo alongside for CPU tensors)."""
-    dist.destroy_process_group()
-    torch.cuda.set_device(env.rank)
-    store = dist.FileStore(str(env.tmp_dir / "nccl-rendezvous"), env.world_size)
-    dist.init_process_group(
-        "cuda:nccl,cpu:gloo",
-        store=store,
-        rank=env.rank,
-        world_size=env.world_size,
-        device_id=torch.device("cuda", env.rank),
-    )
 
 
 def test_two_rank_matrix() -> None:
