@@ -57,8 +57,10 @@ def test_killed_rank_restarts_from_checkpoint_with_identical_losses(
     _wait_for_step(job, 5)
     ray.kill(ray.get_actor(rank_name("kill", 1), namespace=NAMESPACE))
     killed = time.monotonic()
+    # Noticed through the actor's death, before the heartbeat timeout (10 s by default) could notice it;
+    # how fast is benchmarks/cluster_overhead.py's business (0.02-0.08 s).
     while job.status().state in (JobState.RUNNING, JobState.PAUSED):
-        assert time.monotonic() - killed < 3.0, "the dead rank was not noticed within 3 s"
+        assert time.monotonic() - killed < 8.0, "the dead rank was not noticed through its actor's death"
         time.sleep(0.02)
     summary = job.result(timeout=180)
 
