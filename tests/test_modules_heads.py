@@ -43,14 +43,14 @@ def test_linear_cross_entropy_matches_full_logits_float64(chunk_size: int) -> No
 def _count_logit_chunks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     lce = importlib.import_module("d9d.modules.heads.linear_cross_entropy")
     calls: list[int] = []
-    original = lce._chunk_logits
+    original = lce.vocab_logits
 
     def counted(h: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
         calls.append(h.shape[0])
         out: torch.Tensor = original(h, w)
         return out
 
-    monkeypatch.setattr(lce, "_chunk_logits", counted)
+    monkeypatch.setattr(lce, "vocab_logits", counted)
     return calls
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from d9d.modules.embedding import TokenEmbedding, check_vocab_splits
-from d9d.modules.heads.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
+from d9d.modules.heads.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy, vocab_logits
 
 
 class CausalLMHead(nn.Module):
@@ -57,7 +57,7 @@ class CausalLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         weights = [self.weights[name] for name in self.splits]
         if labels is None:
-            return torch.cat([hidden @ w.t() for w in weights], dim=-1)
+            return vocab_logits(hidden, weights)
         return linear_cross_entropy(
             hidden, weights, labels, chunk_size=self.loss_chunk_size, ignore_index=IGNORE_INDEX
         )

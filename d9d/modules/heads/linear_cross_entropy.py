@@ -13,8 +13,9 @@ from d9d.kernels.cross_entropy import accumulation_dtype, ce_grad, ce_rows
 IGNORE_INDEX = -100
 
 
-def _chunk_logits(hidden: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A chunk's logits in the model's dtype; the row-wise kernels compute in float32 from them."""
+def vocab_logits(hidden: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`hidden @ cat(weights).T` in the model's dtype, for vocabulary splits in id order (the row-wise
+    kernels compute in float32 from a chunk of these)."""
     if len(weights) == 1:
         return hidden @ weights[0].t()  # (a one-tensor cat would still copy the whole chunk)
     return torch.cat([hidden @ w.t() for w in weights], dim=-1)
@@ -59,7 +60,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             h = hidden[start:end]
-            logits = _chunk_logits(h, weights)
+            logits = vocab_logits(h, weights)
             chunk_labels = labels[start:end]
             lse[start:end], losses[start:end] = ce_rows(logits, chunk_labels, ignore_index, backend)
             if grads.wanted:  # the gradients of the plain sum: every row's upstream gradient is 1
@@ -89,7 +90,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = start + ctx.chunk_size
             h = hidden[start:end]
             grad_logits = ce_grad(
-                _chunk_logits(h, weights),
+                vocab_logits(h, weights),
                 lse[start:end],
                 labels[start:end],
                 grad_losses[start:end],

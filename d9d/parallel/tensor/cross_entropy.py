@@ -16,19 +16,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-IGNORE_INDEX = -100
-
-
-def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Logits and losses in at least float32, like the single-device head."""
-    return torch.promote_types(dtype, torch.float32)
+from d9d.kernels.cross_entropy import accumulation_dtype
+from d9d.modules.heads.linear_cross_entropy import IGNORE_INDEX, vocab_logits
 
 
 def _local_logits(hidden: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    dtype = _loss_dtype(hidden.dtype)
+    """This rank's logit columns in at least float32, like the single-device head's reference."""
+    dtype = accumulation_dtype(hidden.dtype)
     if not weights:
         return hidden.new_zeros(hidden.shape[0], 0, dtype=dtype)
-    return torch.cat([hidden @ w.t() for w in weights], dim=-1).to(dtype)
+    return vocab_logits(hidden, weights).to(dtype)
 
 
 def _target_columns(labels: torch.Tensor, starts: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -55,7 +52,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         *weights: torch.Tensor,
     ) -> torch.Tensor:
         sizes = [w.shape[0] for w in weights]
-        losses = torch.empty(hidden.shape[0], dtype=_loss_dtype(hidden.dtype), device=hidden.device)
+        losses = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(losses)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
@@ -84,7 +81,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, labels, lse, *weights = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden)
-        grad_weights = [torch.zeros(w.shape, dtype=_loss_dtype(w.dtype), device=w.device) for w in weights]
+        grad_weights = [
+            torch.zeros(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device) for w in weights
+        ]
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h = hidden[start:end]
