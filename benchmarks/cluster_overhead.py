@@ -36,9 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from d9d.cluster import TrainingJob
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,45 +136,46 @@ def run_ray(config: Path, overrides: list[str]) -> tuple[dict[int, tuple[float, 
     return steps, read_log_tracker(job.spec.run_dir)[1] if log_file.exists() else []
 
 
-def run_ray_with_kill(config: Path, overrides: list[str], kill_at: int, victim: int) -> dict[str, object]:
-    """Start-up and recovery, watched from the driver: kill rank `victim` once step `kill_at` is reported."""
-    from d9d.cluster import JobState, TrainingJob
+def watch_fault(job: TrainingJob, fault_at: int, inject: Callable[[TrainingJob], None]) -> dict[str, object]:
+    """Start-up, failure detection and recovery, watched from the driver: `job` is started, and `inject`
+    causes the fault once step `fault_at` is reported (the clock starts when it returns)."""
+    from d9d.cluster import JobState
 
-    job = TrainingJob(config, overrides=overrides)
     started = time.perf_counter()
     job.start()
-    running_at = first_step_at = killed_at = detected_at = recovered_at = None
-    killed_step = 0
+    running_at = first_step_at = fault_done = detected_at = recovered_at = None
+    detected_wall = 0.0
     while True:
-        points, ended = job.poll_metrics(0.02 if killed_at is not None and detected_at is None else 0.2)
+        points, ended = job.poll_metrics(0.02 if fault_done is not None and detected_at is None else 0.2)
         now = time.perf_counter()
         state = job.status().state
         if running_at is None and state is JobState.RUNNING:
             running_at = now
-        if killed_at is not None and detected_at is None and state is not JobState.RUNNING:
-            detected_at = now
+        if fault_done is not None and detected_at is None and state is not JobState.RUNNING:
+            detected_at, detected_wall = now, time.time()
         for p in points:
             if p.kind != "train" or p.rank != 0:
                 continue
             first_step_at = first_step_at or now
-            # The restarted ranks resume from a checkpoint before `killed_step` and train it again.
-            # (points already on their way when the rank died do not count: only those after detection)
-            if detected_at is not None and recovered_at is None and p.step <= killed_step:
+            # Once a rank is gone the old ranks finish no step, so a step reported after detection is the
+            # restarted ranks' (points already on their way when it failed carry earlier times).
+            if detected_at is not None and recovered_at is None and p.wall_time > detected_wall:
                 recovered_at = now
-            if killed_at is None and p.step >= kill_at:
-                job.kill_rank(victim)
-                killed_at, killed_step = time.perf_counter(), p.step
+            if fault_done is None and p.step >= fault_at:
+                inject(job)
+                fault_done = time.perf_counter()
         if ended:
             break
     summary = job.result()
     return {
         "startup_running_s": (running_at or now) - started,
         "startup_first_step_s": (first_step_at or now) - started,
-        "detection_s": None if killed_at is None or detected_at is None else detected_at - killed_at,
+        "detection_s": None if fault_done is None or detected_at is None else detected_at - fault_done,
         "recovery_external_s": None
-        if killed_at is None or recovered_at is None
-        else recovered_at - killed_at,
+        if fault_done is None or recovered_at is None
+        else recovered_at - fault_done,
         "recovery_summary_s": [round(r, 2) for r in summary.recovery_times_s],
+        "world_sizes": summary.world_sizes,
         "status": summary.status,
     }
 
@@ -193,7 +199,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from d9d.cluster import connect, disconnect
+    from d9d.cluster import TrainingJob, connect, disconnect
 
     tmp = Path(tempfile.mkdtemp(prefix="d9d-overhead-"))
     config = args.config
@@ -223,6 +229,7 @@ def main() -> None:
     runs: dict[str, list[tuple[float, float]]] = {"bare": [], "bare, Ray idle": [], "ray": []}
     lag: list[float] = []
     faulty: dict[str, object] = {}
+    victim = min(1, args.nproc - 1)  # the rank the last repeat kills
     for i in range(args.repeats):
         bare = run_bare(config, args.nproc, [*common, f"run.dir={tmp / f'bare-{i}'}"])
         runs["bare"].append(medians(bare, args.warmup))
@@ -238,16 +245,16 @@ def main() -> None:
         if i == args.repeats - 1:
             period = max(2, args.steps // 6)
             kill_at = args.steps // 2 + 1 if (args.steps // 2 + 1) % period else args.steps // 2 + 2
-            faulty = run_ray_with_kill(
-                config,
-                [
-                    *common,
-                    f"run.dir={tmp / 'kill'}",
-                    "run.name=overhead-kill",
-                    f"checkpointing.period={period}",
-                ],
-                kill_at=kill_at,  # not a checkpoint step: the restart must recompute it
-                victim=min(1, args.nproc - 1),
+            overrides = [
+                *common,
+                f"run.dir={tmp / 'kill'}",
+                "run.name=overhead-kill",
+                f"checkpointing.period={period}",
+            ]
+            faulty = watch_fault(
+                TrainingJob(config, overrides=overrides),
+                kill_at,  # not a checkpoint step: the restart must recompute it
+                lambda job: job.kill_rank(victim),
             )
         disconnect()
 

@@ -2,14 +2,15 @@
 
 Each repeat starts the cluster tests' toy job (tests/cluster_fixtures.py: 4 rank actors, 2 per node, on a
 `ray.cluster_utils.Cluster` of two 2-CPU nodes plus a head without CPUs), removes one node without warning
-once step `--lose-at` is reported, and measures from the moment the node's processes are gone:
+once step `--lose-at` is reported, and measures (cluster_overhead.py's `watch_fault`, as for a killed
+rank) from the moment the node's processes are gone:
 
   - detection: until the coordinator leaves `running` (target < 3 s, issue 9),
   - recovery: until the first step trained by the shrunken job (2 ranks on the surviving node),
 
-then stops the job and adds a fresh node for the next repeat. Ray notices a lost raylet through its GCS
-health check; the cluster runs with the settings docs/deploy.md recommends (a check every 1 s, dead after
-3 misses).
+the run finishes on the 2 ranks left, and a fresh node joins for the next repeat. Ray notices a lost
+raylet through its GCS health check; the cluster runs with the settings docs/deploy.md recommends (a
+check every 1 s, dead after 3 misses).
 
     .venv/bin/python benchmarks/node_loss.py --repeats 5
 """
@@ -20,54 +21,43 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from d9d.cluster import TrainingJob
 
 REPO = Path(__file__).resolve().parents[1]
-FAST_HEALTH = {
+HEALTH_CHECK = {
     "health_check_period_ms": 1000,
     "health_check_failure_threshold": 3,
     "health_check_initial_delay_ms": 0,
 }
 
 
-def lose_a_node(cluster: object, run_dir: Path, name: str, lose_at: int) -> tuple[float, float]:
-    """(detection, recovery) seconds for one node loss; the job is stopped afterwards."""
-    from d9d.cluster import JobState, TrainingJob, build_job
+def lose_a_node(cluster: Any, run_dir: Path, name: str, lose_at: int, steps: int) -> dict[str, object]:
+    """One node loss, watched as cluster_overhead.py watches a killed rank."""
+    from benchmarks.cluster_overhead import watch_fault
+    from d9d.cluster import TrainingJob, build_job
     from tests.cluster_fixtures import toy_job
 
     config = toy_job(
         name,
         run_dir,
         world=4,
-        steps=10_000,
+        steps=steps,
         model={"options": {"step_sleep_s": 0.05}},
         cluster={"min_workers": 2, "max_workers": 4, "placement_timeout_s": 60},
     )
-    job = TrainingJob(build_job(config)).start()
-    lost = detected = recovered = None
-    try:
-        while recovered is None:
-            points, ended = job.poll_metrics(0.02)
-            if ended:
-                raise RuntimeError(f"the job ended: {job.result().error}")
-            if lost is None and any(p.kind == "train" and p.step >= lose_at for p in points):
-                victim = next(n for n in cluster.worker_nodes if n is not cluster.head_node)  # type: ignore[attr-defined]
-                cluster.remove_node(victim, allow_graceful=False)  # type: ignore[attr-defined]
-                lost = time.monotonic()
-                continue
-            if lost is None:
-                continue
-            status = job.status()
-            if detected is None and status.state is not JobState.RUNNING:
-                detected = time.monotonic()
-            if detected is not None and status.world_size == 2 and any(p.kind == "train" for p in points):
-                recovered = time.monotonic()
-    finally:
-        job.stop()
-        job.result(timeout=120)
-    assert lost is not None and detected is not None
-    return detected - lost, recovered - lost
+
+    def remove_a_node(_: TrainingJob) -> None:
+        victim = next(n for n in cluster.worker_nodes if n is not cluster.head_node)
+        cluster.remove_node(victim, allow_graceful=False)
+
+    result = watch_fault(TrainingJob(build_job(config)), lose_at, remove_a_node)
+    if result["status"] != "finished" or result["world_sizes"] != [4, 2]:
+        raise RuntimeError(f"expected a finished run on 4 then 2 ranks, got {result}")
+    return result
 
 
 def main() -> None:
@@ -76,6 +66,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lose-at", type=int, default=4, help="remove a node once this step is reported")
+    parser.add_argument("--steps", type=int, default=30, help="steps per run (the run ends on 2 ranks)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     import ray
@@ -83,17 +74,20 @@ def main() -> None:
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_HEALTH},
+        head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH_CHECK},
     )
     for _ in range(2):
         cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     tmp = Path(tempfile.mkdtemp(prefix="d9d-node-loss-"))
-    detections, recoveries = [], []
+    detections: list[float] = []
+    recoveries: list[float] = []
     try:
         for i in range(args.repeats):
-            detection, recovery = lose_a_node(cluster, tmp / f"run{i}", f"nodeloss{i}", args.lose_at)
+            result = lose_a_node(cluster, tmp / f"run{i}", f"nodeloss{i}", args.lose_at, args.steps)
+            detection, recovery = result["detection_s"], result["recovery_external_s"]
+            assert isinstance(detection, float) and isinstance(recovery, float), result
             detections.append(detection)
             recoveries.append(recovery)
             print(f"repeat {i}: detection {detection:.2f} s, recovery {recovery:.2f} s", flush=True)
