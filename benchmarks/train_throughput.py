@@ -249,7 +249,12 @@ def parent_main(args: argparse.Namespace) -> None:
             atomic_write_text(
                 Path(args.out), json.dumps({**env, "args": vars(args), "results": results}, indent=1)
             )
-    print(table(results), flush=True)
+    print(f"\n{json.dumps(env)}\n{table(results)}", flush=True)
+    from throughput.profile import render
+
+    for r in results:
+        if "profile" in r:
+            print(f"\n{MODEL_NAMES[r['model']]}, {r['label']}:\n{render(r['profile'])}", flush=True)
 
 
 def main() -> None:

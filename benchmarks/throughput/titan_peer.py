@@ -9,6 +9,8 @@ mixed precision), buffers such as the RoPE cache stay fp32 as torchtitan keeps t
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 import torch
@@ -16,7 +18,29 @@ import torch
 from throughput.common import ARCHS, BATCH, LR, SEQ, summary, time_loop
 
 
-def build_model(model: str, compiled: bool) -> tuple[Any, Any]:
+def _stub_unused_imports() -> None:
+    """torchtitan's model packages import its trainer's metrics logger (TensorBoard) and HF dataset loader at
+    module level; this loop uses neither, so where those packages are missing, empty stand-ins let the model
+    import. Installed packages are used as they are."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        tensorboard = types.ModuleType("torch.utils.tensorboard")
+        tensorboard.SummaryWriter = object  # type: ignore[attr-defined]
+        sys.modules["torch.utils.tensorboard"] = tensorboard
+    try:
+        import datasets
+        import datasets.distributed  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType("datasets")
+        stub.Dataset = stub.load_dataset = object  # type: ignore[attr-defined]
+        distributed = types.ModuleType("datasets.distributed")
+        distributed.split_dataset_by_node = object  # type: ignore[attr-defined]
+        sys.modules.update({"datasets": stub, "datasets.distributed": distributed})
+
+
+def build_model(model: str, compiled: bool, device: torch.device | None = None) -> tuple[Any, Any]:
+    _stub_unused_imports()
     from torchtitan.components.loss import build_cross_entropy_loss
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
@@ -60,7 +84,7 @@ def build_model(model: str, compiled: bool) -> tuple[Any, Any]:
     with torch.device("meta"):
         net = Qwen3Model(args)
     parallelize_qwen3(net, dims, job)
-    device = torch.device("cuda")
+    device = device or torch.device("cuda")
     net.to_empty(device=device)
     with torch.no_grad():
         net.init_weights(buffer_device=device)
