@@ -15,7 +15,11 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "alltoall")),
     ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
     ("attention", ("flash", "fmha", "attention", "attn", "cudnn", "flex")),
-    ("loss", ("cross_entropy", "crossentropy", "nll_loss", "softmax", "logsumexp")),
+    # d9d's chunked cross-entropy runs the Triton kernels `_rows_kernel` / `_grad_kernel`.
+    (
+        "loss",
+        ("cross_entropy", "crossentropy", "nll_loss", "softmax", "logsumexp", "_rows_kernel", "_grad_kernel"),
+    ),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "gemv", "grouped_mm", "wgmma", "sm90_", "mm_")),
     ("dtype copies", ("copy_kernel", "memcpy", "to_copy", "convert")),
 )
@@ -43,7 +47,7 @@ def _busy_union(intervals: list[tuple[float, float]]) -> float:
 
 def breakdown(prof: torch.profiler.profile, wall_s: float, steps: int) -> dict[str, Any]:
     """GPU time per category per step (ms) and share of the step, plus the ten heaviest kernels."""
-    per_category: dict[str, float] = {}
+    per_category = {name: 0.0 for name, _ in CATEGORIES} | {OTHER: 0.0}  # zeros shown too: a stable table
     per_kernel: dict[str, float] = {}
     intervals: list[tuple[float, float]] = []
     for event in prof.events():
