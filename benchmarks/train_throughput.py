@@ -2,7 +2,8 @@
 
     python benchmarks/train_throughput.py [--model dense|moe|both] [--steps 10] [--warmup 3]
         [--peers d9d,transformers,torchtitan] [--d9d-variants compiled,eager] [--d9d-batches ...]
-        [--row-timeout 300] [--budget-s S] [--profile] [--out FILE]
+        [--row-timeout 600] [--budget-s S] [--profile] [--out FILE]
+    python benchmarks/train_throughput.py --merge dense.json moe.json [--out FILE]
 
 Every row trains a randomly initialized model with bf16 parameters and fused AdamW on batch 8 x 2048
 (no downloads) and runs in its own subprocess, one after another, each under a timeout; a failing row
@@ -20,6 +21,11 @@ Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, head_dim 128, ffn 3072, 
 small Qwen3-MoE (16 layers, 16/4 heads, 64 experts top-8, moe ffn 512). MFU = 6 × active parameters (incl.
 the LM head) + causal attention, against 989 TFLOP/s. `--profile` adds a per-category GPU-time breakdown of
 the d9d step (torch.profiler). Needs CUDA.
+
+Time on one H100: the dense rows take about 7 minutes, the MoE rows longer (Liger's fused MoE kernels
+autotune for minutes on their first step, the compiled rows compile for one to two minutes). Where one
+command is capped below that, run `--model dense` and `--model moe` back to back on the same machine and
+print one table with `--merge`.
 """
 
 from __future__ import annotations
@@ -249,12 +255,30 @@ def parent_main(args: argparse.Namespace) -> None:
             atomic_write_text(
                 Path(args.out), json.dumps({**env, "args": vars(args), "results": results}, indent=1)
             )
-    print(f"\n{json.dumps(env)}\n{table(results)}", flush=True)
+    report([env], results)
+
+
+def report(envs: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
     from throughput.profile import render
 
+    print("\n" + "\n".join(json.dumps(env) for env in envs) + f"\n{table(results)}", flush=True)
     for r in results:
         if "profile" in r:
             print(f"\n{MODEL_NAMES[r['model']]}, {r['label']}:\n{render(r['profile'])}", flush=True)
+
+
+def merge_main(args: argparse.Namespace) -> None:
+    """One table from several runs' `--out` files (e.g. the dense and the MoE half on the same machine)."""
+    runs = [json.loads(Path(f).read_text()) for f in args.merge]
+    results = [{k: v for k, v in r.items() if not k.startswith("x_")} for run in runs for r in run["results"]]
+    add_ratios(results)
+    envs = [{k: v for k, v in run.items() if k != "results"} for run in runs]
+    if args.out:
+        from d9d.core.files import atomic_write_text
+
+        merged = {"runs": envs, "merged_from": args.merge, "results": results}
+        atomic_write_text(Path(args.out), json.dumps(merged, indent=1))
+    report(envs, results)
 
 
 def main() -> None:
@@ -269,15 +293,18 @@ def main() -> None:
     )
     parser.add_argument("--d9d-variants", type=_csv(D9D_VARIANTS), default="compiled,eager")
     parser.add_argument("--d9d-batches", type=_csv(D9D_BATCHES), default="random,collate,padded,packed")
-    parser.add_argument("--row-timeout", type=float, default=300.0)
+    parser.add_argument("--row-timeout", type=float, default=600.0)
     parser.add_argument("--budget-s", type=float, default=None, help="skip the rows that would start past it")
     parser.add_argument("--profile", action="store_true", help="GPU-time breakdown of the d9d step")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--merge", nargs="+", default=None, help="--out files to print as one table")
     parser.add_argument("--one-row", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--row-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_row:
         child_main(args)
+    elif args.merge:
+        merge_main(args)
     else:
         parent_main(args)
 
