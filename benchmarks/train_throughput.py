@@ -42,7 +42,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from throughput.common import MODEL_NAMES
 
@@ -51,7 +51,7 @@ D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
 HF_VARIANTS = ("plain", "liger", "compile")
 TITAN_VARIANTS = ("eager", "compile")
 LABELS = {
-    ("transformers", "plain"): "transformers 5.x",
+    ("transformers", "plain"): "transformers",
     ("transformers", "liger"): "transformers + Liger",
     ("transformers", "compile"): "transformers + torch.compile",
     ("torchtitan", "eager"): "torchtitan 0.2.2, eager",
@@ -124,11 +124,13 @@ def run_row(row: Row, args: argparse.Namespace) -> dict[str, Any]:
             os.environ.update(
                 RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
             )
-            return d9d_peer.run(row.model, row.variant, row.batch, args.steps, args.warmup, args.profile)  # type: ignore[arg-type]
+            variant = cast(d9d_peer.D9dVariant, row.variant)
+            batch = cast(d9d_peer.D9dBatch, row.batch)
+            return d9d_peer.run(row.model, variant, batch, args.steps, args.warmup, args.profile)
         case "transformers":
             from throughput import hf_peer
 
-            return hf_peer.run(row.model, row.variant, args.steps, args.warmup)  # type: ignore[arg-type]
+            return hf_peer.run(row.model, cast(hf_peer.HfVariant, row.variant), args.steps, args.warmup)
         case "torchtitan":
             from throughput import titan_peer
 
@@ -140,7 +142,7 @@ def child_main(args: argparse.Namespace) -> None:
     row = Row.parse(args.one_row)
     try:
         result = run_row(row, args)
-    except BaseException as e:  # the parent's table shows the error; the traceback goes to stderr
+    except Exception as e:  # the parent's table shows the error; the traceback goes to stderr
         traceback.print_exc()
         result = {"error": f"{type(e).__name__}: {e}"[:600]}
     Path(args.row_out).write_text(json.dumps(result))

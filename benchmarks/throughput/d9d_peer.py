@@ -10,7 +10,8 @@ Batches:
 - `collate`: the built-in text provider (`data.provider: text`) end to end on a generated text file whose
   lines fill the 2048 window: byte tokenizer, `CausalLMCollator`, the provider's key rules.
 - `padded`: the same provider on lines of 1024–2048 bytes (one full line per batch fixes the width), so
-  rows are right-padded and an `attention_mask` is present.
+  rows are right-padded and an `attention_mask` is present. Tokens/s counts every position, padding
+  (about a fifth here) included, like every other row.
 - `ones-mask`: random tokens plus an all-ones `attention_mask` (what every collated batch carried while the
   provider passed the mask unconditionally).
 - `packed`: documents of mean 512 tokens (uniform 1..1023) packed into 2048-token rows by

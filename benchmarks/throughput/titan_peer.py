@@ -4,7 +4,9 @@ model when compile is on). Only the loop is ours: no torchtitan trainer, config 
 
 torchtitan's defaults that would make the comparison unequal are switched off or matched: activation
 checkpointing (default `selective`) is off like every other row, parameters are bf16 (single GPU, no FSDP
-mixed precision), buffers such as the RoPE cache stay fp32 as torchtitan keeps them.
+mixed precision), buffers such as the RoPE cache stay fp32 as torchtitan keeps them. The MoE's
+aux-loss-free bias update, which torchtitan's trainer hooks into its optimizer, is not run (a few tiny
+kernels per step; the routing itself is unchanged).
 """
 
 from __future__ import annotations
