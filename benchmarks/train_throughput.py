@@ -1,12 +1,31 @@
-"""Training throughput of the d9d engine vs Hugging Face transformers, same process, same shapes.
+"""Training throughput of the d9d engine against its peers, one GPU, same shapes, one invocation.
 
-    python benchmarks/train_throughput.py [--model dense|moe|both] [--steps 10] [--warmup 3] [--out FILE]
+    python benchmarks/train_throughput.py [--model dense|moe|both] [--steps 10] [--warmup 3]
+        [--peers d9d,transformers,torchtitan] [--d9d-variants compiled,eager] [--d9d-batches ...]
+        [--row-timeout 600] [--budget-s S] [--profile] [--out FILE]
+    python benchmarks/train_throughput.py --merge dense.json moe.json [--out FILE]
 
-Both sides train a randomly initialized model in bf16 with fused AdamW on batch 8 x 2048 random tokens:
-transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` in a plain loop, and d9d's Qwen3 / Qwen3-MoE through
-the real engine (`d9d.engine.Trainer`: data provider, task, gradient reducer, clipping off, optimizer). The
-shapes are the mission's anchors: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, head_dim 128, ffn 3072,
-vocab 151936) and a small Qwen3-MoE (16 layers, 64 experts top-8, moe ffn 512). Needs CUDA.
+Every row trains a randomly initialized model with bf16 parameters and fused AdamW on batch 8 x 2048
+(no downloads) and runs in its own subprocess, one after another, each under a timeout; a failing row
+records its error and the table goes on. Rows:
+
+- d9d through the real engine (`d9d.engine.Trainer`), `compiled` (`compile: {enabled: true}`) and `eager`
+  (`compile: {enabled: false}`); `eager-legacy` omits the section, for an engine without it. Each on the
+  batch kinds of `throughput/d9d_peer.py`: bare random tokens, the built-in text provider's collated
+  batches (full and right-padded) and packed documents of mean 512 tokens.
+- transformers (plain, + Liger kernels: rope, rms_norm, swiglu, fused linear cross-entropy, +
+  `torch.compile`); torchtitan 0.2.2 (eager, and with its per-block compile of model and loss). Both are
+  optional extras, never dependencies of d9d.
+
+Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, head_dim 128, ffn 3072, vocab 151936, untied) and a
+small Qwen3-MoE (16 layers, 16/4 heads, 64 experts top-8, moe ffn 512). MFU = 6 × active parameters (incl.
+the LM head) + causal attention, against 989 TFLOP/s. `--profile` adds a per-category GPU-time breakdown of
+the d9d step (torch.profiler). Needs CUDA.
+
+Time on one H100: the dense rows take about 7 minutes, the MoE rows longer (Liger's fused MoE kernels
+autotune for minutes on their first step, the compiled rows compile for one to two minutes). Where one
+command is capped below that, run `--model dense` and `--model moe` back to back on the same machine and
+print one table with `--merge`.
 """
 
 from __future__ import annotations
@@ -14,210 +33,282 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
-from typing import Any
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, cast
 
-import torch
-from pydantic import BaseModel, ConfigDict
+from throughput.common import MODEL_NAMES
 
-BATCH, SEQ = 8, 2048
-COMMON = {"vocab_size": 151936, "hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128}
-DENSE = {**COMMON, "num_layers": 28, "num_kv_heads": 8, "intermediate_size": 3072}
-MOE = {
-    **COMMON,
-    "num_layers": 16,
-    "num_kv_heads": 4,
-    "intermediate_size": 3072,
-    "moe_intermediate_size": 512,
-    "num_experts": 64,
-    "num_experts_per_tok": 8,
+D9D_VARIANTS = ("compiled", "eager", "eager-legacy")
+D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
+HF_VARIANTS = ("plain", "liger", "compile")
+TITAN_VARIANTS = ("eager", "compile")
+LABELS = {
+    ("transformers", "plain"): "transformers",
+    ("transformers", "liger"): "transformers + Liger",
+    ("transformers", "compile"): "transformers + torch.compile",
+    ("torchtitan", "eager"): "torchtitan 0.2.2, eager",
+    ("torchtitan", "compile"): "torchtitan 0.2.2 + per-block compile",
 }
-PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 spec; the mission measured ~784 for plain matmuls
 
 
-class RandomTokens:
-    """Fresh uniform random tokens every step (the benchmark measures compute, not data)."""
+@dataclass(frozen=True)
+class Row:
+    model: str
+    peer: str  # d9d | transformers | torchtitan
+    variant: str
+    batch: str = "random"
 
-    class Config(BaseModel):
-        model_config = ConfigDict(frozen=True, extra="forbid")
+    @property
+    def label(self) -> str:
+        if self.peer == "d9d":
+            return f"d9d {self.variant}, {self.batch}"
+        return LABELS[(self.peer, self.variant)]
 
-    def __init__(self, config: Config) -> None:
-        self.generator = torch.Generator().manual_seed(0)
+    def spec(self) -> str:
+        return f"{self.model}:{self.peer}:{self.variant}:{self.batch}"
 
-    def setup(self, setup: Any) -> None:
-        self.s = setup
+    @staticmethod
+    def parse(spec: str) -> Row:
+        model, peer, variant, batch = spec.split(":")
+        return Row(model, peer, variant, batch)
 
-    def next_step(self) -> list[dict[str, torch.Tensor]]:
-        out = []
-        for _ in range(self.s.gradient_accumulation):
-            ids = torch.randint(
-                0, COMMON["vocab_size"], (self.s.microbatch_size, SEQ + 1), generator=self.generator
+
+def _csv(allowed: tuple[str, ...]) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [t for t in text.split(",") if t]
+        bad = [t for t in items if t not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(allowed)}")
+        return items
+
+    return parse
+
+
+def plan(args: argparse.Namespace) -> list[Row]:
+    """d9d rows first (the subject, and the rows a short budget must not lose), then the peers."""
+    models = {"dense": ["dense"], "moe": ["moe"], "both": ["dense", "moe"]}[args.model]
+    rows: list[Row] = []
+    for model in models:
+        if "d9d" in args.peers:
+            rows += [Row(model, "d9d", v, b) for v in args.d9d_variants for b in args.d9d_batches]
+        if "torchtitan" in args.peers:
+            rows += [Row(model, "torchtitan", v) for v in TITAN_VARIANTS]
+        if "transformers" in args.peers:
+            rows += [Row(model, "transformers", v) for v in HF_VARIANTS]
+    return rows
+
+
+# ---- one row, in the child process ----
+
+
+def run_row(row: Row, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("this benchmark needs CUDA")
+    match row.peer:
+        case "d9d":
+            from throughput import d9d_peer
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(
+                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
             )
-            out.append({"input_ids": ids[:, :-1].cuda(), "labels": ids[:, 1:].cuda()})
-        return out
+            variant = cast(d9d_peer.D9dVariant, row.variant)
+            batch = cast(d9d_peer.D9dBatch, row.batch)
+            return d9d_peer.run(row.model, variant, batch, args.steps, args.warmup, args.profile)
+        case "transformers":
+            from throughput import hf_peer
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+            return hf_peer.run(row.model, cast(hf_peer.HfVariant, row.variant), args.steps, args.warmup)
+        case "torchtitan":
+            from throughput import titan_peer
 
-    def load_state_dict(self, state: Any) -> None:
+            return titan_peer.run(row.model, row.variant == "compile", args.steps, args.warmup)
+    raise ValueError(f"unknown peer {row.peer!r}")
+
+
+def child_main(args: argparse.Namespace) -> None:
+    row = Row.parse(args.one_row)
+    try:
+        result = run_row(row, args)
+    except Exception as e:  # the parent's table shows the error; the traceback goes to stderr
+        traceback.print_exc()
+        result = {"error": f"{type(e).__name__}: {e}"[:600]}
+    Path(args.row_out).write_text(json.dumps(result))
+
+
+# ---- the parent: one subprocess per row ----
+
+
+def spawn(row: Row, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, __file__, "--one-row", row.spec(), "--row-out", str(out)]
+        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] * args.profile)
+        start = time.perf_counter()
+        # Own session, so a timeout also ends the row's compile workers.
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"error": f"timed out after {timeout:.0f} s", "wall_s": time.perf_counter() - start}
+        wall = time.perf_counter() - start
+        if not out.exists():
+            return {"error": f"exited with code {rc} before writing a result", "wall_s": wall}
+        result: dict[str, Any] = json.loads(out.read_text())
+        result["wall_s"] = wall
+        return result
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    def tps(model: str, peer: str, variant: str, batch: str = "random") -> float | None:
+        for r in results:
+            if (r["model"], r["peer"], r["variant"], r["batch"]) == (model, peer, variant, batch):
+                return r.get("tokens_per_s")
         return None
 
-
-def flops_per_token(arch: dict[str, Any], moe: bool) -> float:
-    """6 × active parameters per token + causal attention (PaLM-style accounting)."""
-    h, layers = arch["hidden_size"], arch["num_layers"]
-    q = arch["num_attention_heads"] * arch["head_dim"]
-    kv = arch["num_kv_heads"] * arch["head_dim"]
-    attn = h * (q + 2 * kv) + q * h
-    ffn = (
-        3
-        * h
-        * (arch["moe_intermediate_size"] * arch["num_experts_per_tok"] if moe else arch["intermediate_size"])
-    )
-    router = h * arch["num_experts"] if moe else 0
-    active = layers * (attn + ffn + router) + arch["vocab_size"] * h  # lm head (embedding lookup is free)
-    return 6.0 * active + 6.0 * layers * q * SEQ  # causal: half of 12·L·q·T
+    for r in results:
+        if "tokens_per_s" not in r:
+            continue
+        for key, ref in (
+            ("x_titan_compile", tps(r["model"], "torchtitan", "compile")),
+            ("x_transformers", tps(r["model"], "transformers", "plain")),
+            ("x_own_random", tps(r["model"], r["peer"], r["variant"]) if r["peer"] == "d9d" else None),
+        ):
+            if ref:
+                r[key] = r["tokens_per_s"] / ref
 
 
-def _summary(name: str, times: list[float], arch: dict[str, Any], moe: bool) -> dict[str, Any]:
-    step = sorted(times)[len(times) // 2]
-    tps = BATCH * SEQ / step
-    return {
-        "name": name,
-        "median_step_s": step,
-        "tokens_per_s": tps,
-        "mfu_vs_989": tps * flops_per_token(arch, moe) / (PEAK_TFLOPS * 1e12),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }
+def table(results: list[dict[str, Any]]) -> str:
+    def ratio(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]:.2f}x" if key in r else "-"
 
-
-def run_hf(arch: dict[str, Any], moe: bool, steps: int, warmup: int) -> dict[str, Any]:
-    import transformers
-
-    common = {
-        "vocab_size": arch["vocab_size"],
-        "hidden_size": arch["hidden_size"],
-        "num_hidden_layers": arch["num_layers"],
-        "num_attention_heads": arch["num_attention_heads"],
-        "num_key_value_heads": arch["num_kv_heads"],
-        "head_dim": arch["head_dim"],
-        "intermediate_size": arch["intermediate_size"],
-        "tie_word_embeddings": False,
-        "max_position_embeddings": SEQ,
-    }
-    torch.manual_seed(0)
-    if moe:
-        config = transformers.Qwen3MoeConfig(
-            **common,
-            moe_intermediate_size=arch["moe_intermediate_size"],
-            num_experts=arch["num_experts"],
-            num_experts_per_tok=arch["num_experts_per_tok"],
+    lines = [
+        "| model | row | tok/s | MFU | peak GiB | 1st step s | vs titan+compile | vs transformers "
+        "| vs own random |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        head = f"| {MODEL_NAMES[r['model']]} | {r['label']} |"
+        if "error" in r:
+            lines.append(f"{head} failed: {r['error'][:160].replace('|', '/')} | | | | | | |")
+            continue
+        lines.append(
+            f"{head} {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
+            f"{r.get('first_step_s') or float('nan'):.1f} | {ratio(r, 'x_titan_compile')} | "
+            f"{ratio(r, 'x_transformers')} | {ratio(r, 'x_own_random')} |"
         )
-        model = transformers.Qwen3MoeForCausalLM(config)
-    else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    model = model.to(device="cuda", dtype=torch.bfloat16).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    g = torch.Generator().manual_seed(0)
-    times = []
-    torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
-        ids = torch.randint(0, arch["vocab_size"], (BATCH, SEQ + 1), generator=g).cuda()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model(input_ids=ids[:, :-1], labels=ids[:, :-1])
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.item()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    result = _summary(f"transformers {'Qwen3-MoE' if moe else 'Qwen3-0.6B'}", times, arch, moe)
-    del model, optimizer
-    torch.cuda.empty_cache()
-    return result
+    return "\n".join(lines)
 
 
-def run_d9d(arch: dict[str, Any], moe: bool, steps: int, warmup: int) -> dict[str, Any]:
-    from d9d.core import DeviceMeshParameters, DistributedContext
-    from d9d.engine.checkpoint import LocalRunReporter
-    from d9d.engine.config import parse_config
-    from d9d.engine.events import StepFinished, StepStarted
-    from d9d.engine.trainer import Trainer
+def environment() -> dict[str, Any]:
+    import torch
 
-    config = parse_config(
-        {
-            "run": {"name": "bench", "dir": "/tmp/d9d-bench"},
-            "batching": {"global_batch_size": BATCH, "microbatch_size": BATCH},
-            "trainer": {"total_steps": warmup + steps},
-            "logging": {"progress_bar": "off", "period": 1000},
-            "checkpointing": {"save_at_end": False},
-            "gradient_clipping": {"max_norm": None},
-            "model": {
-                "provider": "qwen3_moe" if moe else "qwen3",
-                "options": {"architecture": {**arch, "max_position_embeddings": SEQ}, "dtype": "bfloat16"},
-            },
-            "data": {"provider": "__main__:RandomTokens"},
-            "optimizer": {"provider": "adamw", "options": {"lr": 1e-4, "weight_decay": 0.0}},
-        }
-    )
-    ctx = DistributedContext.create(DeviceMeshParameters())
-    trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
-    starts: dict[int, float] = {}
-    times: list[float] = []
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    for package in ("transformers", "liger_kernel", "torchtitan", "triton"):
+        try:
+            from importlib.metadata import version
 
-    def on_start(event: StepStarted) -> None:
-        torch.cuda.synchronize()
-        starts[event.step] = time.perf_counter()
+            info[package] = version(package.replace("_", "-"))
+        except Exception:  # an optional peer that is not installed
+            info[package] = None
+    return info
 
-    def on_finish(event: StepFinished) -> None:  # the loss is already a host float: the step is done
-        if event.step > warmup:
-            times.append(time.perf_counter() - starts[event.step])
 
-    trainer.events.subscribe(StepStarted, on_start)
-    trainer.events.subscribe(StepFinished, on_finish)
-    trainer.setup()
-    torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    result = _summary(f"d9d {'Qwen3-MoE' if moe else 'Qwen3-0.6B'}", times, arch, moe)
-    del trainer
-    torch.cuda.empty_cache()
-    return result
+def parent_main(args: argparse.Namespace) -> None:
+    from d9d.core.files import atomic_write_text
+
+    rows = plan(args)
+    env = environment()
+    print(f"{len(rows)} rows; {json.dumps(env)}", flush=True)
+    deadline = time.perf_counter() + args.budget_s if args.budget_s else None
+    results: list[dict[str, Any]] = []
+    for i, row in enumerate(rows):
+        timeout = args.row_timeout
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.perf_counter())
+        if timeout < 30:
+            result: dict[str, Any] = {"error": "skipped: out of the --budget-s time"}
+        else:
+            print(f"[{i + 1}/{len(rows)}] {row.model}: {row.label}", flush=True)
+            result = spawn(row, args, timeout)
+        results.append({**asdict(row), "label": row.label, **result})
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "profile"}), flush=True)
+        add_ratios(results)
+        if args.out:
+            atomic_write_text(
+                Path(args.out), json.dumps({**env, "args": vars(args), "results": results}, indent=1)
+            )
+    report([env], results)
+
+
+def report(envs: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
+    from throughput.profile import render
+
+    print("\n" + "\n".join(json.dumps(env) for env in envs) + f"\n{table(results)}", flush=True)
+    for r in results:
+        if "profile" in r:
+            print(f"\n{MODEL_NAMES[r['model']]}, {r['label']}:\n{render(r['profile'])}", flush=True)
+
+
+def merge_main(args: argparse.Namespace) -> None:
+    """One table from several runs' `--out` files (e.g. the dense and the MoE half on the same machine)."""
+    runs = [json.loads(Path(f).read_text()) for f in args.merge]
+    results = [{k: v for k, v in r.items() if not k.startswith("x_")} for run in runs for r in run["results"]]
+    add_ratios(results)
+    envs = [{k: v for k, v in run.items() if k != "results"} for run in runs]
+    if args.out:
+        from d9d.core.files import atomic_write_text
+
+        merged = {"runs": envs, "merged_from": args.merge, "results": results}
+        atomic_write_text(Path(args.out), json.dumps(merged, indent=1))
+    report(envs, results)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", choices=["dense", "moe", "both"], default="both")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs CUDA")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    parser.add_argument(
+        "--peers", type=_csv(("d9d", "transformers", "torchtitan")), default="d9d,transformers,torchtitan"
     )
-    results = []
-    for moe in {"dense": [False], "moe": [True], "both": [False, True]}[args.model]:
-        arch = MOE if moe else DENSE
-        hf = run_hf(arch, moe, args.steps, args.warmup)
-        ours = run_d9d(arch, moe, args.steps, args.warmup)
-        ours["ratio_vs_transformers"] = ours["tokens_per_s"] / hf["tokens_per_s"]
-        results += [hf, ours]
-        for r in (hf, ours):
-            print(json.dumps(r), flush=True)
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results},
-                f,
-                indent=1,
-            )
+    parser.add_argument("--d9d-variants", type=_csv(D9D_VARIANTS), default="compiled,eager")
+    parser.add_argument("--d9d-batches", type=_csv(D9D_BATCHES), default="random,collate,padded,packed")
+    parser.add_argument("--row-timeout", type=float, default=600.0)
+    parser.add_argument("--budget-s", type=float, default=None, help="skip the rows that would start past it")
+    parser.add_argument("--profile", action="store_true", help="GPU-time breakdown of the d9d step")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--merge", nargs="+", default=None, help="--out files to print as one table")
+    parser.add_argument("--one-row", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--row-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one_row:
+        child_main(args)
+    elif args.merge:
+        merge_main(args)
+    else:
+        parent_main(args)
 
 
 if __name__ == "__main__":

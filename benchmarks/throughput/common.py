@@ -1,0 +1,88 @@
+"""Shapes, FLOP accounting and the timing loop shared by every row."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+BATCH, SEQ = 8, 2048
+COMMON = {"vocab_size": 151936, "hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128}
+# Qwen3-0.6B, untied LM head.
+DENSE = {**COMMON, "num_layers": 28, "num_kv_heads": 8, "intermediate_size": 3072}
+# A small Qwen3-MoE: every layer sparse.
+MOE = {
+    **COMMON,
+    "num_layers": 16,
+    "num_kv_heads": 4,
+    "intermediate_size": 3072,
+    "moe_intermediate_size": 512,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+}
+ARCHS = {"dense": DENSE, "moe": MOE}
+MODEL_NAMES = {"dense": "Qwen3-0.6B", "moe": "Qwen3-MoE (16L, 64e top-8)"}
+PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 spec; the mission measured ~784 for plain matmuls
+LR = 1e-4
+
+
+def flops_per_token(arch: dict[str, Any], moe: bool) -> float:
+    """6 × active parameters per token + causal attention (PaLM-style accounting)."""
+    h, layers = arch["hidden_size"], arch["num_layers"]
+    q = arch["num_attention_heads"] * arch["head_dim"]
+    kv = arch["num_kv_heads"] * arch["head_dim"]
+    attn = h * (q + 2 * kv) + q * h
+    ffn = (
+        3
+        * h
+        * (arch["moe_intermediate_size"] * arch["num_experts_per_tok"] if moe else arch["intermediate_size"])
+    )
+    router = h * arch["num_experts"] if moe else 0
+    active = layers * (attn + ffn + router) + arch["vocab_size"] * h  # lm head (embedding lookup is free)
+    return 6.0 * active + 6.0 * layers * q * SEQ  # causal: half of 12·L·q·T
+
+
+def summary(times: list[float], first_step_s: float | None, model: str) -> dict[str, Any]:
+    """Median step → tokens/s (batch × sequence positions, padding included: every row computes on all of
+    them) and MFU; peak is the allocator's high-water mark since the last reset."""
+    if not times:
+        raise RuntimeError("no timed steps were recorded")
+    moe = model == "moe"
+    step = sorted(times)[len(times) // 2]
+    tps = BATCH * SEQ / step
+    return {
+        "median_step_s": step,
+        "tokens_per_s": tps,
+        "mfu": tps * flops_per_token(ARCHS[model], moe) / (PEAK_TFLOPS * 1e12),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "first_step_s": first_step_s,
+        "timed_steps": len(times),
+    }
+
+
+def random_batch(generator: torch.Generator) -> torch.Tensor:
+    """`(BATCH, SEQ + 1)` uniform random token ids on the GPU: inputs are `[:, :-1]`, targets `[:, 1:]`."""
+    ids = torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ + 1), generator=generator)
+    return ids.cuda()
+
+
+def time_loop(step: Callable[[torch.Tensor], float], warmup: int, steps: int) -> dict[str, Any]:
+    """Runs `step(batch)` (which must end with a host sync, e.g. `loss.item()`) warmup + steps times on fresh
+    random batches; returns the median step, MFU inputs and the first step's time (compile warm-up)."""
+    generator = torch.Generator().manual_seed(0)
+    times: list[float] = []
+    first: float | None = None
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        batch = random_batch(generator)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(batch)
+        elapsed = time.perf_counter() - start
+        if i == 0:
+            first = elapsed
+        if i >= warmup:
+            times.append(elapsed)
+    return {"times": times, "first_step_s": first}

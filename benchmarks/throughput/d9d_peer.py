@@ -1,0 +1,207 @@
+"""d9d rows: the real engine (`d9d.engine.Trainer`: data provider, task, gradient reducer, clipping off,
+fused AdamW) on the batches a run would feed it.
+
+Variants (the job's `compile:` section): `compiled` = `{enabled: true}`, `eager` = `{enabled: false}`,
+`eager-legacy` = no section at all, for an engine that predates the field (a command-line choice; the
+script never probes which engine it has).
+
+Batches:
+- `random`: bare causal random tokens, no mask, no positions (what the benchmark measured before).
+- `collate`: the built-in text provider (`data.provider: text`) end to end on a generated text file whose
+  lines fill the 2048 window: byte tokenizer, `CausalLMCollator`, the provider's key rules.
+- `padded`: the same provider on lines of 1024–2048 bytes (one full line per batch fixes the width), so
+  rows are right-padded and an `attention_mask` is present. Tokens/s counts every position, padding
+  (about a fifth here) included, like every other row.
+- `ones-mask`: random tokens plus an all-ones `attention_mask` (what every collated batch carried while the
+  provider passed the mask unconditionally).
+- `packed`: documents of mean 512 tokens (uniform 1..1023) packed into 2048-token rows by
+  `CausalLMCollator(pack_length=2048)`; the row's last document is cut to fill the window (a stream cut
+  into windows). Its `document_ids` go to the model as `segment_ids`, the name the model's document mask
+  takes.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from throughput import profile as gpu_profile
+from throughput.common import ARCHS, BATCH, COMMON, LR, SEQ, summary
+
+D9dVariant = Literal["compiled", "eager", "eager-legacy"]
+D9dBatch = Literal["random", "collate", "padded", "ones-mask", "packed"]
+PROFILE_STEPS = 3
+MEAN_DOC = 512
+
+
+class BenchBatches:
+    """Synthetic batches for the engine (kinds `random`, `ones-mask`, `packed`), fresh every step."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(frozen=True, extra="forbid")
+
+        kind: Literal["random", "ones-mask", "packed"] = "random"
+
+    def __init__(self, config: Config) -> None:
+        self.kind = config.kind
+        self.generator = torch.Generator().manual_seed(0)
+        self.lengths = random.Random(0)
+
+    def setup(self, setup: Any) -> None:
+        self.s = setup
+
+    def _tokens(self, *shape: int) -> torch.Tensor:
+        return torch.randint(0, COMMON["vocab_size"], shape, generator=self.generator)
+
+    def _packed_row(self) -> dict[str, torch.Tensor]:
+        from d9d.data import CausalLMCollator
+
+        docs, used = [], 0
+        while used < SEQ:
+            n = min(self.lengths.randint(1, 2 * MEAN_DOC - 1), SEQ - used)
+            docs.append({"input_ids": self._tokens(n)})
+            used += n
+        return CausalLMCollator(pad_id=0, pack_length=SEQ)(docs)
+
+    def _microbatch(self) -> dict[str, torch.Tensor]:
+        b = self.s.microbatch_size
+        match self.kind:
+            case "random":
+                ids = self._tokens(b, SEQ + 1)
+                return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+            case "ones-mask":
+                ids = self._tokens(b, SEQ + 1)
+                mask = torch.ones(b, SEQ, dtype=torch.long)
+                return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "attention_mask": mask}
+            case "packed":
+                rows = [self._packed_row() for _ in range(b)]
+                batch = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+                # Rows are full (no padding), so the provider's rule drops the all-ones attention_mask.
+                return {
+                    "input_ids": batch["input_ids"],
+                    "labels": batch["labels"],
+                    "position_ids": batch["position_ids"],
+                    "segment_ids": batch["document_ids"],
+                }
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        return [self._microbatch() for _ in range(self.s.gradient_accumulation)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Any) -> None:
+        return None
+
+
+def _text_file(kind: Literal["collate", "padded"], lines: int) -> Path:
+    """Random lowercase text, one document per line; every `BATCH`-th line is full length so each padded
+    batch is exactly `SEQ` wide."""
+    rng = random.Random(0)
+    path = Path(tempfile.mkdtemp(prefix="d9d-bench-")) / f"{kind}.txt"
+    with path.open("w") as f:
+        for i in range(lines):
+            full = kind == "collate" or i % BATCH == 0
+            n = SEQ + 16 if full else rng.randint(SEQ // 2, SEQ - 3)
+            f.write("".join(rng.choices("abcdefghijklmnopqrstuvwxyz ", k=n)) + "\n")
+    return path
+
+
+def data_section(batch: D9dBatch, total_steps: int) -> dict[str, Any]:
+    match batch:
+        case "collate" | "padded":
+            path = _text_file(batch, total_steps * BATCH)
+            return {
+                "provider": "text",
+                "options": {"dataset": {"paths": [str(path)], "max_length": SEQ}, "pad_to_multiple_of": 8},
+            }
+        case "random" | "ones-mask" | "packed":
+            return {"provider": "throughput.d9d_peer:BenchBatches", "options": {"kind": batch}}
+
+
+def compile_section(variant: D9dVariant) -> dict[str, Any]:
+    match variant:
+        case "compiled":
+            return {"compile": {"enabled": True}}
+        case "eager":
+            return {"compile": {"enabled": False}}
+        case "eager-legacy":
+            return {}
+
+
+def run(
+    model: str, variant: D9dVariant, batch: D9dBatch, steps: int, warmup: int, profile: bool
+) -> dict[str, Any]:
+    from d9d.core import DeviceMeshParameters, DistributedContext
+    from d9d.engine.checkpoint import LocalRunReporter
+    from d9d.engine.config import parse_config
+    from d9d.engine.events import StepFinished, StepStarted
+    from d9d.engine.trainer import Trainer
+
+    moe = model == "moe"
+    profiled = PROFILE_STEPS if profile else 0
+    total = warmup + steps + profiled
+    config = parse_config(
+        {
+            "run": {"name": "bench", "dir": tempfile.mkdtemp(prefix="d9d-bench-run-")},
+            "batching": {"global_batch_size": BATCH, "microbatch_size": BATCH},
+            "trainer": {"total_steps": total},
+            "logging": {"progress_bar": "off", "period": 1000},
+            "checkpointing": {"save_at_end": False},
+            "gradient_clipping": {"max_norm": None},
+            "model": {
+                "provider": "qwen3_moe" if moe else "qwen3",
+                "options": {
+                    "architecture": {**ARCHS[model], "max_position_embeddings": SEQ},
+                    "dtype": "bfloat16",
+                },
+            },
+            "data": data_section(batch, total),
+            "optimizer": {"provider": "adamw", "options": {"lr": LR, "weight_decay": 0.0}},
+            **compile_section(variant),
+        }
+    )
+    ctx = DistributedContext.create(DeviceMeshParameters())
+    trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
+    starts: dict[int, float] = {}
+    times: list[float] = []
+    durations: dict[int, float] = {}
+    # GPU activity only: host-side op recording would slow the launches and inflate the idle gaps.
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    first_profiled = warmup + steps + 1
+
+    def on_start(event: StepStarted) -> None:
+        torch.cuda.synchronize()
+        if profiled and event.step == first_profiled:
+            prof.start()
+        starts[event.step] = time.perf_counter()
+
+    def on_finish(event: StepFinished) -> None:  # the loss is already a host float: the step is done
+        durations[event.step] = time.perf_counter() - starts[event.step]
+        if warmup < event.step <= warmup + steps:
+            times.append(durations[event.step])
+        if profiled and event.step == total:
+            torch.cuda.synchronize()
+            prof.stop()
+
+    trainer.events.subscribe(StepStarted, on_start)
+    trainer.events.subscribe(StepFinished, on_finish)
+    setup_start = time.perf_counter()
+    trainer.setup()
+    setup_s = time.perf_counter() - setup_start
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    result = summary(times, durations.get(1), model)
+    result["setup_s"] = setup_s
+    if profiled:
+        wall = sum(durations[s] for s in range(first_profiled, total + 1))
+        report = gpu_profile.breakdown(prof, wall, profiled)
+        result["profile"] = report
+        print(gpu_profile.render(report), flush=True)
+    return result

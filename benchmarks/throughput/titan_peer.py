@@ -1,0 +1,111 @@
+"""torchtitan 0.2.2 rows: its own Qwen3 / Qwen3-MoE model, parallelized (and, with compile, per-block
+compiled) by its own `parallelize_qwen3`, loss from its own `build_cross_entropy_loss` (compiled with the
+model when compile is on). Only the loop is ours: no torchtitan trainer, config file or download.
+
+torchtitan's defaults that would make the comparison unequal are switched off or matched: activation
+checkpointing (default `selective`) is off like every other row, parameters are bf16 (single GPU, no FSDP
+mixed precision), buffers such as the RoPE cache stay fp32 as torchtitan keeps them. The MoE's
+aux-loss-free bias update, which torchtitan's trainer hooks into its optimizer, is not run (a few tiny
+kernels per step; the routing itself is unchanged).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+
+from throughput.common import ARCHS, BATCH, LR, SEQ, summary, time_loop
+
+
+def _stub_unused_imports() -> None:
+    """torchtitan's model packages import its trainer's metrics logger (TensorBoard) and HF dataset loader at
+    module level; this loop uses neither, so where those packages are missing, empty stand-ins let the model
+    import. Installed packages are used as they are."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        tensorboard = types.ModuleType("torch.utils.tensorboard")
+        tensorboard.SummaryWriter = object  # type: ignore[attr-defined]
+        sys.modules["torch.utils.tensorboard"] = tensorboard
+    try:
+        import datasets
+        import datasets.distributed  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType("datasets")
+        stub.Dataset = stub.load_dataset = object  # type: ignore[attr-defined]
+        distributed = types.ModuleType("datasets.distributed")
+        distributed.split_dataset_by_node = object  # type: ignore[attr-defined]
+        sys.modules.update({"datasets": stub, "datasets.distributed": distributed})
+
+
+def build_model(model: str, compiled: bool, device: torch.device | None = None) -> tuple[Any, Any]:
+    _stub_unused_imports()
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, parallelize_qwen3
+
+    arch = ARCHS[model]
+    moe = model == "moe"
+    args = Qwen3ModelArgs(
+        dim=arch["hidden_size"],
+        n_layers=arch["num_layers"],
+        n_heads=arch["num_attention_heads"],
+        n_kv_heads=arch["num_kv_heads"],
+        vocab_size=arch["vocab_size"],
+        head_dim=arch["head_dim"],
+        hidden_dim=arch["intermediate_size"],
+        rope_theta=1_000_000,
+        qk_norm=True,
+        max_seq_len=SEQ,
+        enable_weight_tying=False,
+        moe_enabled=moe,
+        moe_inter_dim=arch.get("moe_intermediate_size", 768),
+        # Qwen3-MoE routing as torchtitan's own 30B-A3B entry spells it.
+        moe_args=MoEArgs(
+            num_experts=arch.get("num_experts", 8),
+            num_shared_experts=0,
+            top_k=arch.get("num_experts_per_tok", 1),
+            score_func="softmax",
+            route_norm=True,
+            route_scale=1.0,
+            score_before_experts=False,
+        ),
+    )
+    job = JobConfig()
+    job.training.seq_len = SEQ
+    job.activation_checkpoint.mode = "none"
+    job.compile.enable = compiled
+    job.compile.components = ["model", "loss"]
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = Qwen3Model(args)
+    parallelize_qwen3(net, dims, job)
+    device = device or torch.device("cuda")
+    net.to_empty(device=device)
+    with torch.no_grad():
+        net.init_weights(buffer_device=device)
+        for p in net.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    return net.train(), build_cross_entropy_loss(job)
+
+
+def run(model: str, compiled: bool, steps: int, warmup: int) -> dict[str, Any]:
+    net, loss_fn = build_model(model, compiled)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+
+    def step(ids: torch.Tensor) -> float:
+        # torchtitan's loss is a sum; its trainer divides by the global count of target tokens.
+        loss = loss_fn(net(ids[:, :-1]), ids[:, 1:]) / (BATCH * SEQ)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    timed = time_loop(step, warmup, steps)
+    return summary(timed["times"], timed["first_step_s"], model)
