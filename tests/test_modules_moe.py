@@ -16,6 +16,7 @@ from d9d.modules.moe import (
     LocalMoECommunication,
     MoECommunication,
     MoELayer,
+    RoutedTokens,
     TopKRouter,
     TorchGroupedMM,
     build_grouped_mm,
@@ -184,23 +185,32 @@ def test_moe_layer_matches_token_by_token_reference_and_counts_exactly() -> None
     out = layer(x)
     torch.testing.assert_close(out.double(), _reference_moe(layer, x), rtol=1e-5, atol=1e-6)
     probs = torch.softmax(x.reshape(-1, 8) @ layer.gate.weight.t(), -1)
-    expected_counts = torch.bincount(torch.topk(probs, 2).indices.flatten(), minlength=4).float()
+    expected_counts = torch.bincount(torch.topk(probs, 2).indices.flatten(), minlength=4)
     assert torch.equal(layer.gate.expert_load, expected_counts)
     assert layer.gate.expert_load.sum().item() == 20
 
 
-def test_local_communication_satisfies_contract() -> None:
-    comm = LocalMoECommunication()
+@pytest.mark.parametrize("align", [1, 4])
+def test_local_communication_satisfies_contract(align: int) -> None:
+    comm = LocalMoECommunication(align=align)
     assert isinstance(comm, MoECommunication)
-    hidden = torch.arange(3, dtype=torch.float32)[:, None].expand(3, 2)
+    hidden = torch.arange(1, 4, dtype=torch.float32)[:, None].expand(3, 2)
     ids = torch.tensor([[2, 0], [0, 1], [2, 1]])
     weights = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5]])
-    d = comm.dispatch(hidden, ids, weights, 4)
-    assert d.tokens_per_expert.tolist() == [2, 2, 2, 0]
-    assert d.hidden_states[:, 0].tolist() == [0, 1, 1, 2, 0, 2]  # grouped by expert, token order inside
-    assert d.row_weights.tolist() == pytest.approx([0.4, 0.9, 0.1, 0.5, 0.6, 0.5])
-    combined = comm.combine(d.hidden_states * d.row_weights[:, None], d)
-    torch.testing.assert_close(combined, hidden * weights.sum(1, keepdim=True))
+    d = comm.dispatch(RoutedTokens(hidden, ids, weights, 4))
+    # grouped by expert, token order inside; with align, each group padded with zero rows to a multiple
+    groups = [[1, 2], [2, 3], [1, 3], []]
+    counts = [len(g) if align == 1 else align for g in groups]
+    counts[-1] += d.hidden_states.shape[0] - sum(counts)  # the fixed-size buffer's slack goes last
+    assert d.tokens_per_expert.tolist() == counts
+    for group, rows in zip(groups, d.hidden_states[:, 0].split(counts), strict=True):
+        assert rows.tolist() == group + [0] * (len(rows) - len(group))
+    # combine weights each token's rows: here every expert is the identity plus its index
+    expert_of_row = torch.repeat_interleave(torch.arange(4), d.tokens_per_expert)
+    combined = comm.combine(d.hidden_states + expert_of_row[:, None], d)
+    torch.testing.assert_close(
+        combined, hidden * weights.sum(1, keepdim=True) + (weights * ids)[:, :, None].sum(1)
+    )
 
 
 def test_aux_loss_gradient_is_injected_with_coefficient() -> None:

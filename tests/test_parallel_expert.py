@@ -13,6 +13,7 @@ from torch import nn
 
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
 from d9d.modules.mlp import SwiGLU
+from d9d.modules.moe.communication import RoutedTokens
 from d9d.modules.moe.experts import GroupedExperts
 from d9d.modules.moe.layer import MoELayer
 from d9d.modules.moe.router import TopKRouter
@@ -86,17 +87,14 @@ def _exchange(env: RankEnv) -> None:
                 local_experts = (
                     full_experts[ep_rank * local_n : (ep_rank + 1) * local_n].clone().requires_grad_()
                 )
-                d = comm.dispatch(x, ids, w, num_experts)
+                d = comm.dispatch(RoutedTokens(x, ids, w, num_experts))
                 assert d.tokens_per_expert.shape == (local_n,), what
-                assert int(d.tokens_per_expert.sum()) == d.hidden_states.shape[0] == d.row_weights.shape[0], (
-                    what
-                )
+                assert int(d.tokens_per_expert.sum()) == d.hidden_states.shape[0], what
                 outs = [
                     torch.tanh(rows @ local_experts[e])
                     for e, rows in enumerate(d.hidden_states.split(d.tokens_per_expert.tolist()))
                 ]
-                rows_out = torch.cat(outs) * d.row_weights[:, None]
-                out = comm.combine(rows_out, d)
+                out = comm.combine(torch.cat(outs), d)
                 dy = torch.randn(
                     out.shape, generator=torch.Generator().manual_seed(env.rank), dtype=torch.float64
                 )
@@ -176,7 +174,9 @@ def _ep_training(env: RankEnv) -> None:
         )
         model = TinyMoE()
         expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
-        parallelize_expert_parallel(model.moe, expert_mesh, backend=AllToAllBackendConfig())
+        parallelize_expert_parallel(
+            model.moe, expert_mesh, device=ctx.device, dtype=torch.float32, backend=AllToAllBackendConfig()
+        )
         parallelize_replicate(model, ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"])
         assert isinstance(model.moe.communication, AllToAllMoECommunication)
         assert model.moe.experts.gate_proj.to_local().shape[0] == 8 // ep, case
@@ -238,7 +238,7 @@ def _selection(env: RankEnv) -> None:
         handler = DeepEPMoECommunication(group)
         x = torch.zeros(3, 4)
         with pytest.raises(TypeError, match="bfloat16"):
-            handler.dispatch(x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), 4)
+            handler.dispatch(RoutedTokens(x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), 4))
     finally:
         del sys.modules["deep_ep"]
 
@@ -277,10 +277,10 @@ def _deepep_vs_all_to_all(env: RankEnv) -> None:
     results = []
     for comm in (AllToAllMoECommunication(group), DeepEPMoECommunication(group)):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        d = comm.dispatch(xi, ids, wi, num_experts)
+        d = comm.dispatch(RoutedTokens(xi, ids, wi, num_experts))
         rows = torch.cat(
             [r @ mine[e] for e, r in enumerate(d.hidden_states.split(d.tokens_per_expert.tolist()))]
-        ) * d.row_weights[:, None].to(torch.bfloat16)
+        )
         out = comm.combine(rows, d)
         out.float().pow(2).sum().backward()
         results.append((out.float(), xi.grad.float(), wi.grad.float(), d.tokens_per_expert.cpu()))
