@@ -255,6 +255,72 @@ def test_backend_selection() -> None:
     run_distributed(_selection, 2, timeout=60)
 
 
+# -- backend selection through the engine's build path ------------------------------------------------
+
+_ENGINE_ARCH = {
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "num_layers": 2,
+    "num_attention_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 8,
+    "intermediate_size": 24,
+    "moe_intermediate_size": 8,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+class _StandInDeepEP:
+    """Records its construction instead of allocating DeepEP buffers (no CUDA here)."""
+
+    def __init__(self, group: dist.ProcessGroup, *, num_sms: int | None = None) -> None:
+        self.group = group
+
+
+def _engine_selection(env: RankEnv, deep_ep_installed: bool, backend: dict[str, str]) -> None:
+    """As the trainer builds stages: the provider builds on `meta`, then parallelizes with the rank's
+    context, whose device is a GPU (an NCCL context reports `cuda:<local rank>`)."""
+    from d9d.engine.builtin.models import Qwen3MoEProvider
+    from d9d.parallel.expert import backend as backend_module
+    from d9d.pipeline.api import PipelineStageInfo
+
+    ctx = DistributedContext.create(
+        DeviceMeshParameters(data_parallel_replicate=2, expert_parallel=2), backend="gloo"
+    )
+    ctx.device = torch.device("cuda", env.rank)
+    saved = (backend_module.deep_ep_available, backend_module.DeepEPMoECommunication)
+    backend_module.deep_ep_available = lambda: deep_ep_installed  # type: ignore[assignment]
+    backend_module.DeepEPMoECommunication = _StandInDeepEP  # type: ignore[assignment,misc]
+    try:
+        provider = Qwen3MoEProvider(
+            Qwen3MoEProvider.Config.model_validate(
+                {"architecture": _ENGINE_ARCH, "dtype": "bfloat16", "parallel": {"expert_backend": backend}}
+            )
+        )
+        with torch.device("meta"):
+            module = provider.build_stage(PipelineStageInfo())
+        provider.parallelize(module, ctx)
+    finally:
+        backend_module.deep_ep_available, backend_module.DeepEPMoECommunication = saved
+    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    assert len(layers) == 2
+    expected = _StandInDeepEP if deep_ep_installed else AllToAllMoECommunication
+    for layer in layers:
+        assert isinstance(layer.communication, expected), type(layer.communication)
+
+
+@pytest.mark.distributed
+def test_engine_build_path_selects_deep_ep_when_available() -> None:
+    run_distributed(_engine_selection, 2, True, {"kind": "auto"}, timeout=120)
+    run_distributed(_engine_selection, 2, True, {"kind": "deep_ep"}, timeout=120)
+
+
+@pytest.mark.distributed
+def test_engine_build_path_falls_back_to_all_to_all_without_deep_ep() -> None:
+    run_distributed(_engine_selection, 2, False, {"kind": "auto"}, timeout=120)
+
+
 # -- DeepEP on GPUs ----------------------------------------------------------------------------------
 
 
