@@ -1,12 +1,22 @@
-"""The balancing loss is summed over tokens when the objective is a token sum (the engine's convention)."""
+"""MoE balancing as the engine uses it: the balancing loss summed over real tokens when the objective is a
+token sum, its logged statistics, and the expert bias kept through Hugging Face export and import."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
+import pytest
 import torch
 
-from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter, load_balancing_loss
+from d9d.core import DistributedContext
+from d9d.engine.builtin.models import Qwen3MoEProvider
+from d9d.models.hf import EXPERT_BIAS_CONFIG_KEY, EXPERT_BIAS_HF_NAME, from_pretrained, save_pretrained
+from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
+from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter, load_balancing_loss, moe_layers
+from d9d.pipeline.api import PipelineStageInfo
+from d9d.state import read_header
 
 
 def _layer() -> MoELayer:
@@ -33,3 +43,74 @@ def test_per_token_aux_gradient_is_token_count_times_the_mean_one() -> None:
     routing = ref.gate(x.reshape(-1, 16))
     (0.05 * load_balancing_loss(routing.probs, routing.topk_ids)).backward()
     torch.testing.assert_close(mean_grad, ref.gate.weight.grad)
+
+
+# -- the expert bias through Hugging Face export and import ------------------------------------------------
+
+
+def _biased_model() -> Qwen3MoEForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3MoEConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=3,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=(1,),
+        expert_bias=True,
+    )
+    model = Qwen3MoEForCausalLM(config)
+    with torch.no_grad():
+        for layer in moe_layers([model]):
+            assert layer[1].gate.expert_bias is not None
+            layer[1].gate.expert_bias.copy_(torch.randn(4))
+    return model
+
+
+def _biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: layer.gate.expert_bias for name, layer in moe_layers([model])}  # type: ignore[misc]
+
+
+def test_expert_bias_survives_hf_export_and_import(tmp_path: Path) -> None:
+    import transformers
+
+    model = _biased_model()
+    with pytest.warns(UserWarning, match="transformers will route without it"):
+        dest = save_pretrained(model, tmp_path / "hf")
+    keys = set(read_header(dest / "model.safetensors").entries)
+    assert {f"model.layers.{i}.{EXPERT_BIAS_HF_NAME}" for i in (0, 2)} <= keys
+    assert json.loads((dest / "config.json").read_text())[EXPERT_BIAS_CONFIG_KEY] is True
+
+    reloaded = from_pretrained(dest)
+    assert isinstance(reloaded.config, Qwen3MoEConfig) and reloaded.config.expert_bias
+    expected = _biases(model)
+    got = _biases(reloaded)
+    assert set(got) == set(expected) == {"model.layers.0.mlp", "model.layers.2.mlp"}
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    # the engine's provider initializes from the same directory through its own mapper call
+    provider = Qwen3MoEProvider(Qwen3MoEProvider.Config(source_checkpoint=dest))
+    stage = provider.build_stage(PipelineStageInfo())
+    provider.initialize(stage, DistributedContext.local())
+    for name, bias in _biases(stage).items():
+        assert torch.equal(bias, expected[name]), name
+    # without the bias in the config the extra tensors are dropped; transformers ignores them
+    plain = from_pretrained(dest, config_overrides={"expert_bias": False})
+    assert all(layer.gate.expert_bias is None for _, layer in moe_layers([plain]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dest)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_checkpoint_without_expert_bias_starts_it_at_zero(tmp_path: Path) -> None:
+    model = _biased_model()
+    plain = Qwen3MoEForCausalLM(model.config.model_copy(update={"expert_bias": False}))
+    dest = save_pretrained(plain, tmp_path / "hf")
+    assert not any(k.endswith(EXPERT_BIAS_HF_NAME) for k in read_header(dest / "model.safetensors").entries)
+    reloaded = from_pretrained(dest, config_overrides={"expert_bias": True})
+    for bias in _biases(reloaded).values():
+        assert torch.equal(bias, torch.zeros(4))

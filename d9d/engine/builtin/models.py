@@ -20,7 +20,7 @@ from d9d.core.domains import MeshDomain
 from d9d.engine.events import EventBus, OptimizerStepFinished
 from d9d.models.hf.config import config_from_hf, config_to_hf
 from d9d.models.hf.io import build_causal_lm
-from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, hf_to_d9d_mapper
+from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, has_expert_bias, hf_to_d9d_mapper
 from d9d.models.qwen3 import Qwen3Config, Qwen3StageModel
 from d9d.models.qwen3_moe import Qwen3MoEConfig
 from d9d.modules.moe import MoELayer, MoEMetrics, TopKRouter
@@ -98,6 +98,7 @@ class _CausalLMProvider:
             self.model_config,
             expert_layout=detect_expert_layout(keys),
             checkpoint_has_lm_head="lm_head.weight" in keys,
+            checkpoint_has_expert_bias=has_expert_bias(keys),
         )
         load_model_state(source, module, mapper, strict=True, allow_cast=True)
 
@@ -153,7 +154,7 @@ class ExpertLoadBalancer:
             for dim in ("dp", "cp"):
                 if batch.size(batch.mesh_dim_names.index(dim)) > 1:  # type: ignore[union-attr]
                     torch.distributed.all_reduce(loads, group=batch.get_group(dim))
-        for (name, router), load in zip(self.routers, loads, strict=True):
+        for (_, router), load in zip(self.routers, loads, strict=True):
             router.expert_load.copy_(load)
             router.update_expert_bias()
         layers = {
