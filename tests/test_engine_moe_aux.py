@@ -14,7 +14,7 @@ from d9d.core import DistributedContext
 from d9d.engine.builtin.models import Qwen3MoEProvider
 from d9d.models.hf import EXPERT_BIAS_CONFIG_KEY, EXPERT_BIAS_HF_NAME, from_pretrained, save_pretrained
 from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
-from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter, load_balancing_loss, moe_layers
+from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter, load_balancing_loss, moe_layers, route_topk
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import read_header
 
@@ -114,3 +114,38 @@ def test_checkpoint_without_expert_bias_starts_it_at_zero(tmp_path: Path) -> Non
     reloaded = from_pretrained(dest, config_overrides={"expert_bias": True})
     for bias in _biases(reloaded).values():
         assert torch.equal(bias, torch.zeros(4))
+
+
+# -- padding stays out of the balancing loss -----------------------------------------------------------------
+
+
+def test_padding_is_excluded_from_the_balancing_loss_and_its_scale() -> None:
+    x = torch.randn(2, 6, 16)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    layer = _layer()
+    layer.aux_loss_per_token = True
+    (layer(x, mask) * 0).sum().backward()
+    # reference: the loss of the real tokens alone, times their count (the LM loss's normalizer counts them)
+    ref = _layer()
+    real = x[mask]
+    routing = ref.gate(real)
+    (0.05 * real.shape[0] * load_balancing_loss(routing.probs, routing.topk_ids)).backward()
+    torch.testing.assert_close(layer.gate.weight.grad, ref.gate.weight.grad)
+    assert layer.last_aux_loss is not None
+    torch.testing.assert_close(layer.last_aux_loss, load_balancing_loss(routing.probs, routing.topk_ids))
+
+
+def test_decoder_layers_hand_the_padding_mask_to_moe_layers() -> None:
+    model = _biased_model()
+    captured: dict[str, torch.Tensor] = {}
+    layer = model.model.decoder_layers()[0].mlp
+    assert isinstance(layer, MoELayer)
+    layer.register_forward_pre_hook(lambda _m, args: captured.update(x=args[0].detach()))
+    ids = torch.randint(0, 32, (2, 7))
+    attention_mask = torch.ones(2, 7, dtype=torch.bool)
+    attention_mask[0, 5:] = False
+    model(input_ids=ids, attention_mask=attention_mask, labels=ids)["loss"].sum().backward()
+    flat = captured["x"].reshape(-1, 16)[attention_mask.reshape(-1)]
+    routing = route_topk(flat @ layer.gate.weight.detach().t(), 2, expert_bias=layer.gate.expert_bias)
+    assert layer.last_aux_loss is not None
+    torch.testing.assert_close(layer.last_aux_loss, load_balancing_loss(routing.probs, routing.topk_ids))

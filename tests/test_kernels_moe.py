@@ -34,7 +34,7 @@ def test_permutation_groups_copies_by_expert_in_token_order(align: int) -> None:
     assert sorted(perm.slot_rows.flatten().tolist()) == sorted(set(perm.slot_rows.flatten().tolist()))
     starts = perm.rows_per_expert.cumsum(0) - perm.rows_per_expert
     for e in range(_EXPERTS):
-        slots = (_IDS == e).nonzero()  # row-major: token order
+        slots = (e == _IDS).nonzero()  # row-major: token order
         rows = perm.slot_rows[slots[:, 0], slots[:, 1]]
         assert rows.tolist() == list(range(int(starts[e]), int(starts[e]) + len(slots))), e
         assert int(starts[e]) % align == 0

@@ -16,11 +16,14 @@ from d9d.modules.moe import (
     LocalMoECommunication,
     MoECommunication,
     MoELayer,
+    MoEMetrics,
     RoutedTokens,
     TopKRouter,
     TorchGroupedMM,
     build_grouped_mm,
+    expert_load_metrics,
     load_balancing_loss,
+    route_topk,
 )
 
 
@@ -253,3 +256,57 @@ def test_gated_shared_expert() -> None:
     torch.testing.assert_close(layer(x), routed_only(x) + gate * shared(x))
     with pytest.raises(ValueError, match="shared_expert_gate=True needs a shared_expert"):
         _moe(shared_expert_gate=True)
+
+
+def test_expert_load_metrics_hand_computed() -> None:
+    load = torch.tensor([2, 6, 0, 4, 8], dtype=torch.int64)  # mean 4
+    m = expert_load_metrics("l0", load)
+    assert m["moe/l0/max_load_ratio"] == 2.0 and m["moe/l0/min_load_ratio"] == 0.0
+    assert m["moe/l0/load_q50"] == 1.0  # the median expert (4 tokens) carries the mean
+    assert m["moe/l0/load_q10"] == pytest.approx(0.2)  # linear interpolation between 0 and 0.5
+    assert m["moe/l0/load_q90"] == pytest.approx(1.8)
+    assert not any("/tokens/" in k for k in m)
+    hist = expert_load_metrics("l0", load, histogram=True)
+    assert [hist[f"moe/l0/tokens/e{e}"] for e in range(5)] == [2.0, 6.0, 0.0, 4.0, 8.0]
+    assert expert_load_metrics("l0", torch.zeros(5, dtype=torch.int64)) == {}
+
+
+def test_moe_metrics_record_aux_loss_and_drop_stale_histograms() -> None:
+    model = torch.nn.ModuleDict({"a": _moe(), "b": _moe()})
+    metrics = MoEMetrics([model], histogram_period=2)
+    x = torch.randn(6, 8)
+    expected = []
+    for name in ("a", "b"):
+        layer = model[name]
+        assert isinstance(layer, MoELayer)
+        losses = []
+        for xi in (x, x * 2):
+            layer(xi).sum().backward()
+            assert layer.last_aux_loss is not None
+            losses.append(float(layer.last_aux_loss))
+        expected.append(sum(losses) / 2)
+    values: dict[str, float] = {"loss": 1.0}
+    loads = {"a": torch.tensor([1, 2, 3, 4]), "b": torch.tensor([4, 4, 4, 4])}
+    metrics.record(values, loads, step=2)
+    assert values["moe/a/aux_loss"] == pytest.approx(expected[0])
+    assert values["moe/aux_loss"] == pytest.approx(sum(expected) / 2)
+    assert values["moe/b/max_load_ratio"] == 1.0 and values["moe/a/tokens/e3"] == 4.0
+    metrics.record(values, loads, step=3)  # no forward since: no aux loss; no histogram this step
+    assert "moe/a/aux_loss" in values  # the previous value stays until the next forward ...
+    assert not any("/tokens/" in k for k in values)  # ... but a histogram is never reported stale
+    assert values["loss"] == 1.0
+
+
+def test_sigmoid_routing_hand_computed() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 3.0, 1.0]])
+    s = torch.sigmoid(logits)
+    routing = route_topk(logits, 2, score_function="sigmoid", renormalize=True)
+    assert routing.topk_ids.tolist() == [[0, 2], [1, 2]]
+    torch.testing.assert_close(routing.topk_weights[0], s[0, [0, 2]] / s[0, [0, 2]].sum())
+    torch.testing.assert_close(routing.probs, s / s.sum(1, keepdim=True))  # what the balancing loss reads
+    # the bias moves the selection (expert 1 for token 0), the weights stay the unbiased scores
+    biased = route_topk(
+        logits, 2, score_function="sigmoid", renormalize=False, expert_bias=torch.tensor([0.0, 1.0, 0.0])
+    )
+    assert biased.topk_ids[0].tolist() == [1, 0]
+    torch.testing.assert_close(biased.topk_weights[0], s[0, [1, 0]])
