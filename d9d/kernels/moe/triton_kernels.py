@@ -13,6 +13,8 @@ kernels on CPU tensors.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -70,22 +72,16 @@ def _slot_dot_kernel(
         tl.store(out_ptr + token * K + j, tl.sum(acc, axis=0))
 
 
-def _grid(tokens: int, hidden: int) -> tuple[int, int]:
-    return tokens, triton.cdiv(hidden, _BLOCK)
-
-
-def scatter_rows_triton(
-    x: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, num_rows: int
-) -> torch.Tensor:
+def _launch_rows(
+    kernel: Any, src: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, out: torch.Tensor
+) -> None:
+    """One program per (token, hidden block) of a scatter / gather kernel."""
     tokens, k = slot_rows.shape
-    hidden = x.shape[1]
-    # Rows no slot names (alignment padding) must read as zero; a buffer every slot fills needs no clear.
-    full = num_rows == tokens * k
-    out = x.new_empty(num_rows, hidden) if full else x.new_zeros(num_rows, hidden)
+    hidden = src.shape[1]
     if tokens and hidden:
-        w = weights.contiguous() if weights is not None else x  # placeholder pointer when HAS_W is off
-        _scatter_rows_kernel[_grid(tokens, hidden)](
-            x.contiguous(),
+        w = weights.contiguous() if weights is not None else src  # placeholder pointer when HAS_W is off
+        kernel[(tokens, triton.cdiv(hidden, _BLOCK))](
+            src.contiguous(),
             w,
             slot_rows.contiguous(),
             out,
@@ -94,27 +90,23 @@ def scatter_rows_triton(
             HAS_W=weights is not None,
             BLOCK=_BLOCK,
         )
+
+
+def scatter_rows_triton(
+    x: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, num_rows: int
+) -> torch.Tensor:
+    # Rows no slot names (alignment padding) must read as zero; a buffer every slot fills needs no clear.
+    full = num_rows == slot_rows.numel()
+    out = x.new_empty(num_rows, x.shape[1]) if full else x.new_zeros(num_rows, x.shape[1])
+    _launch_rows(_scatter_rows_kernel, x, weights, slot_rows, out)
     return out
 
 
 def gather_sum_triton(
     rows: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor
 ) -> torch.Tensor:
-    tokens, k = slot_rows.shape
-    hidden = rows.shape[1]
-    out = rows.new_empty(tokens, hidden)
-    if tokens and hidden:
-        w = weights.contiguous() if weights is not None else rows
-        _gather_sum_kernel[_grid(tokens, hidden)](
-            rows.contiguous(),
-            w,
-            slot_rows.contiguous(),
-            out,
-            hidden,
-            K=k,
-            HAS_W=weights is not None,
-            BLOCK=_BLOCK,
-        )
+    out = rows.new_empty(slot_rows.shape[0], rows.shape[1])
+    _launch_rows(_gather_sum_kernel, rows, weights, slot_rows, out)
     return out
 
 
