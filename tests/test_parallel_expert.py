@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 
@@ -202,6 +203,19 @@ def _selection(env: RankEnv) -> None:
     group = dist.new_group(list(range(env.world_size)))
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     build = build_moe_communication
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("d9d.parallel.expert.backend")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    for _ in range(3):  # one MoE layer after another: the choice is logged once
+        build(AutoBackendConfig(), group, device=cpu, dtype=torch.float32)
+    assert [r.getMessage() for r in records] == [
+        "expert-parallel backend 'auto' chose all_to_all (the deep_ep package cannot be imported (install "
+        "it: pip install 'd9d[moe]', needs CUDA))"
+    ] or (deep_ep_available() and len(records) == 1)
+    logger.removeHandler(handler)
     assert isinstance(
         build(AutoBackendConfig(), group, device=cpu, dtype=torch.bfloat16), AllToAllMoECommunication
     )
