@@ -51,10 +51,6 @@ def expert_permutation(topk_ids: torch.Tensor, num_experts: int, *, align: int =
         sorted_rows = padded_start[sorted_expert] + position - start[sorted_expert]
         num_rows = tokens * k + num_experts * (align - 1)
         slack = num_rows - padded.sum()
-        rows_per_expert = (
-            padded
-            + torch.nn.functional.one_hot(torch.tensor(num_experts - 1, device=flat.device), num_experts)
-            * slack
-        )
+        rows_per_expert = torch.cat([padded[:-1], padded[-1:] + slack])
     slot_rows = torch.empty_like(order).scatter_(0, order, sorted_rows)
     return ExpertPermutation(slot_rows.view(tokens, k), rows_per_expert, num_rows)
