@@ -17,6 +17,7 @@ from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
 from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter, load_balancing_loss, moe_layers, route_topk
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import read_header
+from tests.harness import RankEnv, run_distributed
 
 
 def _layer() -> MoELayer:
@@ -149,3 +150,33 @@ def test_decoder_layers_hand_the_padding_mask_to_moe_layers() -> None:
     routing = route_topk(flat @ layer.gate.weight.detach().t(), 2, expert_bias=layer.gate.expert_bias)
     assert layer.last_aux_loss is not None
     torch.testing.assert_close(layer.last_aux_loss, load_balancing_loss(routing.probs, routing.topk_ids))
+
+
+def _token_split_with_padding(env: RankEnv) -> None:
+    from d9d.core import DeviceMeshParameters, MeshDomain
+    from d9d.parallel.tensor import parallelize_moe_tp
+
+    ctx = DistributedContext.create(DeviceMeshParameters(tensor_parallel=2), backend="gloo")
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    # Each tp rank routes its sequence chunk like a microbatch of its own: the reference runs the chunks
+    # one after the other on one layer (gradients accumulate), each with its part of the mask.
+    reference = _layer()
+    reference.aux_loss_per_token = True
+    for chunk, chunk_mask in zip(x.chunk(2, dim=1), mask.chunk(2, dim=1), strict=True):
+        (reference(chunk, chunk_mask) * 0).sum().backward()
+    for sequence_parallel in (False, True):
+        layer = _layer()
+        layer.aux_loss_per_token = True
+        parallelize_moe_tp(layer, ctx.mesh_for(MeshDomain.DENSE)["tp"], sequence_parallel=sequence_parallel)
+        # under sequence parallelism the tokens arrive split, the mask whole
+        local = x.chunk(2, dim=1)[env.rank] if sequence_parallel else x
+        (layer(local, mask) * 0).sum().backward()
+        what = f"sequence_parallel={sequence_parallel}"
+        # the router's gradient is summed over tp in backward (parallelize_moe_tp)
+        torch.testing.assert_close(layer.gate.weight.grad, reference.gate.weight.grad, msg=what)
+
+
+@pytest.mark.distributed
+def test_token_split_moe_keeps_padding_out_of_the_balancing_loss() -> None:
+    run_distributed(_token_split_with_padding, 2, timeout=120)
