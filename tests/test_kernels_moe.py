@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 
+from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import combine_tokens, count_per_expert, expert_permutation, permute_tokens
 from d9d.modules.moe import GroupedExperts, LocalMoECommunication, MoELayer, TopKRouter, TorchGroupedMM
 from tests.triton_interpreter import run_in_interpreter
@@ -128,7 +129,8 @@ _INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     import d9d.kernels.moe.triton_kernels as tk
-    from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
+    from d9d.kernels.backend import KernelBackend
+from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
 
     tk._BLOCK = 16  # several blocks per row and a ragged last one
     ids = torch.tensor([[5, 1], [5, 2], [1, 5], [4, 5], [5, 2], [2, 1], [5, 4]])  # experts 0, 3 empty
@@ -184,3 +186,30 @@ def test_triton_kernels_match_reference_on_cuda() -> None:
         results[backend] = (rows, out, x.grad, w.grad)
     for a, b in zip(results["triton"], results["torch"], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_moe_layer_on_cuda_triton_aligned_matches_reference_path() -> None:
+    """The production path (Triton permute/combine, aligned groups, torch._grouped_mm, bf16) against the
+    reference path (PyTorch ops, unaligned) on the same weights."""
+    results = []
+    cases: list[tuple[KernelBackend, int]] = [("torch", 1), ("triton", 16)]
+    for backend, align in cases:
+        torch.manual_seed(0)
+        layer = (
+            MoELayer(
+                TopKRouter(256, 16, 4),
+                GroupedExperts(16, 256, 128, grouped_mm=TorchGroupedMM()),
+                communication=LocalMoECommunication(align=align, backend=backend),
+                aux_loss_coef=0.01,
+            )
+            .cuda()
+            .bfloat16()
+        )
+        x = torch.randn(4, 512, 256, device="cuda").bfloat16().requires_grad_()
+        out = layer(x)
+        out.float().pow(2).mean().backward()
+        assert x.grad is not None
+        results.append([out.float(), x.grad.float(), *(p.grad.float() for p in layer.parameters())])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
