@@ -310,3 +310,15 @@ def test_sigmoid_routing_hand_computed() -> None:
     )
     assert biased.topk_ids[0].tolist() == [1, 0]
     torch.testing.assert_close(biased.topk_weights[0], s[0, [1, 0]])
+
+
+def test_expert_bias_stays_float32_in_a_bfloat16_model() -> None:
+    router = TopKRouter(4, 4, 1, expert_bias=True, bias_update_rate=1e-3).to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias is not None
+    assert router.expert_bias.dtype == torch.float32 and router.expert_load.dtype == torch.int64
+    with torch.no_grad():
+        router.expert_bias.fill_(0.5)  # a bf16 bias would round a 1e-3 step away here
+    router.expert_load.copy_(torch.tensor([0, 4, 4, 4]))
+    router.update_expert_bias()
+    torch.testing.assert_close(router.expert_bias, torch.tensor([0.501, 0.499, 0.499, 0.499]))
+    assert "expert_bias" in router.state_dict()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -95,6 +96,15 @@ class TopKRouter(nn.Module):
         # int64: counts stay exact when the model is cast to bfloat16 (which casts floating buffers)
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.reset_parameters()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TopKRouter:
+        # `model.to(bfloat16)` casts floating buffers too; a bf16 bias could not take steps of
+        # `bias_update_rate` once it has grown (1e-3 is below half a bf16 ulp above 0.25), so balancing
+        # would stall. Device moves apply; the bias stays float32.
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
