@@ -129,8 +129,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     import d9d.kernels.moe.triton_kernels as tk
-    from d9d.kernels.backend import KernelBackend
-from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
+    from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
 
     tk._BLOCK = 16  # several blocks per row and a ragged last one
     ids = torch.tensor([[5, 1], [5, 2], [1, 5], [4, 5], [5, 2], [2, 1], [5, 4]])  # experts 0, 3 empty
