@@ -1,12 +1,23 @@
-"""The balancing loss is summed over tokens when the objective is a token sum (the engine's convention)."""
+"""MoE balancing as the engine uses it: the balancing loss summed over real tokens when the objective is a
+token sum, its logged statistics, and the expert bias kept through Hugging Face export and import."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
+import pytest
 import torch
 
-from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter, load_balancing_loss
+from d9d.core import DistributedContext
+from d9d.engine.builtin.models import Qwen3MoEProvider
+from d9d.models.hf import EXPERT_BIAS_CONFIG_KEY, EXPERT_BIAS_HF_NAME, from_pretrained, save_pretrained
+from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
+from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter, load_balancing_loss, moe_layers, route_topk
+from d9d.pipeline.api import PipelineStageInfo
+from d9d.state import read_header
+from tests.harness import RankEnv, run_distributed
 
 
 def _layer() -> MoELayer:
@@ -33,3 +44,139 @@ def test_per_token_aux_gradient_is_token_count_times_the_mean_one() -> None:
     routing = ref.gate(x.reshape(-1, 16))
     (0.05 * load_balancing_loss(routing.probs, routing.topk_ids)).backward()
     torch.testing.assert_close(mean_grad, ref.gate.weight.grad)
+
+
+# -- the expert bias through Hugging Face export and import ------------------------------------------------
+
+
+def _biased_model() -> Qwen3MoEForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3MoEConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=3,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=(1,),
+        expert_bias=True,
+    )
+    model = Qwen3MoEForCausalLM(config)
+    with torch.no_grad():
+        for layer in moe_layers([model]):
+            assert layer[1].gate.expert_bias is not None
+            layer[1].gate.expert_bias.copy_(torch.randn(4))
+    return model
+
+
+def _biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: layer.gate.expert_bias for name, layer in moe_layers([model])}  # type: ignore[misc]
+
+
+def test_expert_bias_survives_hf_export_and_import(tmp_path: Path) -> None:
+    import transformers
+
+    model = _biased_model()
+    with pytest.warns(UserWarning, match="transformers will route without it"):
+        dest = save_pretrained(model, tmp_path / "hf")
+    keys = set(read_header(dest / "model.safetensors").entries)
+    assert {f"model.layers.{i}.{EXPERT_BIAS_HF_NAME}" for i in (0, 2)} <= keys
+    assert json.loads((dest / "config.json").read_text())[EXPERT_BIAS_CONFIG_KEY] is True
+
+    reloaded = from_pretrained(dest)
+    assert isinstance(reloaded.config, Qwen3MoEConfig) and reloaded.config.expert_bias
+    expected = _biases(model)
+    got = _biases(reloaded)
+    assert set(got) == set(expected) == {"model.layers.0.mlp", "model.layers.2.mlp"}
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    # the engine's provider initializes from the same directory through its own mapper call
+    provider = Qwen3MoEProvider(Qwen3MoEProvider.Config(source_checkpoint=dest))
+    stage = provider.build_stage(PipelineStageInfo())
+    provider.initialize(stage, DistributedContext.local())
+    for name, bias in _biases(stage).items():
+        assert torch.equal(bias, expected[name]), name
+    # without the bias in the config the extra tensors are dropped; transformers ignores them
+    plain = from_pretrained(dest, config_overrides={"expert_bias": False})
+    assert all(layer.gate.expert_bias is None for _, layer in moe_layers([plain]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dest)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_checkpoint_without_expert_bias_starts_it_at_zero(tmp_path: Path) -> None:
+    model = _biased_model()
+    plain = Qwen3MoEForCausalLM(model.config.model_copy(update={"expert_bias": False}))
+    dest = save_pretrained(plain, tmp_path / "hf")
+    assert not any(k.endswith(EXPERT_BIAS_HF_NAME) for k in read_header(dest / "model.safetensors").entries)
+    reloaded = from_pretrained(dest, config_overrides={"expert_bias": True})
+    for bias in _biases(reloaded).values():
+        assert torch.equal(bias, torch.zeros(4))
+
+
+# -- padding stays out of the balancing loss -----------------------------------------------------------------
+
+
+def test_padding_is_excluded_from_the_balancing_loss_and_its_scale() -> None:
+    x = torch.randn(2, 6, 16)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    layer = _layer()
+    layer.aux_loss_per_token = True
+    (layer(x, mask) * 0).sum().backward()
+    # reference: the loss of the real tokens alone, times their count (the LM loss's normalizer counts them)
+    ref = _layer()
+    real = x[mask]
+    routing = ref.gate(real)
+    (0.05 * real.shape[0] * load_balancing_loss(routing.probs, routing.topk_ids)).backward()
+    torch.testing.assert_close(layer.gate.weight.grad, ref.gate.weight.grad)
+    assert layer.last_aux_loss is not None
+    torch.testing.assert_close(layer.last_aux_loss, load_balancing_loss(routing.probs, routing.topk_ids))
+
+
+def test_decoder_layers_hand_the_padding_mask_to_moe_layers() -> None:
+    model = _biased_model()
+    captured: dict[str, torch.Tensor] = {}
+    layer = model.model.decoder_layers()[0].mlp
+    assert isinstance(layer, MoELayer)
+    layer.register_forward_pre_hook(lambda _m, args: captured.update(x=args[0].detach()))
+    ids = torch.randint(0, 32, (2, 7))
+    attention_mask = torch.ones(2, 7, dtype=torch.bool)
+    attention_mask[0, 5:] = False
+    model(input_ids=ids, attention_mask=attention_mask, labels=ids)["loss"].sum().backward()
+    flat = captured["x"].reshape(-1, 16)[attention_mask.reshape(-1)]
+    routing = route_topk(flat @ layer.gate.weight.detach().t(), 2, expert_bias=layer.gate.expert_bias)
+    assert layer.last_aux_loss is not None
+    torch.testing.assert_close(layer.last_aux_loss, load_balancing_loss(routing.probs, routing.topk_ids))
+
+
+def _token_split_with_padding(env: RankEnv) -> None:
+    from d9d.core import DeviceMeshParameters, MeshDomain
+    from d9d.parallel.tensor import parallelize_moe_tp
+
+    ctx = DistributedContext.create(DeviceMeshParameters(tensor_parallel=2), backend="gloo")
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    # Each tp rank routes its sequence chunk like a microbatch of its own: the reference runs the chunks
+    # one after the other on one layer (gradients accumulate), each with its part of the mask.
+    reference = _layer()
+    reference.aux_loss_per_token = True
+    for chunk, chunk_mask in zip(x.chunk(2, dim=1), mask.chunk(2, dim=1), strict=True):
+        (reference(chunk, chunk_mask) * 0).sum().backward()
+    for sequence_parallel in (False, True):
+        layer = _layer()
+        layer.aux_loss_per_token = True
+        parallelize_moe_tp(layer, ctx.mesh_for(MeshDomain.DENSE)["tp"], sequence_parallel=sequence_parallel)
+        # under sequence parallelism the tokens arrive split, the mask whole
+        local = x.chunk(2, dim=1)[env.rank] if sequence_parallel else x
+        (layer(local, mask) * 0).sum().backward()
+        what = f"sequence_parallel={sequence_parallel}"
+        # the router's gradient is summed over tp in backward (parallelize_moe_tp)
+        torch.testing.assert_close(layer.gate.weight.grad, reference.gate.weight.grad, msg=what)
+
+
+@pytest.mark.distributed
+def test_token_split_moe_keeps_padding_out_of_the_balancing_loss() -> None:
+    run_distributed(_token_split_with_padding, 2, timeout=120)

@@ -16,10 +16,14 @@ from d9d.modules.moe import (
     LocalMoECommunication,
     MoECommunication,
     MoELayer,
+    MoEMetrics,
+    RoutedTokens,
     TopKRouter,
     TorchGroupedMM,
     build_grouped_mm,
+    expert_load_metrics,
     load_balancing_loss,
+    route_topk,
 )
 
 
@@ -184,23 +188,32 @@ def test_moe_layer_matches_token_by_token_reference_and_counts_exactly() -> None
     out = layer(x)
     torch.testing.assert_close(out.double(), _reference_moe(layer, x), rtol=1e-5, atol=1e-6)
     probs = torch.softmax(x.reshape(-1, 8) @ layer.gate.weight.t(), -1)
-    expected_counts = torch.bincount(torch.topk(probs, 2).indices.flatten(), minlength=4).float()
+    expected_counts = torch.bincount(torch.topk(probs, 2).indices.flatten(), minlength=4)
     assert torch.equal(layer.gate.expert_load, expected_counts)
     assert layer.gate.expert_load.sum().item() == 20
 
 
-def test_local_communication_satisfies_contract() -> None:
-    comm = LocalMoECommunication()
+@pytest.mark.parametrize("align", [1, 4])
+def test_local_communication_satisfies_contract(align: int) -> None:
+    comm = LocalMoECommunication(align=align)
     assert isinstance(comm, MoECommunication)
-    hidden = torch.arange(3, dtype=torch.float32)[:, None].expand(3, 2)
+    hidden = torch.arange(1, 4, dtype=torch.float32)[:, None].expand(3, 2)
     ids = torch.tensor([[2, 0], [0, 1], [2, 1]])
     weights = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5]])
-    d = comm.dispatch(hidden, ids, weights, 4)
-    assert d.tokens_per_expert.tolist() == [2, 2, 2, 0]
-    assert d.hidden_states[:, 0].tolist() == [0, 1, 1, 2, 0, 2]  # grouped by expert, token order inside
-    assert d.row_weights.tolist() == pytest.approx([0.4, 0.9, 0.1, 0.5, 0.6, 0.5])
-    combined = comm.combine(d.hidden_states * d.row_weights[:, None], d)
-    torch.testing.assert_close(combined, hidden * weights.sum(1, keepdim=True))
+    d = comm.dispatch(RoutedTokens(hidden, ids, weights, 4))
+    # grouped by expert, token order inside; with align, each group padded with zero rows to a multiple
+    groups = [[1, 2], [2, 3], [1, 3], []]
+    counts = [len(g) if align == 1 else align for g in groups]
+    counts[-1] += d.hidden_states.shape[0] - sum(counts)  # the fixed-size buffer's slack goes last
+    assert d.tokens_per_expert.tolist() == counts
+    for group, rows in zip(groups, d.hidden_states[:, 0].split(counts), strict=True):
+        assert rows.tolist() == group + [0] * (len(rows) - len(group))
+    # combine weights each token's rows: here every expert is the identity plus its index
+    expert_of_row = torch.repeat_interleave(torch.arange(4), d.tokens_per_expert)
+    combined = comm.combine(d.hidden_states + expert_of_row[:, None], d)
+    torch.testing.assert_close(
+        combined, hidden * weights.sum(1, keepdim=True) + (weights * ids)[:, :, None].sum(1)
+    )
 
 
 def test_aux_loss_gradient_is_injected_with_coefficient() -> None:
@@ -243,3 +256,69 @@ def test_gated_shared_expert() -> None:
     torch.testing.assert_close(layer(x), routed_only(x) + gate * shared(x))
     with pytest.raises(ValueError, match="shared_expert_gate=True needs a shared_expert"):
         _moe(shared_expert_gate=True)
+
+
+def test_expert_load_metrics_hand_computed() -> None:
+    load = torch.tensor([2, 6, 0, 4, 8], dtype=torch.int64)  # mean 4
+    m = expert_load_metrics("l0", load)
+    assert m["moe/l0/max_load_ratio"] == 2.0 and m["moe/l0/min_load_ratio"] == 0.0
+    assert m["moe/l0/load_q50"] == 1.0  # the median expert (4 tokens) carries the mean
+    assert m["moe/l0/load_q10"] == pytest.approx(0.2)  # linear interpolation between 0 and 0.5
+    assert m["moe/l0/load_q90"] == pytest.approx(1.8)
+    assert not any("/tokens/" in k for k in m)
+    hist = expert_load_metrics("l0", load, histogram=True)
+    assert [hist[f"moe/l0/tokens/e{e}"] for e in range(5)] == [2.0, 6.0, 0.0, 4.0, 8.0]
+    assert expert_load_metrics("l0", torch.zeros(5, dtype=torch.int64)) == {}
+
+
+def test_moe_metrics_record_aux_loss_and_drop_stale_histograms() -> None:
+    model = torch.nn.ModuleDict({"a": _moe(), "b": _moe()})
+    metrics = MoEMetrics([model], histogram_period=2)
+    x = torch.randn(6, 8)
+    expected = []
+    for name in ("a", "b"):
+        layer = model[name]
+        assert isinstance(layer, MoELayer)
+        losses = []
+        for xi in (x, x * 2):
+            layer(xi).sum().backward()
+            assert layer.last_aux_loss is not None
+            losses.append(float(layer.last_aux_loss))
+        expected.append(sum(losses) / 2)
+    values: dict[str, float] = {"loss": 1.0}
+    loads = {"a": torch.tensor([1, 2, 3, 4]), "b": torch.tensor([4, 4, 4, 4])}
+    metrics.record(values, loads, step=2)
+    assert values["moe/a/aux_loss"] == pytest.approx(expected[0])
+    assert values["moe/aux_loss"] == pytest.approx(sum(expected) / 2)
+    assert values["moe/b/max_load_ratio"] == 1.0 and values["moe/a/tokens/e3"] == 4.0
+    metrics.record(values, loads, step=3)  # no forward since: no aux loss; no histogram this step
+    assert "moe/a/aux_loss" in values  # the previous value stays until the next forward ...
+    assert not any("/tokens/" in k for k in values)  # ... but a histogram is never reported stale
+    assert values["loss"] == 1.0
+
+
+def test_sigmoid_routing_hand_computed() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 3.0, 1.0]])
+    s = torch.sigmoid(logits)
+    routing = route_topk(logits, 2, score_function="sigmoid", renormalize=True)
+    assert routing.topk_ids.tolist() == [[0, 2], [1, 2]]
+    torch.testing.assert_close(routing.topk_weights[0], s[0, [0, 2]] / s[0, [0, 2]].sum())
+    torch.testing.assert_close(routing.probs, s / s.sum(1, keepdim=True))  # what the balancing loss reads
+    # the bias moves the selection (expert 1 for token 0), the weights stay the unbiased scores
+    biased = route_topk(
+        logits, 2, score_function="sigmoid", renormalize=False, expert_bias=torch.tensor([0.0, 1.0, 0.0])
+    )
+    assert biased.topk_ids[0].tolist() == [1, 0]
+    torch.testing.assert_close(biased.topk_weights[0], s[0, [1, 0]])
+
+
+def test_expert_bias_stays_float32_in_a_bfloat16_model() -> None:
+    router = TopKRouter(4, 4, 1, expert_bias=True, bias_update_rate=1e-3).to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias is not None
+    assert router.expert_bias.dtype == torch.float32 and router.expert_load.dtype == torch.int64
+    with torch.no_grad():
+        router.expert_bias.fill_(0.5)  # a bf16 bias would round a 1e-3 step away here
+    router.expert_load.copy_(torch.tensor([0, 4, 4, 4]))
+    router.update_expert_bias()
+    torch.testing.assert_close(router.expert_bias, torch.tensor([0.501, 0.499, 0.499, 0.499]))
+    assert "expert_bias" in router.state_dict()

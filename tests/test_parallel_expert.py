@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
 from d9d.modules.mlp import SwiGLU
+from d9d.modules.moe.communication import RoutedTokens
 from d9d.modules.moe.experts import GroupedExperts
 from d9d.modules.moe.layer import MoELayer
 from d9d.modules.moe.router import TopKRouter
@@ -86,17 +88,14 @@ def _exchange(env: RankEnv) -> None:
                 local_experts = (
                     full_experts[ep_rank * local_n : (ep_rank + 1) * local_n].clone().requires_grad_()
                 )
-                d = comm.dispatch(x, ids, w, num_experts)
+                d = comm.dispatch(RoutedTokens(x, ids, w, num_experts))
                 assert d.tokens_per_expert.shape == (local_n,), what
-                assert int(d.tokens_per_expert.sum()) == d.hidden_states.shape[0] == d.row_weights.shape[0], (
-                    what
-                )
+                assert int(d.tokens_per_expert.sum()) == d.hidden_states.shape[0], what
                 outs = [
                     torch.tanh(rows @ local_experts[e])
                     for e, rows in enumerate(d.hidden_states.split(d.tokens_per_expert.tolist()))
                 ]
-                rows_out = torch.cat(outs) * d.row_weights[:, None]
-                out = comm.combine(rows_out, d)
+                out = comm.combine(torch.cat(outs), d)
                 dy = torch.randn(
                     out.shape, generator=torch.Generator().manual_seed(env.rank), dtype=torch.float64
                 )
@@ -176,7 +175,9 @@ def _ep_training(env: RankEnv) -> None:
         )
         model = TinyMoE()
         expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
-        parallelize_expert_parallel(model.moe, expert_mesh, backend=AllToAllBackendConfig())
+        parallelize_expert_parallel(
+            model.moe, expert_mesh, device=ctx.device, dtype=torch.float32, backend=AllToAllBackendConfig()
+        )
         parallelize_replicate(model, ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"])
         assert isinstance(model.moe.communication, AllToAllMoECommunication)
         assert model.moe.experts.gate_proj.to_local().shape[0] == 8 // ep, case
@@ -202,6 +203,19 @@ def _selection(env: RankEnv) -> None:
     group = dist.new_group(list(range(env.world_size)))
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     build = build_moe_communication
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("d9d.parallel.expert.backend")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    for _ in range(3):  # one MoE layer after another: the choice is logged once
+        build(AutoBackendConfig(), group, device=cpu, dtype=torch.float32)
+    assert [r.getMessage() for r in records] == [
+        "expert-parallel backend 'auto' chose all_to_all (the deep_ep package cannot be imported (install "
+        "it: pip install 'd9d[moe]', needs CUDA))"
+    ] or (deep_ep_available() and len(records) == 1)
+    logger.removeHandler(handler)
     assert isinstance(
         build(AutoBackendConfig(), group, device=cpu, dtype=torch.bfloat16), AllToAllMoECommunication
     )
@@ -238,7 +252,7 @@ def _selection(env: RankEnv) -> None:
         handler = DeepEPMoECommunication(group)
         x = torch.zeros(3, 4)
         with pytest.raises(TypeError, match="bfloat16"):
-            handler.dispatch(x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), 4)
+            handler.dispatch(RoutedTokens(x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), 4))
     finally:
         del sys.modules["deep_ep"]
 
@@ -253,6 +267,72 @@ def test_backend_selection() -> None:
     with pytest.raises(ValidationError):
         adapter.validate_python({"kind": "nvshmem"})
     run_distributed(_selection, 2, timeout=60)
+
+
+# -- backend selection through the engine's build path ------------------------------------------------
+
+_ENGINE_ARCH = {
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "num_layers": 2,
+    "num_attention_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 8,
+    "intermediate_size": 24,
+    "moe_intermediate_size": 8,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+class _StandInDeepEP:
+    """Records its construction instead of allocating DeepEP buffers (no CUDA here)."""
+
+    def __init__(self, group: dist.ProcessGroup, *, num_sms: int | None = None) -> None:
+        self.group = group
+
+
+def _engine_selection(env: RankEnv, deep_ep_installed: bool, backend: dict[str, str]) -> None:
+    """As the trainer builds stages: the provider builds on `meta`, then parallelizes with the rank's
+    context, whose device is a GPU (an NCCL context reports `cuda:<local rank>`)."""
+    from d9d.engine.builtin.models import Qwen3MoEProvider
+    from d9d.parallel.expert import backend as backend_module
+    from d9d.pipeline.api import PipelineStageInfo
+
+    ctx = DistributedContext.create(
+        DeviceMeshParameters(data_parallel_replicate=2, expert_parallel=2), backend="gloo"
+    )
+    ctx.device = torch.device("cuda", env.rank)
+    saved = (backend_module.deep_ep_available, backend_module.DeepEPMoECommunication)
+    backend_module.deep_ep_available = lambda: deep_ep_installed  # type: ignore[assignment]
+    backend_module.DeepEPMoECommunication = _StandInDeepEP  # type: ignore[assignment,misc]
+    try:
+        provider = Qwen3MoEProvider(
+            Qwen3MoEProvider.Config.model_validate(
+                {"architecture": _ENGINE_ARCH, "dtype": "bfloat16", "parallel": {"expert_backend": backend}}
+            )
+        )
+        with torch.device("meta"):
+            module = provider.build_stage(PipelineStageInfo())
+        provider.parallelize(module, ctx)
+    finally:
+        backend_module.deep_ep_available, backend_module.DeepEPMoECommunication = saved
+    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    assert len(layers) == 2
+    expected = _StandInDeepEP if deep_ep_installed else AllToAllMoECommunication
+    for layer in layers:
+        assert isinstance(layer.communication, expected), type(layer.communication)
+
+
+@pytest.mark.distributed
+def test_engine_build_path_selects_deep_ep_when_available() -> None:
+    run_distributed(_engine_selection, 2, True, {"kind": "auto"}, timeout=120)
+    run_distributed(_engine_selection, 2, True, {"kind": "deep_ep"}, timeout=120)
+
+
+@pytest.mark.distributed
+def test_engine_build_path_falls_back_to_all_to_all_without_deep_ep() -> None:
+    run_distributed(_engine_selection, 2, False, {"kind": "auto"}, timeout=120)
 
 
 # -- DeepEP on GPUs ----------------------------------------------------------------------------------
@@ -277,10 +357,10 @@ def _deepep_vs_all_to_all(env: RankEnv) -> None:
     results = []
     for comm in (AllToAllMoECommunication(group), DeepEPMoECommunication(group)):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        d = comm.dispatch(xi, ids, wi, num_experts)
+        d = comm.dispatch(RoutedTokens(xi, ids, wi, num_experts))
         rows = torch.cat(
             [r @ mine[e] for e, r in enumerate(d.hidden_states.split(d.tokens_per_expert.tolist()))]
-        ) * d.row_weights[:, None].to(torch.bfloat16)
+        )
         out = comm.combine(rows, d)
         out.float().pow(2).sum().backward()
         results.append((out.float(), xi.grad.float(), wi.grad.float(), d.tokens_per_expert.cpu()))

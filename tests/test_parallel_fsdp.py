@@ -51,7 +51,13 @@ def _fsdp_cases(env: RankEnv) -> None:
         model = _mlp() if kind == "mlp" else TinyMoE()
         if kind == "moe":
             expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
-            parallelize_expert_parallel(model.moe, expert_mesh, backend=AllToAllBackendConfig())
+            parallelize_expert_parallel(
+                model.moe,
+                expert_mesh,
+                device=ctx.device,
+                dtype=torch.float32,
+                backend=AllToAllBackendConfig(),
+            )
         units = [m for m in model.modules() if isinstance(m, nn.Linear)] if kind == "mlp" else [model.moe]
         if replicate == 1:
             parallelize_fsdp(model, dense["dp_cp_shard"], units=units)

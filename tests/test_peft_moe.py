@@ -161,7 +161,11 @@ def _expert_parallel_lora(env: RankEnv) -> None:
         DeviceMeshParameters(expert_parallel=2, data_parallel_shard=2), backend="gloo"
     )
     parallelize_expert_parallel(
-        moe, ctx.mesh_for(MeshDomain.EXPERT)["ep_shard"], backend=AllToAllBackendConfig()
+        moe,
+        ctx.mesh_for(MeshDomain.EXPERT)["ep_shard"],
+        device=ctx.device,
+        dtype=torch.float32,
+        backend=AllToAllBackendConfig(),
     )
     out = moe(xs[env.rank])
     torch.testing.assert_close(out, expected[env.rank], rtol=1e-12, atol=1e-12)

@@ -312,7 +312,13 @@ def _hybrid_body(env: RankEnv, expert_parallel: int) -> None:
         for module in modules:
             if module.moe is not None:
                 expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
-                parallelize_expert_parallel(module.moe, expert_mesh, backend=AllToAllBackendConfig())
+                parallelize_expert_parallel(
+                    module.moe,
+                    expert_mesh,
+                    device=ctx.device,
+                    dtype=torch.float32,
+                    backend=AllToAllBackendConfig(),
+                )
                 assert module.moe.experts.gate_proj.to_local().shape[0] == 4 // expert_parallel
             parallelize_replicate(module, ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"])
         sync = GradientSynchronizer(

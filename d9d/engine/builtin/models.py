@@ -20,10 +20,10 @@ from d9d.core.domains import MeshDomain
 from d9d.engine.events import EventBus, OptimizerStepFinished
 from d9d.models.hf.config import config_from_hf, config_to_hf
 from d9d.models.hf.io import build_causal_lm
-from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, hf_to_d9d_mapper
+from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, has_expert_bias, hf_to_d9d_mapper
 from d9d.models.qwen3 import Qwen3Config, Qwen3StageModel
 from d9d.models.qwen3_moe import Qwen3MoEConfig
-from d9d.modules.moe import MoELayer, TopKRouter
+from d9d.modules.moe import MoELayer, MoEMetrics, TopKRouter
 from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import load_model_state, read_header, resolve_checkpoint, save_model_state
@@ -85,7 +85,7 @@ class _CausalLMProvider:
         """Expert, tensor, then data parallelism (replicate / FSDP / HSDP) as the mesh asks."""
         if ctx.is_distributed:
             assert isinstance(module, Qwen3StageModel)
-            parallelize_qwen3(module, ctx, self.options.parallel)
+            parallelize_qwen3(module, ctx, self.options.parallel, activation_dtype=self.dtype)
 
     def initialize(self, module: nn.Module, ctx: DistributedContext) -> None:
         module.reset_parameters()  # type: ignore[operator]
@@ -98,6 +98,7 @@ class _CausalLMProvider:
             self.model_config,
             expert_layout=detect_expert_layout(keys),
             checkpoint_has_lm_head="lm_head.weight" in keys,
+            checkpoint_has_expert_bias=has_expert_bias(keys),
         )
         load_model_state(source, module, mapper, strict=True, allow_cast=True)
 
@@ -124,8 +125,8 @@ class _CausalLMProvider:
             (name, m) for module in modules for name, m in module.named_modules() if isinstance(m, TopKRouter)
         ]
         if routers:
-            balancer = ExpertLoadBalancer(routers, ctx, metrics)
-            events.subscribe(OptimizerStepFinished, lambda _event: balancer.after_optimizer_step())
+            balancer = ExpertLoadBalancer(routers, ctx, metrics, MoEMetrics(modules))
+            events.subscribe(OptimizerStepFinished, lambda event: balancer.after_optimizer_step(event.step))
 
 
 class ExpertLoadBalancer:
@@ -134,28 +135,32 @@ class ExpertLoadBalancer:
     """
 
     def __init__(
-        self, routers: Sequence[tuple[str, TopKRouter]], ctx: DistributedContext, metrics: dict[str, float]
+        self,
+        routers: Sequence[tuple[str, TopKRouter]],
+        ctx: DistributedContext,
+        metrics: dict[str, float],
+        moe_metrics: MoEMetrics,
     ) -> None:
         self.routers = routers
         self.ctx = ctx
         self.metrics = metrics
+        self.moe_metrics = moe_metrics
 
     @torch.no_grad()
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, step: int) -> None:
         loads = torch.stack([r.expert_load for _, r in self.routers])
         if self.ctx.is_distributed:
             batch = self.ctx.mesh_for(MeshDomain.BATCH)
             for dim in ("dp", "cp"):
                 if batch.size(batch.mesh_dim_names.index(dim)) > 1:  # type: ignore[union-attr]
                     torch.distributed.all_reduce(loads, group=batch.get_group(dim))
-        for (name, router), load in zip(self.routers, loads, strict=True):
+        for (_, router), load in zip(self.routers, loads, strict=True):
             router.expert_load.copy_(load)
             router.update_expert_bias()
-            mean = float(load.mean())
-            if mean > 0:
-                layer = name.rpartition(".")[0] or name  # the MoE block owning the router
-                self.metrics[f"moe/{layer}/max_load_ratio"] = float(load.max()) / mean
-                self.metrics[f"moe/{layer}/min_load_ratio"] = float(load.min()) / mean
+        layers = {
+            name.rpartition(".")[0] or name: load for (name, _), load in zip(self.routers, loads, strict=True)
+        }
+        self.moe_metrics.record(self.metrics, layers, step)
 
 
 class Qwen3Provider(_CausalLMProvider):

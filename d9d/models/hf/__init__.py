@@ -1,16 +1,20 @@
 """Hugging Face interop: config conversion, state mappers, `from_pretrained` / `save_pretrained`."""
 
-from d9d.models.hf.config import config_from_hf, config_to_hf
+from d9d.models.hf.config import EXPERT_BIAS_CONFIG_KEY, EXPERT_BIAS_HF_NAME, config_from_hf, config_to_hf
 from d9d.models.hf.io import build_causal_lm, check_checkpoint_matches, from_pretrained, save_pretrained
 from d9d.models.hf.mapping import (
     ExpertLayout,
     d9d_to_hf_mapper,
     detect_expert_layout,
     expected_hf_shapes,
+    expert_bias_hf_keys,
+    has_expert_bias,
     hf_to_d9d_mapper,
 )
 
 __all__ = [
+    "EXPERT_BIAS_CONFIG_KEY",
+    "EXPERT_BIAS_HF_NAME",
     "ExpertLayout",
     "build_causal_lm",
     "check_checkpoint_matches",
@@ -19,7 +23,9 @@ __all__ = [
     "d9d_to_hf_mapper",
     "detect_expert_layout",
     "expected_hf_shapes",
+    "expert_bias_hf_keys",
     "from_pretrained",
+    "has_expert_bias",
     "hf_to_d9d_mapper",
     "save_pretrained",
 ]

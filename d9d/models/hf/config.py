@@ -21,6 +21,11 @@ from d9d.modules.rotary import (
     YarnRopeScaling,
 )
 
+# The d9d-only expert bias in Hugging Face files: one extra tensor per MoE layer, under DeepSeek-V3's name
+# for the same thing, and a config.json flag so a reload turns the bias on.
+EXPERT_BIAS_HF_NAME = "mlp.gate.e_score_correction_bias"
+EXPERT_BIAS_CONFIG_KEY = "d9d_expert_bias"
+
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
@@ -137,6 +142,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> Qwen3Config:
         "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)
         if hf.get("output_router_logits")
         else 0.0,
+        # written by d9d's export next to the bias tensors (transformers ignores both)
+        "expert_bias": bool(hf.get(EXPERT_BIAS_CONFIG_KEY, False)),
     }
     return Qwen3MoEConfig(**{**fields, **overrides})
 
@@ -173,12 +180,19 @@ def config_to_hf(config: Qwen3Config) -> dict[str, Any]:
     if isinstance(config, Qwen3MoEConfig):
         if any(windowed) and not all(windowed):
             raise ValueError("Hugging Face Qwen3-MoE applies sliding_window to every layer, not to a subset")
+        if config.router_score_function != "softmax":
+            raise ValueError(
+                f"router_score_function={config.router_score_function!r}: Hugging Face Qwen3-MoE routes "
+                "with a softmax only"
+            )
         if config.expert_bias:
             warnings.warn(
-                "expert_bias (auxiliary-loss-free balancing) has no Hugging Face equivalent and is not "
-                "saved; transformers will route without it",
+                "expert_bias (auxiliary-loss-free balancing) has no Hugging Face Qwen3-MoE equivalent: it is "
+                f"saved as the extra tensors model.layers.<i>.{EXPERT_BIAS_HF_NAME} and d9d reloads it, but "
+                "transformers will route without it",
                 stacklevel=3,
             )
+            out[EXPERT_BIAS_CONFIG_KEY] = True
         out |= {
             "moe_intermediate_size": config.moe_intermediate_size,
             "num_experts": config.num_experts,

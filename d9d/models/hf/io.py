@@ -16,6 +16,8 @@ from d9d.models.hf.mapping import (
     d9d_to_hf_mapper,
     detect_expert_layout,
     expected_hf_shapes,
+    expert_bias_hf_keys,
+    has_expert_bias,
     hf_to_d9d_mapper,
 )
 from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -73,10 +75,12 @@ def check_checkpoint_matches(
         full = build_causal_lm(config)
     expected = expected_hf_shapes(config, full.state_dict(), layout)
     tolerated = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    optional = set(expert_bias_hf_keys(config))  # absent: the bias starts at zero; unwanted: dropped
+    tolerated |= optional
     problems = [
         f"missing key {key!r} (expected shape {shape})"
         for key, shape in sorted(expected.items())
-        if key not in found
+        if key not in found and key not in optional
     ]
     problems += [
         f"unexpected key {key!r} with shape {shape}"
@@ -127,7 +131,12 @@ def from_pretrained(
     model.to_empty(device=device or "cpu")
     with torch.no_grad():
         model.reset_parameters()  # d9d-only state (router buffers) starts from its initial values
-    mapper = hf_to_d9d_mapper(config, expert_layout=layout, checkpoint_has_lm_head="lm_head.weight" in found)
+    mapper = hf_to_d9d_mapper(
+        config,
+        expert_layout=layout,
+        checkpoint_has_lm_head="lm_head.weight" in found,
+        checkpoint_has_expert_bias=has_expert_bias(found),
+    )
     load_model_state(root, model, mapper, strict=True, allow_cast=True, progress=False)
     return model
 

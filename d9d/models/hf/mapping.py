@@ -2,7 +2,8 @@
 
 Differences handled here: vocabulary splits (HF has one table), tied heads, expert weights (HF stores
 either one module per expert — transformers v4 and what v5 writes — or fused `[E, 2I, H]` / `[E, H, I]`
-tensors in memory, d9d stores `[E, in, out]`), and the d9d-only expert bias.
+tensors in memory, d9d stores `[E, in, out]`), and the d9d-only expert bias (kept as extra tensors
+`model.layers.<i>.mlp.gate.e_score_correction_bias`, DeepSeek-V3's name, which transformers ignores).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from d9d.models.hf.config import EXPERT_BIAS_HF_NAME
 from d9d.models.qwen3 import Qwen3Config
 from d9d.models.qwen3_moe import Qwen3MoEConfig
 from d9d.state.mapper import (
@@ -92,12 +94,27 @@ def _layer(config: Qwen3Config, index: int, layout: ExpertLayout) -> StateMapper
     return Prefixed(f"model.layers.{index}.", Parallel([Identity(plain), *parts]))
 
 
+def _moe_layers(config: Qwen3Config) -> list[int]:
+    if not isinstance(config, Qwen3MoEConfig):
+        return []
+    return [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+
+
+def expert_bias_hf_keys(config: Qwen3Config) -> list[str]:
+    """Where the d9d expert bias of each MoE layer lives in a Hugging Face directory (an extra tensor,
+    see `EXPERT_BIAS_HF_NAME`), whether or not `config` enables the bias."""
+    return [f"model.layers.{i}.{EXPERT_BIAS_HF_NAME}" for i in _moe_layers(config)]
+
+
+def has_expert_bias(keys: Iterable[str]) -> bool:
+    """Whether a checkpoint's keys carry the expert bias that d9d's export writes."""
+    return any(k.endswith(EXPERT_BIAS_HF_NAME) for k in keys)
+
+
 def _expert_bias_keys(config: Qwen3Config) -> list[str]:
     if not isinstance(config, Qwen3MoEConfig) or not config.expert_bias:
         return []
-    return [
-        f"model.layers.{i}.mlp.gate.expert_bias" for i in range(config.num_layers) if config.is_moe_layer(i)
-    ]
+    return [f"model.layers.{i}.mlp.gate.expert_bias" for i in _moe_layers(config)]
 
 
 def _body(config: Qwen3Config, layout: ExpertLayout) -> list[StateMapper]:
@@ -105,13 +122,18 @@ def _body(config: Qwen3Config, layout: ExpertLayout) -> list[StateMapper]:
 
 
 def hf_to_d9d_mapper(
-    config: Qwen3Config, *, expert_layout: ExpertLayout = "per_expert", checkpoint_has_lm_head: bool = True
+    config: Qwen3Config,
+    *,
+    expert_layout: ExpertLayout = "per_expert",
+    checkpoint_has_lm_head: bool = True,
+    checkpoint_has_expert_bias: bool = False,
 ) -> StateMapper:
     """HF checkpoint keys → the keys of a whole d9d causal-LM model (narrow it per stage with `Select`).
 
     With tied embeddings the one HF table feeds both the embedding and the head keys (an `lm_head.weight`
-    in the checkpoint, which transformers may or may not write, is ignored). The expert bias, which HF
-    does not have, starts at zero.
+    in the checkpoint, which transformers may or may not write, is ignored). The expert bias loads from
+    the extra tensors d9d's export writes (`checkpoint_has_expert_bias`, see `has_expert_bias`), starts at
+    zero when the checkpoint has none, and is dropped when `config` has no bias.
     """
     embed = _vocab("model.embed_tokens.weight", "model.embed_tokens", config.splits)
     parts = _body(config, expert_layout)
@@ -129,7 +151,9 @@ def hf_to_d9d_mapper(
     else:
         parts += [embed, _vocab("lm_head.weight", "lm_head", config.splits)]
     bias_keys = _expert_bias_keys(config)
-    if bias_keys:
+    if bias_keys and checkpoint_has_expert_bias:
+        parts.append(Rename(dict(zip(expert_bias_hf_keys(config), bias_keys, strict=True))))
+    elif bias_keys:
         assert isinstance(config, Qwen3MoEConfig)
         experts = config.num_experts
         parts.append(
@@ -137,12 +161,14 @@ def hf_to_d9d_mapper(
                 [], bias_keys, lambda _: {k: torch.zeros(experts) for k in bias_keys}, name="ZeroExpertBias"
             )
         )
+    elif checkpoint_has_expert_bias:
+        parts.append(Drop(expert_bias_hf_keys(config)))
     return Parallel(parts)
 
 
 def d9d_to_hf_mapper(config: Qwen3Config, *, expert_layout: ExpertLayout = "per_expert") -> StateMapper:
-    """A whole d9d causal-LM model's keys → HF checkpoint keys (a tied head and the expert bias are
-    dropped: HF ties the head itself and has no bias)."""
+    """A whole d9d causal-LM model's keys → HF checkpoint keys. A tied head is dropped (HF ties it itself);
+    the expert bias, which HF Qwen3-MoE does not have, is kept as extra tensors `expert_bias_hf_keys`."""
     embed = _vocab("model.embed_tokens.weight", "model.embed_tokens", config.splits).inverse()
     parts = [m.inverse() for m in _body(config, expert_layout)] + [embed]
     if config.tie_word_embeddings:
@@ -151,7 +177,7 @@ def d9d_to_hf_mapper(config: Qwen3Config, *, expert_layout: ExpertLayout = "per_
         parts.append(_vocab("lm_head.weight", "lm_head", config.splits).inverse())
     bias_keys = _expert_bias_keys(config)
     if bias_keys:
-        parts.append(Drop(bias_keys))
+        parts.append(Rename(dict(zip(bias_keys, expert_bias_hf_keys(config), strict=True))))
     return Parallel(parts)
 
 

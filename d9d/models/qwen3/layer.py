@@ -56,5 +56,8 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryTables, mask: AttentionMask) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, mask)
-        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        normed = self.post_attention_layernorm(hidden)
+        # MoE layers keep padding out of their balancing loss
+        ffn = self.mlp(normed, mask.padding) if isinstance(self.mlp, MoELayer) else self.mlp(normed)
+        out: torch.Tensor = hidden + ffn
         return out

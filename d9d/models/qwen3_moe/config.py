@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
+from d9d.kernels.backend import KernelBackend
 from d9d.models.qwen3.config import Qwen3Config
 from d9d.modules.moe import GroupedMMName
 
@@ -16,6 +19,10 @@ class Qwen3MoEConfig(Qwen3Config):
     - `expert_bias`: auxiliary-loss-free balancing; the engine calls `update_expert_bias()` on each router
       after every optimizer step, moving it by `expert_bias_update_rate`.
     - `grouped_mm`: expert matmul backend (`auto` picks by device; `D9D_GROUPED_MM` overrides auto).
+    - `router_score_function`: `softmax` over experts (Qwen3-MoE) or per-expert `sigmoid` (DeepSeek-V3).
+    - `moe_kernels`: token permute / combine kernels (`auto`: Triton on CUDA, PyTorch elsewhere).
+    - `moe_row_align`: each expert's row group starts at a multiple of this (grouped-matmul tiles); the
+      padding rows are zeros. Applies to the local (non expert-parallel) dispatch.
     """
 
     moe_intermediate_size: int = Field(gt=0)
@@ -28,6 +35,9 @@ class Qwen3MoEConfig(Qwen3Config):
     expert_bias: bool = False
     expert_bias_update_rate: float = Field(1e-3, ge=0)
     grouped_mm: GroupedMMName = "auto"
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_kernels: KernelBackend = "auto"
+    moe_row_align: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _check_moe(self) -> Qwen3MoEConfig:

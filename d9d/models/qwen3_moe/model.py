@@ -7,7 +7,7 @@ from d9d.models.qwen3.model import Qwen3Model
 from d9d.models.qwen3_moe.config import Qwen3MoEConfig
 from d9d.modules.attention import SdpaBackend
 from d9d.modules.mlp import SwiGLU
-from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter, build_grouped_mm
+from d9d.modules.moe import GroupedExperts, LocalMoECommunication, MoELayer, TopKRouter, build_grouped_mm
 from d9d.pipeline.api import PipelineStageInfo
 
 
@@ -28,6 +28,7 @@ class Qwen3MoEModel(Qwen3Model):
                     config.num_experts,
                     config.num_experts_per_tok,
                     renormalize=config.norm_topk_prob,
+                    score_function=config.router_score_function,
                     expert_bias=config.expert_bias,
                     bias_update_rate=config.expert_bias_update_rate,
                     init_std=config.initializer_range,
@@ -40,6 +41,7 @@ class Qwen3MoEModel(Qwen3Model):
                     init_std=config.initializer_range,
                     output_init_std=config.output_init_std,
                 ),
+                communication=LocalMoECommunication(align=config.moe_row_align, backend=config.moe_kernels),
                 aux_loss_coef=config.router_aux_loss_coef,
                 init_std=config.initializer_range,
             )

@@ -9,14 +9,26 @@ import torch
 from d9d.modules.moe.counting import tokens_per_expert
 
 
-def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(
+    probs: torch.Tensor, topk_ids: torch.Tensor, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """`E · Σ_e f_e · P_e` with `f_e` the fraction of token copies routed to expert e (no gradient) and `P_e`
     the mean router probability of e. Perfect balance gives 1 whatever k is; all tokens on one expert
-    with probability 1 gives E."""
+    with probability 1 gives E. With `token_mask` [tokens] (True for real tokens) both averages run over
+    the real tokens only, so padding neither counts as load nor dilutes the probabilities."""
     num_experts = probs.shape[1]
+    if token_mask is None:
+        with torch.no_grad():
+            fraction = tokens_per_expert(topk_ids, num_experts).float() / topk_ids.numel()
+        return num_experts * (fraction * probs.mean(dim=0)).sum()
+    real = token_mask.to(probs.dtype)
+    count = real.sum().clamp(min=1)
     with torch.no_grad():
-        fraction = tokens_per_expert(topk_ids, num_experts).float() / topk_ids.numel()
-    return num_experts * (fraction * probs.mean(dim=0)).sum()
+        copies = real[:, None].expand(topk_ids.shape).reshape(-1)
+        load = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
+        fraction = load.scatter_add_(0, topk_ids.reshape(-1), copies) / (count * topk_ids.shape[1])
+    mean_probs = (probs * real[:, None]).sum(dim=0) / count
+    return num_experts * (fraction * mean_probs).sum()
 
 
 class _AddAuxiliaryLoss(torch.autograd.Function):

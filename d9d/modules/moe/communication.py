@@ -7,10 +7,11 @@ DeepEP handler (`d9d.parallel`) without the layer changing.
 
 Contract, for every handler:
 - `dispatch` returns the rows each *local* expert must process, grouped by local expert in ascending
-  order, with `tokens_per_expert[i]` rows for local expert `i`, and `row_weights` holding each row's
-  routing weight.
-- The layer multiplies expert outputs by `row_weights` (so all backends weight the same way), then
-  `combine` sums every row back into its source token: out[t] = Σ_k w[t,k] · expert_{id[t,k]}(x[t]).
+  order, with `tokens_per_expert[i]` rows for local expert `i` (a handler may add zero padding rows to a
+  group, e.g. to align groups for the grouped matmul; their outputs are ignored).
+- `combine` takes the experts' (unweighted) outputs and returns, per source token,
+  out[t] = Σ_k w[t,k] · expert_{id[t,k]}(x[t]): the routing weights are applied by the handler, so each
+  can fuse them into its own combine.
 """
 
 from __future__ import annotations
@@ -21,26 +22,35 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 
+@dataclass(frozen=True)
+class RoutedTokens:
+    """The router's decision for a flat batch of tokens: what every handler's `dispatch` starts from."""
+
+    hidden_states: torch.Tensor  # [tokens, hidden]
+    topk_ids: torch.Tensor  # [tokens, k] global expert ids
+    topk_weights: torch.Tensor  # [tokens, k] routing weights
+    num_experts: int
+
+    def local_experts(self, ep_size: int) -> int:
+        """Experts per rank when the `num_experts` are split evenly over `ep_size` ranks."""
+        if self.num_experts % ep_size:
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by the expert-parallel size {ep_size}"
+            )
+        return self.num_experts // ep_size
+
+
 @dataclass
 class DispatchedTokens:
     hidden_states: torch.Tensor  # [rows, hidden], grouped by local expert
-    tokens_per_expert: torch.Tensor  # [num_local_experts], int64
-    row_weights: torch.Tensor  # [rows], routing weight of each row
-    state: Any  # handler-private data that `combine` needs (permutation, split sizes, ...)
+    tokens_per_expert: torch.Tensor  # [num_local_experts], int64, rows per local expert
+    state: Any  # handler-private data that `combine` needs (permutation, weights, split sizes, ...)
 
 
 @runtime_checkable
 class MoECommunication(Protocol):
-    def dispatch(
-        self,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        num_experts: int,
-    ) -> DispatchedTokens:
-        """`hidden_states` [tokens, hidden]; `topk_ids` / `topk_weights` [tokens, k] (global expert ids)."""
-        ...
+    def dispatch(self, routed: RoutedTokens) -> DispatchedTokens: ...
 
     def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
-        """`expert_outputs` [rows, hidden], already multiplied by `row_weights` → [tokens, hidden]."""
+        """`expert_outputs` [rows, hidden], unweighted → [tokens, hidden], weighted sum per token."""
         ...

@@ -1,13 +1,5 @@
-"""Counting token copies per expert without a device-to-host sync."""
+"""Counting token copies per expert without a device-to-host sync (kept here for the modules' imports)."""
 
-from __future__ import annotations
+from d9d.kernels.moe.permutation import count_per_expert as tokens_per_expert
 
-import torch
-
-
-def tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 [num_experts] counts of `expert_ids` (any shape). Unlike `torch.bincount`, whose output size
-    depends on the data, a scatter into a fixed-size buffer never waits for the GPU."""
-    flat = expert_ids.reshape(-1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+__all__ = ["tokens_per_expert"]

@@ -9,20 +9,21 @@ from torch import nn
 from d9d.modules.checkpointing import is_recomputing
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe.aux_loss import attach_auxiliary_loss, load_balancing_loss
-from d9d.modules.moe.communication import MoECommunication
+from d9d.modules.moe.communication import MoECommunication, RoutedTokens
 from d9d.modules.moe.experts import GroupedExperts
 from d9d.modules.moe.local_communication import LocalMoECommunication
-from d9d.modules.moe.router import TopKRouter
+from d9d.modules.moe.router import Routing, TopKRouter
 
 
 class MoELayer(nn.Module):
     """A sparse SwiGLU layer. Where experts live is the communication handler's business (local by default;
     expert parallelism swaps in an all-to-all handler through `communication`).
 
-    Statistics for logging: `gate.expert_load` (token copies per expert, accumulated) and
-    `last_aux_loss` (the balancing loss of the latest forward, detached). With `aux_loss_coef > 0` the
-    gradient of `aux_loss_coef · aux_loss` is added during backward of every forward call (so once per
-    microbatch); the value never appears in the model's outputs.
+    Statistics for logging (read them with `d9d.modules.moe.stats`): `gate.expert_load` (token copies per
+    expert, accumulated), `last_aux_loss` (the balancing loss of the latest forward, detached) and
+    `aux_loss_stats` ([sum, forward calls], accumulated until `reset_aux_loss_stats()`). With
+    `aux_loss_coef > 0` the gradient of `aux_loss_coef · aux_loss` is added during backward of every
+    forward call (so once per microbatch); the value never appears in the model's outputs.
     """
 
     def __init__(
@@ -53,6 +54,9 @@ class MoELayer(nn.Module):
         self.aux_loss_per_token = False
         self.init_std = init_std
         self.last_aux_loss: torch.Tensor | None = None
+        # [sum of aux losses, forward calls] since the last reset, float32. A plain attribute, not a buffer:
+        # `module.to(bfloat16)` would round the running sum.
+        self.aux_loss_stats: torch.Tensor | None = None
         if self.shared_expert_gate is not None:  # the injected blocks arrive initialized
             nn.init.normal_(self.shared_expert_gate.weight, std=self.init_std)
 
@@ -63,26 +67,41 @@ class MoELayer(nn.Module):
             self.shared_expert.reset_parameters()
         if self.shared_expert_gate is not None:
             nn.init.normal_(self.shared_expert_gate.weight, std=self.init_std)
+        self.reset_aux_loss_stats()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` [..., hidden] → same shape."""
+    def reset_aux_loss_stats(self) -> None:
+        self.aux_loss_stats = None
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` [..., hidden] → same shape. `token_mask` [...] (True for real tokens, False for padding)
+        keeps padding out of the balancing loss and out of its per-token scale."""
         flat = x.reshape(-1, x.shape[-1])
         routing = self.gate(flat)
         dispatched = self.communication.dispatch(
-            flat, routing.topk_ids, routing.topk_weights, self.gate.num_experts
+            RoutedTokens(flat, routing.topk_ids, routing.topk_weights, self.gate.num_experts)
         )
         rows = self.experts(dispatched.hidden_states, dispatched.tokens_per_expert)
-        rows = rows * dispatched.row_weights[:, None].to(rows.dtype)
         out = self.communication.combine(rows, dispatched)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
-        if self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            aux = load_balancing_loss(routing.probs, routing.topk_ids)
-            if not is_recomputing():
-                self.last_aux_loss = aux.detach()
-            coef = self.aux_loss_coef * (flat.shape[0] if self.aux_loss_per_token else 1)
-            out = attach_auxiliary_loss(out, aux, coef)
+        if torch.is_grad_enabled():  # training: the balancing loss is tracked even when not optimized
+            out = self._balancing_loss(out, routing, token_mask)
         return out.view_as(x)
+
+    def _balancing_loss(
+        self, out: torch.Tensor, routing: Routing, token_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        mask = token_mask.reshape(-1) if token_mask is not None else None
+        aux = load_balancing_loss(routing.probs, routing.topk_ids, mask)
+        if not is_recomputing():
+            self.last_aux_loss = aux.detach()
+            step = torch.stack([aux.detach().float(), torch.ones_like(aux, dtype=torch.float32)])
+            self.aux_loss_stats = step if self.aux_loss_stats is None else self.aux_loss_stats + step
+        if self.aux_loss_coef == 0:
+            return out
+        if self.aux_loss_per_token:  # times the number of real tokens, as the LM loss counts only those
+            aux = aux * (mask.sum() if mask is not None else routing.topk_ids.shape[0])
+        return attach_auxiliary_loss(out, aux, self.aux_loss_coef)

@@ -1,35 +1,36 @@
-"""The default MoE communication: every expert is local, dispatch is a sort by expert id."""
+"""The default MoE communication: every expert is local, dispatch is a permutation by expert id."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from d9d.modules.moe.communication import DispatchedTokens
-from d9d.modules.moe.counting import tokens_per_expert
+from d9d.kernels.backend import KernelBackend
+from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
+from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
+
+
+@dataclass(frozen=True)
+class _LocalState:
+    slot_rows: torch.Tensor  # [tokens, k]: buffer row of each copy
+    weights: torch.Tensor  # [tokens, k]: routing weights
 
 
 class LocalMoECommunication:
-    """Dispatch copies each token once per selected expert and sorts the copies by expert (stable, so
-    copies of one expert keep token order); combine scatter-adds them back into their tokens."""
+    """Dispatch writes each token once per selected expert into an expert-grouped buffer (stable sort by
+    expert, groups starting at multiples of `align`); combine gathers a token's k rows and sums them
+    weighted. Both are custom ops (Triton on CUDA), deterministic and free of host syncs."""
 
-    def dispatch(
-        self,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        num_experts: int,
-    ) -> DispatchedTokens:
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        source_token = order // topk_ids.shape[1]
-        return DispatchedTokens(
-            hidden_states=hidden_states[source_token],
-            tokens_per_expert=tokens_per_expert(flat_ids, num_experts),
-            row_weights=topk_weights.reshape(-1)[order],
-            state=(source_token, hidden_states.shape[0]),
-        )
+    def __init__(self, *, align: int = 1, backend: KernelBackend = "auto") -> None:
+        self.align = align
+        self.backend: KernelBackend = backend
+
+    def dispatch(self, routed: RoutedTokens) -> DispatchedTokens:
+        perm = expert_permutation(routed.topk_ids, routed.num_experts, align=self.align)
+        rows = permute_tokens(routed.hidden_states, perm.slot_rows, perm.num_rows, backend=self.backend)
+        return DispatchedTokens(rows, perm.rows_per_expert, _LocalState(perm.slot_rows, routed.topk_weights))
 
     def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
-        source_token, num_tokens = dispatched.state
-        out = expert_outputs.new_zeros(num_tokens, expert_outputs.shape[1])
-        return out.index_add(0, source_token, expert_outputs)
+        state: _LocalState = dispatched.state
+        return combine_tokens(expert_outputs, state.slot_rows, weights=state.weights, backend=self.backend)

@@ -1,8 +1,10 @@
-"""Top-k softmax routing with optional auxiliary-loss-free load balancing."""
+"""Top-k routing (softmax or sigmoid scores) with optional auxiliary-loss-free load balancing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -10,16 +12,49 @@ from torch import nn
 from d9d.modules.checkpointing import is_recomputing
 from d9d.modules.moe.counting import tokens_per_expert
 
+ScoreFunction = Literal["softmax", "sigmoid"]
+
 
 @dataclass(frozen=True)
 class Routing:
-    probs: torch.Tensor  # [tokens, experts] float32 softmax over all experts
+    probs: torch.Tensor  # [tokens, experts] float32, each row sums to one (what the balancing loss reads)
     topk_ids: torch.Tensor  # [tokens, k] int64 global expert ids
     topk_weights: torch.Tensor  # [tokens, k] in the input dtype
 
 
+def route_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    score_function: ScoreFunction = "softmax",
+    renormalize: bool = True,
+    expert_bias: torch.Tensor | None = None,
+) -> Routing:
+    """logits [tokens, experts] → scores → top-k (on scores + `expert_bias` when given; the weights stay
+    the unbiased scores) → optional renormalization over the k chosen.
+
+    One chain of elementwise ops, a top-k and a gather, written so `torch.compile` fuses it into a couple
+    of kernels; the [tokens, experts] tensors are small next to the expert matmuls, so no hand kernel.
+    """
+    match score_function:
+        case "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            probs = scores
+        case "sigmoid":
+            scores = torch.sigmoid(logits.float())
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+    if expert_bias is None:
+        topk_scores, topk_ids = torch.topk(scores, top_k, dim=-1)
+    else:
+        _, topk_ids = torch.topk(scores + expert_bias, top_k, dim=-1)
+        topk_scores = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_scores = topk_scores / topk_scores.sum(dim=-1, keepdim=True)
+    return Routing(probs=probs, topk_ids=topk_ids, topk_weights=topk_scores.to(logits.dtype))
+
+
 class TopKRouter(nn.Module):
-    """Softmax over experts, then the top-k of them per token.
+    """Scores over experts (softmax, or per-expert sigmoid as in DeepSeek-V3), then the top-k per token.
 
     - `renormalize`: the k selected probabilities are rescaled to sum to one.
     - `expert_bias` (auxiliary-loss-free balancing, DeepSeek-V3 style): a per-expert bias added to the
@@ -37,6 +72,7 @@ class TopKRouter(nn.Module):
         top_k: int,
         *,
         renormalize: bool = True,
+        score_function: ScoreFunction = "softmax",
         expert_bias: bool = False,
         bias_update_rate: float = 1e-3,
         init_std: float = 0.02,
@@ -47,6 +83,7 @@ class TopKRouter(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.score_function: ScoreFunction = score_function
         self.bias_update_rate = bias_update_rate
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
@@ -56,8 +93,18 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
         self.expert_load: torch.Tensor
-        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        # int64: counts stay exact when the model is cast to bfloat16 (which casts floating buffers)
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.reset_parameters()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TopKRouter:
+        # `model.to(bfloat16)` casts floating buffers too; a bf16 bias could not take steps of
+        # `bias_update_rate` once it has grown (1e-3 is below half a bf16 ulp above 0.25), so balancing
+        # would stall. Device moves apply; the bias stays float32.
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
@@ -68,27 +115,27 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """`x` [tokens, hidden] → routing decisions."""
-        logits = x @ self.weight.t()
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        if self.expert_bias is None:
-            topk_probs, topk_ids = torch.topk(probs, self.top_k, dim=-1)
-        else:
-            _, topk_ids = torch.topk(probs + self.expert_bias, self.top_k, dim=-1)
-            topk_probs = probs.gather(1, topk_ids)
-        if self.renormalize:
-            topk_probs = topk_probs / topk_probs.sum(dim=-1, keepdim=True)
+        routing = route_topk(
+            x @ self.weight.t(),
+            self.top_k,
+            score_function=self.score_function,
+            renormalize=self.renormalize,
+            expert_bias=self.expert_bias,
+        )
         if not is_recomputing():
             with torch.no_grad():
-                self.expert_load += tokens_per_expert(topk_ids, self.num_experts)
-        return Routing(probs=probs, topk_ids=topk_ids, topk_weights=topk_probs.to(logits.dtype))
+                self.expert_load += tokens_per_expert(routing.topk_ids, self.num_experts)
+        return routing
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
         """Raises the bias of under-loaded experts and lowers over-loaded ones by `bias_update_rate`, then
         clears the accumulated load. A no-op on the bias (but still clears the load) when disabled."""
         if self.expert_bias is not None:
-            load = self.expert_load
-            self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+            load = self.expert_load.double()
+            self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load).to(
+                self.expert_bias.dtype
+            )
         self.expert_load.zero_()
 
     @torch.no_grad()

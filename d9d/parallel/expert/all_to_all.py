@@ -1,11 +1,11 @@
 """Expert-parallel token exchange over `torch.distributed.all_to_all_single` (gloo and NCCL).
 
 Experts are split evenly over the `ep` ranks: rank r owns global experts [r·L, (r+1)·L), L = E / ep.
-Dispatch sorts the token copies by global expert (so they are grouped by destination rank, then by
-expert), exchanges the per-expert counts (one small all-to-all), sends the copies and their routing
-weights, and regroups what arrived (source-rank major) into local-expert-major order. Combine runs the
-same path backwards and scatter-adds each copy into its source token. Every step is differentiable: the
-all-to-all's backward is the reverse all-to-all.
+Dispatch permutes the token copies by global expert (so they are grouped by destination rank, then by
+expert), exchanges the per-expert counts (one small all-to-all), sends the copies, and regroups what
+arrived (source-rank major) into local-expert-major order. Combine runs the same path backwards and each
+token gathers its k returned copies, weighted by its routing weights (which therefore never travel).
+Every step is differentiable: the all-to-all's backward is the reverse all-to-all.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from d9d.modules.moe.communication import DispatchedTokens
+from d9d.kernels.backend import KernelBackend
+from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
+from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
 
 
 class _AllToAll(torch.autograd.Function):
@@ -56,59 +58,42 @@ def all_to_all(
 
 @dataclass(frozen=True)
 class _AllToAllState:
-    source_token: torch.Tensor  # [sent rows]: token index of each sent copy, in send order
+    slot_rows: torch.Tensor  # [tokens, k]: send-buffer row of each copy
+    weights: torch.Tensor  # [tokens, k]: routing weights, applied where the copies return
     regroup: torch.Tensor  # [received rows]: received row feeding each local-expert-major row
     send_splits: list[int]
     recv_splits: list[int]
-    num_tokens: int
 
 
 class AllToAllMoECommunication:
     """`MoECommunication` over an expert-parallel process group with plain all-to-all collectives."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, *, backend: KernelBackend = "auto") -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.backend: KernelBackend = backend
 
-    def dispatch(
-        self,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        num_experts: int,
-    ) -> DispatchedTokens:
-        if num_experts % self.size:
-            raise ValueError(
-                f"num_experts={num_experts} is not divisible by the expert-parallel size {self.size}"
-            )
-        local_experts = num_experts // self.size
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        source_token = order // topk_ids.shape[1]
-        send_counts = torch.bincount(flat_ids, minlength=num_experts)
+    def dispatch(self, routed: RoutedTokens) -> DispatchedTokens:
+        local_experts = routed.local_experts(self.size)
+        perm = expert_permutation(routed.topk_ids, routed.num_experts)
+        send = permute_tokens(routed.hidden_states, perm.slot_rows, perm.num_rows, backend=self.backend)
+        send_counts = perm.rows_per_expert
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src rank, local expert]
         counts = torch.stack([send_counts, recv_counts]).view(2, self.size, local_experts).sum(2).cpu()
         send_splits, recv_splits = counts[0].tolist(), counts[1].tolist()
-        rows = all_to_all(hidden_states[source_token], recv_splits, send_splits, self.group)
-        weights = all_to_all(topk_weights.reshape(-1)[order], recv_splits, send_splits, self.group)
+        rows = all_to_all(send, recv_splits, send_splits, self.group)
         per_source = recv_counts.view(self.size, local_experts)
         expert_of_row = torch.repeat_interleave(
-            torch.arange(local_experts, device=flat_ids.device).repeat(self.size), per_source.reshape(-1)
+            torch.arange(local_experts, device=send_counts.device).repeat(self.size), per_source.reshape(-1)
         )
         regroup = torch.argsort(expert_of_row, stable=True)
-        state = _AllToAllState(source_token, regroup, send_splits, recv_splits, hidden_states.shape[0])
-        return DispatchedTokens(
-            hidden_states=rows[regroup],
-            tokens_per_expert=per_source.sum(0),
-            row_weights=weights[regroup],
-            state=state,
-        )
+        state = _AllToAllState(perm.slot_rows, routed.topk_weights, regroup, send_splits, recv_splits)
+        return DispatchedTokens(hidden_states=rows[regroup], tokens_per_expert=per_source.sum(0), state=state)
 
     def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         state: _AllToAllState = dispatched.state
         received_order = torch.empty_like(state.regroup)
         received_order[state.regroup] = torch.arange(state.regroup.numel(), device=state.regroup.device)
         back = all_to_all(expert_outputs[received_order], state.send_splits, state.recv_splits, self.group)
-        out = back.new_zeros(state.num_tokens, back.shape[1])
-        return out.index_add(0, state.source_token, back)
+        return combine_tokens(back, state.slot_rows, weights=state.weights, backend=self.backend)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Annotated, Literal
 
 import torch
@@ -12,6 +14,8 @@ from d9d.modules.moe.communication import MoECommunication
 from d9d.parallel.expert.all_to_all import AllToAllMoECommunication
 from d9d.parallel.expert.deepep import DeepEPMoECommunication, deep_ep_available
 
+_log = logging.getLogger(__name__)
+
 
 class AllToAllBackendConfig(BaseModel):
     """`all_to_all_single` over torch.distributed: any device, any dtype, gloo or NCCL."""
@@ -21,7 +25,8 @@ class AllToAllBackendConfig(BaseModel):
 
 
 class DeepEPBackendConfig(BaseModel):
-    """DeepEP kernels: CUDA, bf16 activations, `deep_ep` installed (`pip install d9d[moe]`)."""
+    """DeepEP kernels: CUDA, bf16 activations, `deep_ep` installed (`pip install d9d[moe]`). Not
+    installable on the project's GPU image so far: this path is tested with a stand-in module only."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["deep_ep"] = "deep_ep"
@@ -47,22 +52,39 @@ def build_moe_communication(
     device: torch.device,
     dtype: torch.dtype,
 ) -> MoECommunication:
-    """The handler for experts sharded over `group`; `device`/`dtype` are those of the activations."""
-    if isinstance(config, AllToAllBackendConfig):
-        return AllToAllMoECommunication(group)
-    if isinstance(config, DeepEPBackendConfig):
-        if not deep_ep_available():
-            raise RuntimeError(
-                "expert-parallel backend 'deep_ep' was requested but the deep_ep package cannot be imported; "
-                "install it (pip install 'd9d[moe]', needs CUDA) or choose kind='all_to_all' / 'auto'"
-            )
-        if device.type != "cuda":
-            raise RuntimeError(
-                f"expert-parallel backend 'deep_ep' needs CUDA activations, got device {device}"
-            )
-        if dtype != torch.bfloat16:
-            raise RuntimeError(f"expert-parallel backend 'deep_ep' needs bfloat16 activations, got {dtype}")
-        return DeepEPMoECommunication(group, num_sms=config.num_sms)
-    if device.type == "cuda" and dtype == torch.bfloat16 and deep_ep_available():
-        return DeepEPMoECommunication(group)
-    return AllToAllMoECommunication(group)
+    """The handler for experts sharded over `group`. `device` / `dtype` are those the activations will have
+    when the layer runs (the caller's device, not the parameters', which may still be on `meta`)."""
+    match config:
+        case AllToAllBackendConfig():
+            return AllToAllMoECommunication(group)
+        case DeepEPBackendConfig(num_sms=num_sms):
+            problem = _deep_ep_problem(device, dtype)
+            if problem is not None:
+                raise RuntimeError(
+                    f"expert-parallel backend 'deep_ep' was requested but {problem}; choose "
+                    "kind='all_to_all' or 'auto'"
+                )
+            return DeepEPMoECommunication(group, num_sms=num_sms)
+        case AutoBackendConfig():
+            problem = _deep_ep_problem(device, dtype)
+            _log_auto_choice("all_to_all" if problem else "deep_ep", problem or f"{device}, {dtype}")
+            if problem is None:
+                return DeepEPMoECommunication(group)
+            return AllToAllMoECommunication(group)
+
+
+def _deep_ep_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why DeepEP cannot run for these activations, or None when it can."""
+    if not deep_ep_available():
+        return "the deep_ep package cannot be imported (install it: pip install 'd9d[moe]', needs CUDA)"
+    if device.type != "cuda":
+        return f"it needs CUDA activations, got device {device}"
+    if dtype != torch.bfloat16:
+        return f"it needs bfloat16 activations, got {dtype}"
+    return None
+
+
+@functools.cache
+def _log_auto_choice(choice: str, reason: str) -> None:
+    """Once per process and outcome, not once per MoE layer."""
+    _log.info("expert-parallel backend 'auto' chose %s (%s)", choice, reason)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from d9d.modules.moe.communication import DispatchedTokens
+from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
 
 
 def deep_ep_available() -> bool:
@@ -84,6 +84,7 @@ class _Combine(torch.autograd.Function):
 class _DeepEPState:
     handle: Any
     token_of_row: torch.Tensor  # [rows]: received token each row came from
+    row_weights: torch.Tensor  # [rows]: routing weight of each row
     num_received: int
 
 
@@ -110,27 +111,23 @@ class DeepEPMoECommunication:
             self._buffer = buffer_cls(self.group, nvl, rdma)
         return self._buffer
 
-    def dispatch(
-        self,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        num_experts: int,
-    ) -> DispatchedTokens:
+    def dispatch(self, routed: RoutedTokens) -> DispatchedTokens:
+        hidden_states = routed.hidden_states
         if hidden_states.dtype != torch.bfloat16:
             raise TypeError(
                 f"DeepEP dispatch needs bfloat16 activations, got {hidden_states.dtype}; use the all_to_all "
                 "expert-parallel backend for other dtypes"
             )
-        if num_experts % self.size:
-            raise ValueError(
-                f"num_experts={num_experts} is not divisible by the expert-parallel size {self.size}"
-            )
-        local_experts = num_experts // self.size
+        local_experts = routed.local_experts(self.size)
         buffer = self._buffer_for(hidden_states.shape[1] * hidden_states.element_size())
         handles: list[Any] = []
         recv_x, recv_weights, recv_ids = _Dispatch.apply(
-            hidden_states, topk_weights.float(), topk_ids.long(), buffer, num_experts, handles
+            hidden_states,
+            routed.topk_weights.float(),
+            routed.topk_ids.long(),
+            buffer,
+            routed.num_experts,
+            handles,
         )
         k = recv_ids.shape[1]
         flat_ids = recv_ids.reshape(-1)
@@ -138,16 +135,17 @@ class DeepEPMoECommunication:
         order = torch.argsort(flat_ids[selected], stable=True)
         slots = selected[order]  # (token, k) slots grouped by local expert
         token_of_row = slots // k
+        state = _DeepEPState(handles[0], token_of_row, recv_weights.reshape(-1)[slots], recv_x.shape[0])
         return DispatchedTokens(
             hidden_states=recv_x[token_of_row],
             tokens_per_expert=torch.bincount(flat_ids[selected], minlength=local_experts),
-            row_weights=recv_weights.reshape(-1)[slots],
-            state=_DeepEPState(handles[0], token_of_row, recv_x.shape[0]),
+            state=state,
         )
 
     def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         state: _DeepEPState = dispatched.state
+        weighted = expert_outputs * state.row_weights[:, None].to(expert_outputs.dtype)
         per_token = expert_outputs.new_zeros(state.num_received, expert_outputs.shape[1])
-        per_token = per_token.index_add(0, state.token_of_row, expert_outputs)
+        per_token = per_token.index_add(0, state.token_of_row, weighted)
         out: torch.Tensor = _Combine.apply(per_token.to(torch.bfloat16), self._buffer, state.handle)
         return out.to(expert_outputs.dtype)

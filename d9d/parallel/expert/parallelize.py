@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -16,6 +17,8 @@ def parallelize_expert_parallel(
     moe_layer: MoELayer,
     expert_mesh: DeviceMesh,
     *,
+    device: torch.device,
+    dtype: torch.dtype,
     backend: ExpertCommunicationConfig | None = None,
 ) -> None:
     """Keep 1/ep of the experts on each rank and route tokens to them.
@@ -25,6 +28,10 @@ def parallelize_expert_parallel(
     gradient sum is left to the synchronizer); the experts compute on their local slice. The router and
     the shared expert are not touched: parallelize them like any dense module. With `ep_shard` of size 1
     the experts still become DTensors (replicated over `ep_replicate`) and keep the local dispatch.
+
+    `device` and `dtype` are those of the activations at run time (the rank's device, the compute dtype),
+    given by the caller: the layer's parameters may still be on `meta` here, and their dtype need not be
+    the activations' under mixed precision. The communication backend is chosen from them.
     """
     names = expert_mesh.mesh_dim_names or ()
     if expert_mesh.ndim == 1:
@@ -49,10 +56,9 @@ def parallelize_expert_parallel(
     compute_with_local_parameters(experts, {name for name, _ in experts.named_parameters(recurse=False)})
     if ep == 1:
         return  # every expert is local: the layer's own (local) communication is exact and free
-    reference = next(iter(experts.parameters()))
     moe_layer.communication = build_moe_communication(
         backend if backend is not None else AutoBackendConfig(),
         shard_mesh.get_group(),
-        device=reference.to_local().device if isinstance(reference, DTensor) else reference.device,
-        dtype=reference.dtype,
+        device=device,
+        dtype=dtype,
     )

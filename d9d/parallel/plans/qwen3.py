@@ -44,6 +44,7 @@ def parallelize_qwen3(
     config: ParallelPlanConfig | None = None,
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
+    activation_dtype: torch.dtype | None = None,
 ) -> None:
     """Apply expert, tensor and data parallelism to one pipeline stage of a Qwen3 / Qwen3-MoE task model.
 
@@ -51,6 +52,10 @@ def parallelize_qwen3(
     tensor_parallel` (context parallel ranks share the data-parallel dims of the dense domain).
     Sequence parallelism needs the sequence length divisible by tp and no pipeline parallelism (stage
     boundaries carry full sequences). `mp_policy` is handed to FSDP when the plan shards.
+
+    The expert-parallel backend is chosen for activations on `ctx.device` in `activation_dtype` (default:
+    `mp_policy.param_dtype` when set, else the model's floating-point parameter dtype, which a model built
+    on `meta` already has).
     """
     config = config or ParallelPlanConfig()
     sequence_parallel = config.sequence_parallel
@@ -60,9 +65,12 @@ def parallelize_qwen3(
     layers = list(model.model.decoder_layers().values())
     if any(isinstance(layer.mlp, MoELayer) for layer in layers):
         expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
+        dtype = activation_dtype or _compute_dtype(model, mp_policy)
         for layer in layers:
             if isinstance(layer.mlp, MoELayer):
-                parallelize_expert_parallel(layer.mlp, expert_mesh, backend=config.expert_backend)
+                parallelize_expert_parallel(
+                    layer.mlp, expert_mesh, device=ctx.device, dtype=dtype, backend=config.expert_backend
+                )
     dense = ctx.mesh_for(MeshDomain.DENSE)
     if dense["tp"].size() > 1:
         _tensor_parallel(model, layers, ctx, sequence_parallel)
@@ -89,6 +97,15 @@ def parallelize_qwen3(
 
 
 parallelize_qwen3_moe = parallelize_qwen3  # one plan: MoE layers are found by type
+
+
+def _compute_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> torch.dtype:
+    if mp_policy is not None and mp_policy.param_dtype is not None:
+        return mp_policy.param_dtype
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.get_default_dtype()
 
 
 def _tensor_parallel(

@@ -113,16 +113,22 @@ def parallelize_moe_tp(moe: MoELayer, tp_mesh: DeviceMesh, *, sequence_parallel:
         }
         if names:
             sum_gradients_over(module, names, group)
-    if sequence_parallel:
-        return
 
     def split(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (split_to_group(args[0], 1, group), *args[1:])
+        # Tokens arrive split already under sequence parallelism; the optional token mask (args[1],
+        # [batch, seq]) always arrives whole and must follow the tokens.
+        hidden = args[0] if sequence_parallel else split_to_group(args[0], 1, group)
+        if len(args) > 1 and args[1] is not None:
+            return (hidden, split_to_group(args[1], 1, group), *args[2:])
+        return (hidden, *args[1:])
+
+    moe.register_forward_pre_hook(split)
+    if sequence_parallel:
+        return
 
     def gather(_module: nn.Module, _args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         return gather_from_group(output, 1, group)
 
-    moe.register_forward_pre_hook(split)
     moe.register_forward_hook(gather)
 
 

@@ -1,0 +1,144 @@
+"""The MoE token movement as custom ops (`torch.library`), so compiled blocks call them without graph
+breaks: each has a fake (shape) implementation and an autograd formula written with the other ops.
+
+- `scatter_rows(x, w, slot_rows, num_rows)`: rows[slot_rows[t, j]] = w[t, j] · x[t] (permute; w optional).
+- `gather_sum(rows, w, slot_rows)`: out[t] = Σ_j w[t, j] · rows[slot_rows[t, j]] (combine; w optional).
+
+They are each other's backward; the weight gradient is `slot_dot`. Every output element is written by
+one program from values it reads, so results do not depend on scheduling (no atomics).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from d9d.kernels.backend import KernelBackend, resolve_backend
+from d9d.kernels.moe.reference import accumulation_dtype, gather_sum_torch, scatter_rows_torch, slot_dot_torch
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _use_triton(backend: str, x: torch.Tensor) -> bool:
+    return backend == "triton" and x.dtype in _KERNEL_DTYPES
+
+
+@torch.library.custom_op("d9d::moe_scatter_rows", mutates_args=())
+def _scatter_rows(
+    x: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, num_rows: int, backend: str
+) -> torch.Tensor:
+    if _use_triton(backend, x):
+        from d9d.kernels.moe.triton_kernels import scatter_rows_triton
+
+        return scatter_rows_triton(x, weights, slot_rows, num_rows)
+    return scatter_rows_torch(x, weights, slot_rows, num_rows)
+
+
+@_scatter_rows.register_fake
+def _(
+    x: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, num_rows: int, backend: str
+) -> torch.Tensor:
+    return x.new_empty(num_rows, x.shape[1])
+
+
+@torch.library.custom_op("d9d::moe_gather_sum", mutates_args=())
+def _gather_sum(
+    rows: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, backend: str
+) -> torch.Tensor:
+    if _use_triton(backend, rows):
+        from d9d.kernels.moe.triton_kernels import gather_sum_triton
+
+        return gather_sum_triton(rows, weights, slot_rows)
+    return gather_sum_torch(rows, weights, slot_rows)
+
+
+@_gather_sum.register_fake
+def _(
+    rows: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, backend: str
+) -> torch.Tensor:
+    return rows.new_empty(slot_rows.shape[0], rows.shape[1])
+
+
+@torch.library.custom_op("d9d::moe_slot_dot", mutates_args=())
+def _slot_dot(rows: torch.Tensor, grad: torch.Tensor, slot_rows: torch.Tensor, backend: str) -> torch.Tensor:
+    if _use_triton(backend, rows):
+        from d9d.kernels.moe.triton_kernels import slot_dot_triton
+
+        return slot_dot_triton(rows, grad, slot_rows)
+    return slot_dot_torch(rows, grad, slot_rows)
+
+
+@_slot_dot.register_fake
+def _(rows: torch.Tensor, grad: torch.Tensor, slot_rows: torch.Tensor, backend: str) -> torch.Tensor:
+    return rows.new_empty(slot_rows.shape, dtype=accumulation_dtype(rows.dtype))
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    source, weights, slot_rows = inputs[0], inputs[1], inputs[2]
+    ctx.backend = inputs[-1]
+    ctx.num_source_rows = source.shape[0]
+    ctx.save_for_backward(source if weights is not None else None, weights, slot_rows)
+
+
+def _weight_grad(
+    ctx: Any,
+    rows: torch.Tensor,
+    grad_tokens: torch.Tensor,
+    slot_rows: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> torch.Tensor | None:
+    if weights is None or not ctx.needs_input_grad[1]:
+        return None
+    grad: torch.Tensor = _slot_dot(rows, grad_tokens, slot_rows, ctx.backend)
+    return grad.to(weights.dtype)
+
+
+def _scatter_backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, weights, slot_rows = ctx.saved_tensors
+    grad_x = _gather_sum(grad_rows, weights, slot_rows, ctx.backend) if ctx.needs_input_grad[0] else None
+    # ⟨grad_rows[slot], x[t]⟩: the rows operand is the gradient, the per-token operand the input
+    grad_w = _weight_grad(ctx, grad_rows, x, slot_rows, weights) if x is not None else None
+    return grad_x, grad_w, None, None, None
+
+
+def _gather_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    rows, weights, slot_rows = ctx.saved_tensors
+    grad_rows = (
+        _scatter_rows(grad_out, weights, slot_rows, ctx.num_source_rows, ctx.backend)
+        if ctx.needs_input_grad[0]
+        else None
+    )
+    grad_w = _weight_grad(ctx, rows, grad_out, slot_rows, weights) if rows is not None else None
+    return grad_rows, grad_w, None, None
+
+
+_scatter_rows.register_autograd(_scatter_backward, setup_context=_setup)
+_gather_sum.register_autograd(_gather_backward, setup_context=_setup)
+
+
+def permute_tokens(
+    x: torch.Tensor,
+    slot_rows: torch.Tensor,
+    num_rows: int,
+    *,
+    weights: torch.Tensor | None = None,
+    backend: KernelBackend = "auto",
+) -> torch.Tensor:
+    """`x` [tokens, hidden] → [num_rows, hidden] expert-grouped rows: copy j of token t lands on row
+    `slot_rows[t, j]` (times `weights[t, j]` when given); rows no slot names are zero."""
+    rows: torch.Tensor = _scatter_rows(x, weights, slot_rows, num_rows, resolve_backend(backend, x.device))
+    return rows
+
+
+def combine_tokens(
+    rows: torch.Tensor,
+    slot_rows: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    backend: KernelBackend = "auto",
+) -> torch.Tensor:
+    """Expert-grouped `rows` → [tokens, hidden]: token t sums its k rows (times `weights[t, j]` when given).
+    A gather per token: deterministic, unlike a scatter-add of rows into tokens."""
+    out: torch.Tensor = _gather_sum(rows, weights, slot_rows, resolve_backend(backend, rows.device))
+    return out

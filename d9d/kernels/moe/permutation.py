@@ -1,0 +1,56 @@
+"""Where each token copy goes in the expert-grouped buffer: a stable sort by expert, no host sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertPermutation:
+    """`slot_rows` [tokens, k]: the buffer row of copy j of token t. Rows are grouped by expert in ascending
+    order, copies of one expert in token order; `rows_per_expert` [experts] sums to `num_rows`."""
+
+    slot_rows: torch.Tensor
+    rows_per_expert: torch.Tensor
+    num_rows: int
+
+
+def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [num_experts] counts of `expert_ids` (any shape). Unlike `torch.bincount`, whose output size
+    depends on the data, a scatter into a fixed-size buffer never waits for the GPU."""
+    flat = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def expert_permutation(topk_ids: torch.Tensor, num_experts: int, *, align: int = 1) -> ExpertPermutation:
+    """Group the copies of `topk_ids` [tokens, k] by expert, each group starting at a multiple of `align`.
+
+    With `align > 1` (grouped-matmul tiles like aligned groups) the buffer has a fixed size, tokens·k +
+    experts·(align - 1), so its shape never depends on the routing; the slack rows stay zero and are
+    counted in the last expert's group (a zero row costs a few flops and changes no result).
+    """
+    if align < 1:
+        raise ValueError(f"align={align} must be >= 1")
+    tokens, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    counts = count_per_expert(flat, num_experts)
+    order = torch.argsort(flat, stable=True)  # sorted position → slot
+    position = torch.arange(flat.numel(), device=flat.device)
+    if align == 1:
+        sorted_rows = position
+        rows_per_expert = counts
+        num_rows = tokens * k
+    else:
+        sorted_expert = flat[order]
+        padded = (counts + align - 1) // align * align
+        start = counts.cumsum(0) - counts
+        padded_start = padded.cumsum(0) - padded
+        sorted_rows = padded_start[sorted_expert] + position - start[sorted_expert]
+        num_rows = tokens * k + num_experts * (align - 1)
+        slack = num_rows - padded.sum()
+        rows_per_expert = torch.cat([padded[:-1], padded[-1:] + slack])
+    slot_rows = torch.empty_like(order).scatter_(0, order, sorted_rows)
+    return ExpertPermutation(slot_rows.view(tokens, k), rows_per_expert, num_rows)

@@ -1,0 +1,47 @@
+"""PyTorch references for the MoE token movement: what the Triton kernels compute, written plainly.
+
+`slot_rows` [tokens, k] holds, for each (token, choice) slot, the row of the expert-grouped buffer that
+carries that copy; every row is named by at most one slot (rows no slot names are padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types, the input dtype when wider (float64 tests stay exact)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def scatter_rows_torch(
+    x: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, num_rows: int
+) -> torch.Tensor:
+    """rows[slot_rows[t, j]] = w[t, j] · x[t] (w = 1 when `weights` is None); unnamed rows are zero."""
+    tokens, k = slot_rows.shape
+    src = x[:, None, :].expand(tokens, k, x.shape[1])
+    if weights is not None:
+        acc = accumulation_dtype(x.dtype)
+        src = (src.to(acc) * weights[..., None].to(acc)).to(x.dtype)
+    rows = x.new_zeros(num_rows, x.shape[1])
+    rows[slot_rows.reshape(-1)] = src.reshape(tokens * k, x.shape[1])
+    return rows
+
+
+def gather_sum_torch(
+    rows: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor
+) -> torch.Tensor:
+    """out[t] = Σ_j w[t, j] · rows[slot_rows[t, j]], accumulated in at least float32, returned in the rows'
+    dtype."""
+    acc = accumulation_dtype(rows.dtype)
+    picked = rows[slot_rows].to(acc)  # [tokens, k, hidden]
+    if weights is not None:
+        picked = picked * weights[..., None].to(acc)
+    return picked.sum(1).to(rows.dtype)
+
+
+def slot_dot_torch(rows: torch.Tensor, grad: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tensor:
+    """[tokens, k] in the accumulation dtype: ⟨rows[slot_rows[t, j]], grad[t]⟩, the gradient of a weighted
+    combine."""
+    acc = accumulation_dtype(rows.dtype)
+    return (rows[slot_rows].to(acc) * grad[:, None, :].to(acc)).sum(-1)
