@@ -22,7 +22,9 @@ def _unsupported(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if x.dtype not in _KERNEL_DTYPES or weight.dtype not in _KERNEL_DTYPES:
         return f"dtype {x.dtype} / weight {weight.dtype} (kernels take bfloat16, float16, float32)"
     if residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape):
-        return f"residual {residual.dtype}{tuple(residual.shape)} differs from input {x.dtype}{tuple(x.shape)}"
+        return (
+            f"residual {residual.dtype}{tuple(residual.shape)} differs from input {x.dtype}{tuple(x.shape)}"
+        )
     if x.dim() == 0 or weight.shape != x.shape[-1:]:
         return f"weight shape {tuple(weight.shape)} does not match the last dim of {tuple(x.shape)}"
     if x.shape[-1] > _MAX_N:
@@ -45,7 +47,8 @@ def rms_norm(
         return rms_norm_torch(x, weight, eps, zero_centered)
     from d9d.kernels.rms_norm.ops import rms_norm_op
 
-    return rms_norm_op(x, weight, eps, zero_centered)[0]
+    out: torch.Tensor = rms_norm_op(x, weight, eps, zero_centered)[0]
+    return out
 
 
 def add_rms_norm(

@@ -17,13 +17,20 @@ def _unsupported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if any(isinstance(t, DTensor) for t in (q, k, cos, sin)):
         return "DTensor input (the kernel takes local tensors)"
     if any(t.dtype not in _KERNEL_DTYPES for t in (q, k, cos, sin)):
-        return f"dtypes q {q.dtype}, k {k.dtype}, tables {cos.dtype} (kernels take bfloat16, float16, float32)"
+        return (
+            f"dtypes q {q.dtype}, k {k.dtype}, tables {cos.dtype} (kernels take bfloat16, float16, float32)"
+        )
     if cos.requires_grad or sin.requires_grad:
         return "the cos/sin tables require grad (the kernel differentiates q and k only)"
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         return f"q {tuple(q.shape)} and k {tuple(k.shape)} are not [batch, seq, heads, head_dim] alike"
     batch, seq, _, head_dim = q.shape
-    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1:] != (seq, head_dim):
+    if (
+        cos.shape != sin.shape
+        or cos.dim() != 3
+        or cos.shape[0] not in (1, batch)
+        or cos.shape[1:] != (seq, head_dim)
+    ):
         return f"tables {tuple(cos.shape)} do not fit q {tuple(q.shape)} ([batch or 1, seq, head_dim])"
     if head_dim % 2:
         return f"odd head_dim {head_dim}"

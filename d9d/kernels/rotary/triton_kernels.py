@@ -19,7 +19,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, c1, c2, s1, s2, d, d_ok, H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotate_heads(
+    x_ptr, out_ptr, c1, c2, s1, s2, d, d_ok, H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr
+):
     heads = tl.arange(0, BLOCK_H)
     offsets = heads[:, None] * (2 * HALF) + d[None, :]
     mask = (heads < H)[:, None] & d_ok[None, :]
