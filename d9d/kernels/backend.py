@@ -52,6 +52,10 @@ def _log_choice_once(family: str, requested: KernelBackend, choice: str) -> None
         logger.info("%s kernels: backend=%s runs the %s path", family, requested, choice)
 
 
+# Dynamo cannot trace `warnings.warn`: inside a compiled region this call is a graph break, which only the
+# misconfigured case (an explicit `triton` on an input the kernel rejects) pays — loudly, where
+# `fullgraph=True` turns it into an error, rather than switching silently.
+@torch.compiler.disable
 def _warn_fallback_once(family: str, reason: str) -> None:
     if (family, reason) not in _WARNED:
         _WARNED.add((family, reason))
@@ -74,22 +78,27 @@ def choose_kernel(
     Inside a `torch.compile`d region `auto` takes the reference: inductor fuses those plain ops into its
     own kernels (and into their neighbours, which an opaque custom op would prevent), so the hand-written
     kernel buys nothing there. An explicit `triton` still forces the kernel (a registered custom op, so the
-    compiled graph does not break). `unsupported()` names why an input cannot take the kernel (a dtype, a
-    shape), or None; such inputs run the reference with one warning naming the reason — never silently,
-    never a wrong result. Logging is skipped while dynamo traces: the choice is then fixed per backend.
+    compiled graph does not break; Triton is then assumed installed, the op's import names it otherwise).
+    `unsupported()` names why an input cannot take the kernel (a dtype, a shape), or None; such inputs run
+    the reference with one warning naming the reason — never silently, never a wrong result.
     """
-    if backend == "auto" and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        # dynamo traces this once per graph and the choice is then fixed (auto and torch: the reference,
+        # triton: the kernel), so it is not logged from here: logging would break the graph
+        if backend != "triton":
+            return "torch"
+        compiled_reason = unsupported()
+        if compiled_reason is None:
+            return "triton"
+        _warn_fallback_once(family, compiled_reason)
         return "torch"
     choice = resolve_backend(backend, device)
-    compiling = torch.compiler.is_compiling()
     if choice == "triton":
         reason = unsupported()
         if reason is not None:
-            if not compiling:
-                _warn_fallback_once(family, reason)
+            _warn_fallback_once(family, reason)
             choice = "torch"
-    if not compiling:
-        _log_choice_once(family, backend, choice)
+    _log_choice_once(family, backend, choice)
     return choice
 
 

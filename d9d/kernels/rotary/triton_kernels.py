@@ -1,8 +1,9 @@
 """Rotary embedding of q and k ("half" layout) in one Triton pass, forward or transposed (backward).
 
-One program per token rotates all of that token's q heads and k heads: it loads the token's cos/sin row
-once (tables may be shared over the batch: batch stride 0) and reads each head's two halves directly —
-no `rotate_half` copy, no `cat`, no float32 temporaries in memory. Importing this module imports Triton;
+Each program rotates a tile of (token, head) rows of q (then of k, a second launch): it reads each row's
+two halves and its token's cos/sin row directly (tables may be shared over the batch: batch stride 0;
+repeated table reads across heads hit the cache) — no `rotate_half` copy, no `cat`, no float32
+temporaries in memory. Importing this module imports Triton;
 `TRITON_INTERPRET=1` must be set before the import to run the kernels on CPU tensors.
 """
 
@@ -17,56 +18,71 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _rotate_heads(
-    x_ptr, out_ptr, c1, c2, s1, s2, d, d_ok, H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr
-):
-    heads = tl.arange(0, BLOCK_H)
-    offsets = heads[:, None] * (2 * HALF) + d[None, :]
-    mask = (heads < H)[:, None] & d_ok[None, :]
-    x1 = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * c1[None, :] - x2 * s1[None, :]
-    out2 = x2 * c2[None, :] + x1 * s2[None, :]
-    tl.store(out_ptr + offsets, out1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + offsets + HALF, out2.to(out_ptr.dtype.element_ty), mask=mask)
+# Elements per tile: (token, head) rows are stacked until a tile holds about this many.
+_TILE = 4096
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr,
-    k_ptr,
+    x_ptr,
     cos_ptr,
     sin_ptr,
-    q_out_ptr,
-    k_out_ptr,
+    out_ptr,
+    rows,
     seq,
     table_batch_stride,
     table_seq_stride,
-    HQ: tl.constexpr,
-    HK: tl.constexpr,
+    HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
     INVERSE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    table = (token // seq) * table_batch_stride + (token % seq) * table_seq_stride
+    # a row is one (token, head) pair of x [batch · seq · heads, 2 · HALF]
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    token = row // HEADS
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HALF
-    c1 = tl.load(cos_ptr + table + d, mask=d_ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + table + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + table + d, mask=d_ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + table + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+    mask = (row < rows)[:, None] & (d < HALF)[None, :]
+    table = ((token // seq) * table_batch_stride + (token % seq) * table_seq_stride)[:, None] + d[None, :]
+    c1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + HALF, mask=mask, other=0.0).to(tl.float32)
     if INVERSE:
         # the transpose swaps the sine halves and their signs
         s1, s2 = -s2, -s1
-    q_row = token * (HQ * 2 * HALF)
-    k_row = token * (HK * 2 * HALF)
-    _rotate_heads(q_ptr + q_row, q_out_ptr + q_row, c1, c2, s1, s2, d, d_ok, HQ, HALF, BLOCK_HQ)
-    _rotate_heads(k_ptr + k_row, k_out_ptr + k_row, c1, c2, s1, s2, d, d_ok, HK, HALF, BLOCK_HK)
+    offsets = row[:, None] * (2 * HALF) + d[None, :]
+    x1 = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offsets + HALF, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    batch, seq, heads, head_dim = x.shape
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    rows = batch * seq * heads
+    if rows and head_dim:
+        half = head_dim // 2
+        block_d = triton.next_power_of_2(half)
+        block_r = max(1, min(128, _TILE // block_d))
+        _rope_kernel[(triton.cdiv(rows, block_r),)](
+            x,
+            cos,
+            sin,
+            out,
+            rows,
+            seq,
+            cos.stride(0),
+            cos.stride(1),
+            HEADS=heads,
+            HALF=half,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            INVERSE=inverse,
+        )
+    return out
 
 
 def rope_qk_triton(
@@ -74,34 +90,9 @@ def rope_qk_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [batch, seq, heads_q, head_dim], k [batch, seq, heads_k, head_dim], tables [batch or 1, seq,
     head_dim] (cos and sin with the same strides); rotated copies in `promote(x, table)` dtype."""
-    batch, seq, heads_q, head_dim = q.shape
-    heads_k = k.shape[2]
-    q, k = q.contiguous(), k.contiguous()
+    batch, seq, _, head_dim = q.shape
     cos = cos.expand(batch, seq, head_dim)
     sin = sin.expand(batch, seq, head_dim)
     if cos.stride() != sin.stride() or cos.stride(2) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
-    q_out = torch.empty(q.shape, dtype=torch.promote_types(q.dtype, cos.dtype), device=q.device)
-    k_out = torch.empty(k.shape, dtype=torch.promote_types(k.dtype, cos.dtype), device=k.device)
-    tokens = batch * seq
-    if tokens and head_dim:
-        half = head_dim // 2
-        _rope_kernel[(tokens,)](
-            q,
-            k,
-            cos,
-            sin,
-            q_out,
-            k_out,
-            seq,
-            cos.stride(0),
-            cos.stride(1),
-            HQ=heads_q,
-            HK=heads_k,
-            HALF=half,
-            BLOCK_D=triton.next_power_of_2(half),
-            BLOCK_HQ=triton.next_power_of_2(heads_q),
-            BLOCK_HK=triton.next_power_of_2(heads_k),
-            INVERSE=inverse,
-        )
-    return q_out, k_out
+    return _rotate(q, cos, sin, inverse), _rotate(k, cos, sin, inverse)
