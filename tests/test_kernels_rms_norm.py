@@ -46,7 +46,9 @@ def test_custom_ops_on_cpu_match_the_reference(zero_centered: bool) -> None:
     x, res = torch.randn(2, 7, 3, 20), torch.randn(2, 7, 3, 20)
     weight = torch.randn(20) * 0.1 + (0.0 if zero_centered else 1.0)
     cot = [torch.randn(2, 7, 3, 20), torch.randn(2, 7, 3, 20)]
-    got = _grads(lambda a, w: rms_norm(a, w, 1e-6, zero_centered=zero_centered, backend="triton"), [x, weight], cot)
+    got = _grads(
+        lambda a, w: rms_norm(a, w, 1e-6, zero_centered=zero_centered, backend="triton"), [x, weight], cot
+    )
     ref = _grads(lambda a, w: rms_norm_torch(a, w, 1e-6, zero_centered), [x, weight], cot)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     got = _grads(
@@ -64,10 +66,14 @@ def test_opcheck_registrations() -> None:
     torch.library.opcheck(rms_norm_op, (x.requires_grad_(), weight.requires_grad_(), 1e-6, False))
     torch.library.opcheck(add_rms_norm_op, (x, res.requires_grad_(), weight, 1e-6, True))
     rstd = torch.rsqrt(x.detach().pow(2).mean(-1) + 1e-6)
-    torch.library.opcheck(rms_norm_backward_op, (torch.randn(4, 6), x.detach(), weight.detach(), rstd, res.detach(), False))
+    torch.library.opcheck(
+        rms_norm_backward_op, (torch.randn(4, 6), x.detach(), weight.detach(), rstd, res.detach(), False)
+    )
 
 
-def test_unsupported_input_falls_back_with_one_warning_naming_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsupported_input_falls_back_with_one_warning_naming_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(kernel_backend, "_WARNED", set())
     x, weight = torch.randn(3, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="rms_norm.*dtype torch.float64"):
@@ -76,6 +82,15 @@ def test_unsupported_input_falls_back_with_one_warning_naming_the_reason(monkeyp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rms_norm(x, weight, 1e-6, backend="triton")  # the same reason again: no second warning
+
+
+def test_unsupported_input_inside_compile_still_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel_backend, "_WARNED", set())
+    x, weight = torch.randn(3, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
+    compiled = torch.compile(lambda a, w: rms_norm(a, w, 1e-6, backend="triton"), backend="eager")
+    with pytest.warns(RuntimeWarning, match="rms_norm.*dtype torch.float64"):
+        out = compiled(x, weight)
+    assert torch.equal(out, rms_norm_torch(x, weight, 1e-6, False))
 
 
 def test_auto_on_cpu_and_inside_compile_takes_the_reference() -> None:

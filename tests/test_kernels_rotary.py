@@ -14,7 +14,9 @@ from d9d.modules.rotary import RotaryEmbedding
 from tests.triton_interpreter import run_in_interpreter
 
 
-def _tables(batch: int, seq: int, head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+def _tables(
+    batch: int, seq: int, head_dim: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
     positions = torch.randint(0, 500, (batch, seq))
     rotary = RotaryEmbedding(head_dim, 10000.0)(positions, dtype)
     return rotary.cos, rotary.sin
@@ -74,7 +76,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
         tables = RotaryEmbedding(head_dim, 10000.0)(positions, dtype)
         q = torch.randn(batch, seq, hq, head_dim, generator=generator).to(dtype)
         k = torch.randn(batch, seq, hk, head_dim, generator=generator).to(dtype)
-        cot = (torch.randn(q.shape, generator=generator).to(dtype), torch.randn(k.shape, generator=generator).to(dtype))
+        cot = tuple(torch.randn(t.shape, generator=generator).to(dtype) for t in (q, k))
         results = []
         for fn in (
             lambda a, b: rope_qk(a, b, tables.cos, tables.sin, backend="triton"),
@@ -112,7 +114,10 @@ def test_triton_matches_reference_on_cuda(dtype: torch.dtype) -> None:
     results = []
     for fn, cast in (
         (lambda a, b: rope_qk(a, b, tables.cos, tables.sin, backend="triton"), dtype),
-        (lambda a, b: rope_qk_forward_torch(a, b, tables.cos.double(), tables.sin.double(), False), torch.float64),
+        (
+            lambda a, b: rope_qk_forward_torch(a, b, tables.cos.double(), tables.sin.double(), False),
+            torch.float64,
+        ),
     ):
         leaves = [q.to(cast).requires_grad_(), k.to(cast).requires_grad_()]
         outs = fn(*leaves)

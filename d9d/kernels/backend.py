@@ -52,10 +52,6 @@ def _log_choice_once(family: str, requested: KernelBackend, choice: str) -> None
         logger.info("%s kernels: backend=%s runs the %s path", family, requested, choice)
 
 
-# Dynamo cannot trace `warnings.warn`: inside a compiled region this call is a graph break, which only the
-# misconfigured case (an explicit `triton` on an input the kernel rejects) pays — loudly, where
-# `fullgraph=True` turns it into an error, rather than switching silently.
-@torch.compiler.disable
 def _warn_fallback_once(family: str, reason: str) -> None:
     if (family, reason) not in _WARNED:
         _WARNED.add((family, reason))
@@ -65,6 +61,12 @@ def _warn_fallback_once(family: str, reason: str) -> None:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+# Dynamo cannot trace `warnings.warn`: inside a compiled region the warning is a graph break, which only the
+# misconfigured case (an explicit `triton` on an input the kernel rejects) pays — loudly, where
+# `fullgraph=True` turns it into an error, rather than switching silently.
+_warn_fallback_once_compiled: Callable[[str, str], None] = torch.compiler.disable(_warn_fallback_once)
 
 
 def choose_kernel(
@@ -90,7 +92,7 @@ def choose_kernel(
         compiled_reason = unsupported()
         if compiled_reason is None:
             return "triton"
-        _warn_fallback_once(family, compiled_reason)
+        _warn_fallback_once_compiled(family, compiled_reason)
         return "torch"
     choice = resolve_backend(backend, device)
     if choice == "triton":
