@@ -111,9 +111,11 @@ def _backward_kernel(
     tl.store(grad_w_partial_ptr + pid.to(tl.int64) * N + cols, tl.sum(grad_w, axis=0), mask=col_ok)
 
 
-def _blocks(n: int) -> tuple[int, int]:
+def _blocks(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_M, num_warps): wide rows get more warps so a thread holds at most ~32 values."""
     block_n = triton.next_power_of_2(n)
-    return block_n, max(1, min(64, _TILE // block_n))
+    block_m = max(1, min(64, _TILE // block_n))
+    return block_n, block_m, min(16, max(4, block_n * block_m // 1024))
 
 
 def rms_norm_forward_triton(
@@ -127,7 +129,7 @@ def rms_norm_forward_triton(
     total = torch.empty_like(x) if residual is not None else None
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if rows:
-        block_n, block_m = _blocks(n)
+        block_n, block_m, warps = _blocks(n)
         _forward_kernel[(triton.cdiv(rows, block_m),)](
             x,
             residual.contiguous() if residual is not None else x,
@@ -142,6 +144,7 @@ def rms_norm_forward_triton(
             BLOCK_M=block_m,
             HAS_RESIDUAL=residual is not None,
             ZERO_CENTERED=zero_centered,
+            num_warps=warps,
         )
     return out, total, rstd
 
@@ -168,7 +171,7 @@ def rms_norm_backward_triton(
     grad_x = torch.empty_like(x)
     if not rows:
         return grad_x, torch.zeros_like(weight)
-    block_n, block_m = _blocks(n)
+    block_n, block_m, warps = _blocks(n)
     tiles = triton.cdiv(rows, block_m)
     programs = _backward_programs(x.device, tiles)
     # tiles per program, rounded up to a power of two so a handful of sequence lengths share a compile
@@ -190,5 +193,6 @@ def rms_norm_backward_triton(
         ITERS=iters,
         HAS_GRAD_SUM=grad_sum is not None,
         ZERO_CENTERED=zero_centered,
+        num_warps=warps,
     )
     return grad_x, partial.sum(0).to(weight.dtype)
