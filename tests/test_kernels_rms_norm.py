@@ -13,6 +13,7 @@ from d9d.kernels.rms_norm import add_rms_norm, rms_norm
 from d9d.kernels.rms_norm.ops import add_rms_norm_op, rms_norm_backward_op, rms_norm_op
 from d9d.kernels.rms_norm.reference import add_rms_norm_torch, rms_norm_backward_torch, rms_norm_torch
 from tests.triton_interpreter import run_in_interpreter
+from tests.triton_targets import compile_for_h100, needs_no_gpu
 
 
 @pytest.mark.parametrize("zero_centered", [False, True])
@@ -162,6 +163,28 @@ _INTERPRETER_CHECK = textwrap.dedent(
 
 def test_triton_kernels_match_reference_in_the_interpreter() -> None:
     run_in_interpreter(_INTERPRETER_CHECK)
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_kernels_compile_for_an_h100(fused: bool) -> None:
+    import d9d.kernels.rms_norm.triton_kernels as tk
+
+    bf16, f32 = "*bf16", "*fp32"
+    compile_for_h100(
+        tk._forward_kernel,
+        {"x_ptr": bf16, "res_ptr": bf16, "w_ptr": f32, "out_ptr": f32, "sum_ptr": bf16, "rstd_ptr": f32}
+        | {"rows": "i32", "eps": "fp32"}
+        | dict.fromkeys(("N", "BLOCK_N", "BLOCK_M", "HAS_RESIDUAL", "ZERO_CENTERED"), "constexpr"),
+        {"N": 1000, "BLOCK_N": 1024, "BLOCK_M": 4, "HAS_RESIDUAL": fused, "ZERO_CENTERED": fused},
+    )
+    compile_for_h100(
+        tk._backward_kernel,
+        {"grad_out_ptr": bf16, "x_ptr": bf16, "w_ptr": bf16, "rstd_ptr": f32, "grad_sum_ptr": bf16}
+        | {"grad_x_ptr": bf16, "grad_w_partial_ptr": f32, "rows": "i32"}
+        | dict.fromkeys(("N", "BLOCK_N", "BLOCK_M", "ITERS", "HAS_GRAD_SUM", "ZERO_CENTERED"), "constexpr"),
+        {"N": 128, "BLOCK_N": 128, "BLOCK_M": 32, "ITERS": 8, "HAS_GRAD_SUM": fused, "ZERO_CENTERED": fused},
+    )
 
 
 @pytest.mark.gpu

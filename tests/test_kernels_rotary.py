@@ -12,6 +12,7 @@ from d9d.kernels.rotary.ops import rope_qk_op
 from d9d.kernels.rotary.reference import rope_qk_forward_torch, rope_torch
 from d9d.modules.rotary import RotaryEmbedding
 from tests.triton_interpreter import run_in_interpreter
+from tests.triton_targets import compile_for_h100, needs_no_gpu
 
 
 def _tables(
@@ -98,6 +99,22 @@ _INTERPRETER_CHECK = textwrap.dedent(
 
 def test_triton_kernel_matches_reference_in_the_interpreter() -> None:
     run_in_interpreter(_INTERPRETER_CHECK)
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("inverse", [False, True])
+def test_kernel_compiles_for_an_h100(inverse: bool) -> None:
+    import d9d.kernels.rotary.triton_kernels as tk
+
+    compile_for_h100(
+        tk._rope_kernel,
+        dict.fromkeys(("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_out_ptr"), "*bf16")
+        | dict.fromkeys(
+            ("q_rows", "k_rows", "q_tiles", "seq", "table_batch_stride", "table_seq_stride"), "i32"
+        )
+        | dict.fromkeys(("HEADS_Q", "HEADS_K", "HALF", "BLOCK_R", "BLOCK_D", "INVERSE"), "constexpr"),
+        {"HEADS_Q": 16, "HEADS_K": 8, "HALF": 64, "BLOCK_R": 64, "BLOCK_D": 64, "INVERSE": inverse},
+    )
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ from d9d.kernels.swiglu import swiglu
 from d9d.kernels.swiglu.ops import swiglu_backward_op, swiglu_op
 from d9d.kernels.swiglu.reference import swiglu_backward_torch, swiglu_torch
 from tests.triton_interpreter import run_in_interpreter
+from tests.triton_targets import compile_for_h100, needs_no_gpu
 
 
 def test_hand_written_backward_matches_autograd_in_float64() -> None:
@@ -69,6 +70,23 @@ _INTERPRETER_CHECK = textwrap.dedent(
 
 def test_triton_kernels_match_reference_in_the_interpreter() -> None:
     run_in_interpreter(_INTERPRETER_CHECK)
+
+
+@needs_no_gpu
+def test_kernels_compile_for_an_h100() -> None:
+    import d9d.kernels.swiglu.triton_kernels as tk
+
+    compile_for_h100(
+        tk._forward_kernel,
+        {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", "numel": "i64", "BLOCK": "constexpr"},
+        {"BLOCK": 2048},
+    )
+    compile_for_h100(
+        tk._backward_kernel,
+        dict.fromkeys(("grad_ptr", "gate_ptr", "up_ptr", "grad_gate_ptr", "grad_up_ptr"), "*bf16")
+        | {"numel": "i32", "BLOCK": "constexpr"},
+        {"BLOCK": 2048},
+    )
 
 
 @pytest.mark.gpu
