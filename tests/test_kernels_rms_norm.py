@@ -64,12 +64,15 @@ def test_custom_ops_on_cpu_match_the_reference(zero_centered: bool) -> None:
 def test_opcheck_registrations() -> None:
     torch.manual_seed(0)
     x, res, weight = torch.randn(4, 6), torch.randn(4, 6), torch.randn(6)
+    strided = torch.randn(6, 4).t()  # non-contiguous: outputs are contiguous in fake and real runs alike
     torch.library.opcheck(rms_norm_op, (x.requires_grad_(), weight.requires_grad_(), 1e-6, False))
+    torch.library.opcheck(rms_norm_op, (strided, weight, 1e-6, False))
     torch.library.opcheck(add_rms_norm_op, (x, res.requires_grad_(), weight, 1e-6, True))
+    torch.library.opcheck(add_rms_norm_op, (strided, res, weight, 1e-6, True))
     rstd = torch.rsqrt(x.detach().pow(2).mean(-1) + 1e-6)
-    torch.library.opcheck(
-        rms_norm_backward_op, (torch.randn(4, 6), x.detach(), weight.detach(), rstd, res.detach(), False)
-    )
+    args = (torch.randn(4, 6), x.detach(), weight.detach(), rstd, res.detach(), False)
+    torch.library.opcheck(rms_norm_backward_op, args)
+    torch.library.opcheck(rms_norm_backward_op, (strided, strided, weight.detach(), rstd, None, False))
 
 
 def test_unsupported_input_falls_back_with_one_warning_naming_the_reason(

@@ -54,6 +54,8 @@ def test_custom_op_on_cpu_matches_the_reference_and_passes_opcheck() -> None:
         results.append([*(o.detach() for o in outs), *(leaf.grad for leaf in leaves)])
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
     torch.library.opcheck(rope_qk_op, (q.requires_grad_(), k.requires_grad_(), cos, sin, False))
+    strided_q = torch.randn(2, 4, 6, 16).transpose(1, 2)  # non-contiguous [2, 6, 4, 16]
+    torch.library.opcheck(rope_qk_op, (strided_q, k.detach(), cos, sin, True))
 
 
 _INTERPRETER_CHECK = textwrap.dedent(

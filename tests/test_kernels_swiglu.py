@@ -37,6 +37,9 @@ def test_custom_op_on_cpu_matches_the_reference_and_passes_opcheck() -> None:
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
     torch.library.opcheck(swiglu_op, (gate.requires_grad_(), up.requires_grad_()))
     torch.library.opcheck(swiglu_backward_op, (cot, gate.detach(), up.detach()))
+    strided = torch.randn(24, 5).t()  # non-contiguous: outputs are contiguous in fake and real runs alike
+    torch.library.opcheck(swiglu_op, (strided, strided.clone()))
+    torch.library.opcheck(swiglu_backward_op, (strided, strided, strided))
 
 
 _INTERPRETER_CHECK = textwrap.dedent(

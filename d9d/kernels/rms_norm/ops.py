@@ -7,6 +7,7 @@ test forcing `backend="triton"`) they run the same math in PyTorch. Triton is im
 """
 
 # The custom-op schema is read from these annotations at decoration time: no postponed annotations here.
+# Every output is contiguous (the fake implementations say so), whatever the inputs' strides.
 
 import torch
 
@@ -23,7 +24,8 @@ def rms_norm_op(
 
         out, _, rstd = rms_norm_forward_triton(x, None, weight, eps, zero_centered)
         return out, rstd
-    return rms_norm_forward_torch(x, weight, eps, zero_centered)
+    out, rstd = rms_norm_forward_torch(x.contiguous(), weight, eps, zero_centered)
+    return out, rstd
 
 
 @rms_norm_op.register_fake
@@ -44,7 +46,7 @@ def add_rms_norm_op(
         out, total, rstd = rms_norm_forward_triton(x, residual, weight, eps, zero_centered)
         assert total is not None
         return out, total, rstd
-    total = x + residual
+    total = (x + residual).contiguous()
     out, rstd = rms_norm_forward_torch(total, weight, eps, zero_centered)
     return out, total, rstd
 
@@ -54,7 +56,7 @@ def _(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-    return out, torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return out, x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("d9d::rms_norm_backward", mutates_args=())
@@ -74,7 +76,7 @@ def rms_norm_backward_op(
     grad_x, grad_w = rms_norm_backward_torch(grad_out, x, weight, rstd, zero_centered)
     if grad_sum is not None:
         grad_x = grad_x + grad_sum
-    return grad_x, grad_w
+    return grad_x.contiguous(), grad_w
 
 
 @rms_norm_backward_op.register_fake
@@ -86,7 +88,7 @@ def _(
     grad_sum: torch.Tensor | None,
     zero_centered: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _setup_rms_norm(

@@ -6,6 +6,7 @@ in PyTorch. Triton is imported on first use.
 """
 
 # The custom-op schema is read from these annotations at decoration time: no postponed annotations here.
+# Every output is contiguous (the fake implementations say so), whatever the inputs' strides.
 
 import torch
 
@@ -19,7 +20,7 @@ def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         from d9d.kernels.swiglu.triton_kernels import swiglu_forward_triton
 
         return swiglu_forward_triton(gate, up)
-    return swiglu_forward_torch(gate, up)
+    return swiglu_forward_torch(gate.contiguous(), up.contiguous())
 
 
 @swiglu_op.register_fake
@@ -35,12 +36,12 @@ def swiglu_backward_op(
         from d9d.kernels.swiglu.triton_kernels import swiglu_backward_triton
 
         return swiglu_backward_triton(grad_out, gate, up)
-    return swiglu_backward_torch(grad_out, gate, up)
+    return swiglu_backward_torch(grad_out.contiguous(), gate.contiguous(), up.contiguous())
 
 
 @swiglu_backward_op.register_fake
 def _(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(gate), torch.empty_like(up)
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
 def _setup(
