@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
 
@@ -35,14 +37,29 @@ class RMSNorm(nn.Module):
             else:
                 self.weight.fill_(1.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, zero_centered=self.zero_centered, backend=self.backend)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): a pre-norm block's residual add and this norm in one pass."""
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`norm(x)`, or with `residual` the pair `(norm(x + residual), x + residual)`."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, zero_centered=self.zero_centered, backend=self.backend)
         return add_rms_norm(
             x, residual, self.weight, self.eps, zero_centered=self.zero_centered, backend=self.backend
         )
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a pre-norm block's residual add and this norm in one pass.
+
+        Goes through the module call, not `forward` directly: parallel plans swap the weight for a view
+        (a local tensor, a gradient-summing identity) in forward hooks, which must run here too."""
+        out: tuple[torch.Tensor, torch.Tensor] = self(x, residual)
+        return out
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, zero_centered={self.zero_centered}"
