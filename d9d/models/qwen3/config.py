@@ -6,6 +6,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from d9d.kernels.backend import KernelBackend
 from d9d.modules.attention import SdpaBackendName
 from d9d.modules.rotary import NoRopeScaling, RopeScaling, RotaryStyle
 
@@ -17,6 +18,9 @@ class Qwen3Config(BaseModel):
     - `vocab_splits`: named id ranges (in id order) stored as separate parameters, e.g.
       `{"regular": 151643, "special": 293}`; default one split named `regular`.
     - `sliding_window` applies to the layers in `sliding_window_layers` (all layers when None).
+    - `kernel_backend`: the fused RMSNorm / SwiGLU / RoPE kernels (`triton`), their PyTorch references
+      (`torch`), or `auto` (Triton on CUDA in eager code, the reference inside `torch.compile`d regions,
+      where inductor fuses it; see docs/kernels.md).
     - init: weights ~ N(0, `initializer_range`), output projections (o_proj, down_proj) scaled by
       1/sqrt(2 · num_layers) so the residual stream's variance does not grow with depth.
     """
@@ -43,6 +47,7 @@ class Qwen3Config(BaseModel):
     initializer_range: float = Field(0.02, gt=0)
     attention_backend: SdpaBackendName = "auto"
     loss_chunk_size: int = Field(1024, gt=0)
+    kernel_backend: KernelBackend = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> Qwen3Config:

@@ -35,11 +35,17 @@ def qwen3_mlp(config: Qwen3Config, intermediate_size: int) -> SwiGLU:
         intermediate_size,
         init_std=config.initializer_range,
         output_init_std=config.output_init_std,
+        backend=config.kernel_backend,
     )
 
 
 class Qwen3DecoderLayer(nn.Module):
-    """`mlp` is injected: a dense SwiGLU in Qwen3, an `MoELayer` (or SwiGLU) in Qwen3-MoE."""
+    """`mlp` is injected: a dense SwiGLU in Qwen3, an `MoELayer` (or SwiGLU) in Qwen3-MoE.
+
+    The attention output's residual add and the post-attention norm run as one fused add + norm
+    (`RMSNorm.add_forward`); every norm (incl. the per-head q/k norms), SwiGLU gate and the rotary
+    embedding use `config.kernel_backend`. Parameter names are those of Hugging Face's Qwen3.
+    """
 
     def __init__(self, config: Qwen3Config, layer: int, backend: SdpaBackend, mlp: SwiGLU | MoELayer) -> None:
         super().__init__()
@@ -47,6 +53,10 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = qwen3_attention(config, layer, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
+        self.kernel_backend = config.kernel_backend
+        for module in self.modules():
+            if isinstance(module, RMSNorm | SwiGLU):
+                module.backend = config.kernel_backend
 
     def reset_parameters(self) -> None:
         self.input_layernorm.reset_parameters()
@@ -55,8 +65,10 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp.reset_parameters()
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryTables, mask: AttentionMask) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, mask)
-        normed = self.post_attention_layernorm(hidden)
+        attended = self.self_attn(
+            self.input_layernorm(hidden), rotary.with_backend(self.kernel_backend), mask
+        )
+        normed, hidden = self.post_attention_layernorm.add_forward(attended, hidden)
         # MoE layers keep padding out of their balancing loss
         ffn = self.mlp(normed, mask.padding) if isinstance(self.mlp, MoELayer) else self.mlp(normed)
         out: torch.Tensor = hidden + ffn

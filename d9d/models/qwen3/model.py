@@ -40,7 +40,11 @@ class Qwen3Model(nn.Module):
             else None
         )
         self.layers = nn.ModuleDict({str(i): self.make_layer(i, backend) for i in self.layer_range})
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else None
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, backend=config.kernel_backend)
+            if self.stage.is_last
+            else None
+        )
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.rope_style
         )

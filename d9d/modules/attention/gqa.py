@@ -73,7 +73,7 @@ class GroupedQueryAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q), rotary.apply(k)
+        q, k = rotary.apply_qk(q, k)
         out = self.backend(
             q.transpose(1, 2),
             k.transpose(1, 2),

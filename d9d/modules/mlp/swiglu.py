@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from d9d.kernels.backend import KernelBackend
+from d9d.kernels.swiglu import swiglu
 
 
 class SwiGLU(nn.Module):
-    """`down(silu(gate(x)) * up(x))`; gate/up column-shard and down row-shards cleanly under TP."""
+    """`down(silu(gate(x)) * up(x))`; gate/up column-shard and down row-shards cleanly under TP.
+
+    `backend` picks the fused Triton gate (`d9d.kernels.swiglu`) or the PyTorch reference; a plain
+    attribute, so the owning model can set it after construction."""
 
     def __init__(
         self,
@@ -17,9 +22,11 @@ class SwiGLU(nn.Module):
         *,
         init_std: float = 0.02,
         output_init_std: float | None = None,
+        backend: KernelBackend = "auto",
     ) -> None:
         super().__init__()
         self.init_std = init_std
+        self.backend: KernelBackend = backend
         self.output_init_std = output_init_std if output_init_std is not None else init_std
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -32,5 +39,5 @@ class SwiGLU(nn.Module):
         nn.init.normal_(self.down_proj.weight, std=self.output_init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), backend=self.backend))
         return out

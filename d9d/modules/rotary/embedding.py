@@ -8,6 +8,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from d9d.kernels.backend import KernelBackend
+from d9d.kernels.rotary import rope_qk
+from d9d.kernels.rotary.reference import rotate_half
 from d9d.modules.rotary.scaling import (
     DynamicNTKRopeScaling,
     NoRopeScaling,
@@ -18,11 +21,6 @@ from d9d.modules.rotary.scaling import (
 RotaryStyle = Literal["half", "interleaved"]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 def _rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
     pairs = x.unflatten(-1, (-1, 2))
     return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
@@ -30,17 +28,31 @@ def _rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RotaryTables:
-    """cos/sin for one batch, [batch, seq, head_dim], laid out for `style`."""
+    """cos/sin for one batch, [batch, seq, head_dim], laid out for `style`.
+
+    `backend` picks the fused Triton rotation of `apply_qk` (`d9d.kernels.rotary`, "half" style only) or the
+    PyTorch reference; `with_backend` gives a copy for another choice (the decoder layer passes its own).
+    """
 
     cos: torch.Tensor
     sin: torch.Tensor
     style: RotaryStyle
+    backend: KernelBackend = "auto"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotates `x` of shape [batch, seq, heads, head_dim]."""
+        """Rotates `x` of shape [batch, seq, heads, head_dim] (always the PyTorch reference)."""
         cos, sin = self.cos.unsqueeze(2), self.sin.unsqueeze(2)
-        rotated = _rotate_half(x) if self.style == "half" else _rotate_interleaved(x)
+        rotated = rotate_half(x) if self.style == "half" else _rotate_interleaved(x)
         return x * cos + rotated * sin
+
+    def apply_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q and k [batch, seq, heads, head_dim] in one kernel where `backend` allows it."""
+        if self.style == "interleaved":
+            return self.apply(q), self.apply(k)
+        return rope_qk(q, k, self.cos, self.sin, backend=self.backend)
+
+    def with_backend(self, backend: KernelBackend) -> RotaryTables:
+        return RotaryTables(cos=self.cos, sin=self.sin, style=self.style, backend=backend)
 
 
 class RotaryEmbedding(nn.Module):
