@@ -92,7 +92,7 @@ def test_all_blocks_share_one_graph_without_breaks() -> None:
         )
     assert report.stats.graphs == 2  # full attention and the windowed layer; shared by the 4 blocks
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
-    for seq in (24, 32, 40):
+    for seq in (24, 32):
         _loss(compiled, _batch(seq)).backward()
     assert report.stats.graphs == 4  # each window once more, with a dynamic length
     assert report.stats.failure is None and report.stats.compile_seconds > 0
@@ -203,15 +203,15 @@ def test_check_compile_available(monkeypatch: pytest.MonkeyPatch) -> None:
     check_compile_available(CompileConfig(), CPU)  # off by default on CPU: nothing to check
     check_compile_available(CompileConfig(enabled=True), CPU)  # this machine has g++
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/no/such/c++",))
-    with pytest.raises(ValueError, match="compile.enabled on cpu needs a C\\+\\+ compiler"):
+    with pytest.raises(ValueError, match=r"compile.enabled on cpu needs a C\+\+ compiler"):
         check_compile_available(CompileConfig(enabled=True), CPU)
     check_compile_available(CompileConfig(enabled=False), CPU)
     check_compile_available(CompileConfig(enabled=True, backend="aot_eager"), CPU)  # no code generation
     monkeypatch.setattr(torch, "__version__", "2.4.1+cpu")
-    with pytest.raises(ValueError, match="needs torch >= 2.11.*this is torch 2.4.1"):
+    with pytest.raises(ValueError, match=r"needs torch >= 2\.11.*this is torch 2\.4\.1"):
         check_compile_available(CompileConfig(enabled=True, backend="aot_eager"), CPU)
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
     with pytest.raises(ValueError, match="not supported on device type 'mps'"):
-        monkeypatch.setattr(torch, "__version__", "2.13.0")
         check_compile_available(CompileConfig(enabled=True), torch.device("mps"))
 
 
@@ -265,7 +265,7 @@ def _compiled_parallel_cases(env: RankEnv) -> None:
         local = [b.shard(params.data_parallel, dp).split(2) for b in data]
         got = distributed_run(model, sync, local, _task_loss, max_norm=0.5)
         assert_runs_close(got, reference, f"compiled {name} {params}")
-        assert report.stats.failure is None, report.stats.failure
+        assert report.stats.failure is None, (name, params, report.stats.failure)
         sync.close()
 
 
