@@ -118,6 +118,25 @@ def test_pipeline_stage_compiles_only_its_layers_and_the_opt_in_loss_head() -> N
     assert report.stats.graphs == 2 and not counters["graph_break"]  # one for the blocks, one for the head
 
 
+def test_flex_block_masks_enter_the_compiled_blocks_without_recompiling() -> None:
+    """Packed documents through FlexAttention inside the compiled blocks: block masks are built once per
+    forward outside them and passed in; new segment ids each batch reuse the one graph. (Forward only: CPU
+    FlexAttention has no backward.)"""
+    config = _config(num_layers=3, attention_backend="flex")
+    eager, compiled = _model(config), _model(config)
+    report = compile_stage(compiled, CompileConfig(enabled=True, fullgraph=True, backend="aot_eager"), CPU)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+            segments = torch.randint(0, 3, (2, 16), generator=g).sort(-1).values
+            torch.testing.assert_close(
+                compiled(input_ids=ids, segment_ids=segments)["logits"],
+                eager(input_ids=ids, segment_ids=segments)["logits"],
+            )
+    assert report.stats.graphs == 1 and not counters["graph_break"]
+
+
 def test_compile_is_off_by_default_on_cpu_and_leaves_the_model_alone() -> None:
     model = _model()
     report = compile_stage(model, CompileConfig(), CPU)
@@ -272,3 +291,37 @@ def _compiled_parallel_cases(env: RankEnv) -> None:
 @pytest.mark.distributed
 def test_compiled_blocks_under_fsdp_tp_and_ep() -> None:
     run_distributed(_compiled_parallel_cases, 2, timeout=400)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_kind", ["causal", "right_padding", "documents"])
+def test_cuda_compiled_blocks_match_eager(batch_kind: str) -> None:
+    """Inductor on CUDA with the `auto` attention backend (SDPA is_causal, or compiled FlexAttention inside
+    the compiled blocks): loss and gradients against the eager model, one graph for all layers."""
+    device = torch.device("cuda")
+    config = _config(
+        num_layers=4, hidden_size=128, head_dim=32, intermediate_size=256, attention_backend="auto"
+    )
+    eager = _model(config).to(device)
+    compiled = copy.deepcopy(eager)
+    report = compile_stage(compiled, CompileConfig(), device)  # on by default on CUDA
+    assert report.enabled
+    batch = {k: v.to(device) for k, v in _batch(256, batch=4).items()}
+    extra: dict[str, object] = {}
+    if batch_kind == "right_padding":
+        padding = torch.ones(4, 256, dtype=torch.long, device=device)
+        padding[1, 200:] = 0
+        batch["labels"] = batch["labels"].masked_fill(padding == 0, -100)
+        extra = {"attention_mask": padding, "padding_side": "right"}
+    elif batch_kind == "documents":
+        extra = {
+            "segment_ids": torch.arange(256, device=device).div(64, rounding_mode="floor").expand(4, 256)
+        }
+    want, got = _loss(eager, batch, **extra), _loss(compiled, batch, **extra)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    want.backward()
+    got.backward()
+    reference = _grads(eager)
+    for name, grad in _grads(compiled).items():
+        torch.testing.assert_close(grad, reference[name], rtol=1e-3, atol=1e-5, msg=name)
+    assert report.stats.failure is None and report.stats.graphs == 1
