@@ -32,6 +32,7 @@ VOCAB = 64
 def _fresh_dynamo() -> Iterator[None]:
     """Graph counts are per process: every test starts and ends with an empty dynamo cache."""
     torch._dynamo.reset()
+    counters.clear()
     yield
     torch._dynamo.reset()
 

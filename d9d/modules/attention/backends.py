@@ -7,12 +7,13 @@ masks) is built once, shared by all layers, and never built or cached inside a (
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol, assert_never, get_args
+from typing import Any, Literal, Protocol, assert_never, get_args
 
 import torch
 import torch.nn.functional as F
@@ -119,25 +120,36 @@ class EagerSdpa:
         return torch.matmul(probs, v)
 
 
+@functools.cache
+def compiled_flex_attention() -> Callable[..., Any]:
+    """`flex_attention` wrapped by `torch.compile` once per process (lazily: importing dynamo is slow)."""
+    return torch.compile(flex_attention)
+
+
 class FlexSdpa:
     """FlexAttention: documents, windows and padding as block masks — no S×S mask, no k/v repetition.
 
     On CUDA the kernel is `flex_attention` compiled once per process (uncompiled it materializes the full
-    score matrix); inside an already compiled block dynamo traces straight through it. On CPU it runs the
+    score matrix), picked up by the first `prepare`; inside an already compiled block dynamo traces straight
+    through it. On CPU it runs the
     uncompiled reference, forward only (PyTorch has no FlexAttention backward on CPU), which is what the
     CPU tests compare against `EagerSdpa`.
     """
 
     def __init__(self) -> None:
-        self._compiled = torch.compile(flex_attention)
+        self._cuda_kernel: Callable[..., Any] | None = None
 
     def prepare(
         self, mask: AttentionMask, *, seq_len: int, windows: Collection[int | None], device: torch.device
     ) -> AttentionMask:
+        if device.type == "cuda" and self._cuda_kernel is None:
+            self._cuda_kernel = compiled_flex_attention()  # here, outside any compiled region
         return _with_blocks(mask, seq_len, windows, device)
 
     def __call__(self, call: SdpaCall) -> torch.Tensor:
-        kernel = self._compiled if call.q.is_cuda else flex_attention
+        kernel: Callable[..., Any] = flex_attention
+        if call.q.is_cuda and self._cuda_kernel is not None:
+            kernel = self._cuda_kernel
         block = call.mask.block(call.q.shape[2], call.window, call.q.device)
         out = kernel(call.q, call.k, call.v, block_mask=block, scale=call.scale, enable_gqa=call.gqa)
         assert isinstance(out, torch.Tensor)  # no lse/aux requested
