@@ -203,7 +203,7 @@ class _RegionRunner:
             )
             return type(self.module).forward(self.module, *args, **kwargs)
         new_graphs = _graph_count() - before
-        if new_graphs:
+        if new_graphs > 0:
             self.stats.graphs += new_graphs
             self.stats.compile_seconds += time.perf_counter() - start
         return out
