@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from d9d.data import CausalLMCollator
-from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from d9d.models.qwen3 import Qwen3ForCausalLM
 from d9d.modules.attention import (
     ATTENTION_BACKEND_ENV,
     AttentionMask,
@@ -22,6 +22,7 @@ from d9d.modules.attention import (
     segment_ids_from_position_ids,
 )
 from d9d.modules.rotary import RotaryEmbedding
+from tests.test_parallel_qwen3 import _dense_config
 
 
 def _reference_attention(q, k, v, allowed, scale):
@@ -153,18 +154,10 @@ def test_padding_query_rows_stay_finite_with_gradients() -> None:
 
 
 def _tiny_qwen3(backend: str) -> Qwen3ForCausalLM:
+    """The distributed tests' tiny Qwen3, with a sliding-window second layer and the given backend."""
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=50,
-        hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        sliding_window=4,
-        sliding_window_layers=(1,),
-        attention_backend=backend,  # type: ignore[arg-type]
+    config = _dense_config().model_copy(
+        update={"attention_backend": backend, "sliding_window": 4, "sliding_window_layers": (1,)}
     )
     return Qwen3ForCausalLM(config)
 
@@ -173,7 +166,7 @@ def test_collated_right_padding_trains_like_the_dense_mask() -> None:
     """The causal-LM collator's right-padded batch, declared as such, gives the dense-mask model's loss and
     gradients (the loss ignores padded positions; real positions never see padded keys)."""
     samples = [
-        {"input_ids": torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(n))}
+        {"input_ids": torch.randint(0, 43, (n,), generator=torch.Generator().manual_seed(n))}
         for n in (9, 5, 7)
     ]
     collate = CausalLMCollator(pad_id=0, pad_to_multiple_of=4)
@@ -200,7 +193,7 @@ def test_collated_right_padding_trains_like_the_dense_mask() -> None:
 def test_model_flex_backend_matches_eager_on_packed_padded_documents() -> None:
     """Documents + left padding + a sliding-window layer through the whole model: flex (block masks built
     once per forward) against the eager reference."""
-    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 43, (2, 12), generator=torch.Generator().manual_seed(1))
     padding = torch.ones(2, 12, dtype=torch.long)
     padding[1, :3] = 0
     segments = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 3 + [1] * 9])

@@ -69,19 +69,16 @@ class SdpaBackend(Protocol):
 def _with_dense(
     mask: AttentionMask, seq_len: int, windows: Collection[int | None], device: torch.device
 ) -> AttentionMask:
-    needed = [w for w in windows if mask.needs_mask(w)]
-    if not needed:
-        return mask
-    return replace(mask, dense_masks={w: mask.dense(seq_len, w, device) for w in needed})
+    dense = {w: mask.dense(seq_len, w, device) for w in windows if mask.needs_mask(w)}
+    return replace(mask, dense_masks=dense)
 
 
 def _with_blocks(
     mask: AttentionMask, seq_len: int, windows: Collection[int | None], device: torch.device
 ) -> AttentionMask:
-    needed = [w for w in windows if mask.needs_mask(w)]
-    if not needed:
-        return mask
-    return replace(mask, block_masks={w: mask.block(seq_len, w, device) for w in needed})
+    return replace(
+        mask, block_masks={w: mask.block(seq_len, w, device) for w in windows if mask.needs_mask(w)}
+    )
 
 
 class TorchSdpa:
