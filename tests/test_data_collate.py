@@ -227,3 +227,16 @@ def test_collator_errors() -> None:
         CausalLMCollator(pad_id=0)([{"input_ids": torch.ones(2, dtype=torch.long)}, {"ids": torch.ones(2)}])
     with pytest.raises(ValueError, match="empty"):
         CausalLMCollator(pad_id=0)([])
+
+
+@pytest.mark.parametrize("pack_length", [None, 8])
+def test_right_side_means_padding_only_trails_real_tokens(pack_length: int | None) -> None:
+    """What `padding_side=collator.side` declares to the model: with the default side every row is real
+    tokens then padding, never padding before a real token (padded rows and packed rows alike)."""
+    collator = CausalLMCollator(pad_id=0, pack_length=pack_length)
+    assert collator.side == "right"
+    batch = collator(_samples([3, 4, 2, 6, 1, 5], seed=5))
+    mask = batch["attention_mask"]
+    assert bool((mask == 0).any())  # the property is exercised, not vacuous
+    assert bool((mask[:, 1:] <= mask[:, :-1]).all())
+    assert bool(((batch["document_ids"] < 0) == (mask == 0)).all())

@@ -1,46 +1,255 @@
-"""Regional `torch.compile`: each decoder block (and optionally the loss head) compiled once for all
-layers, after parallelization.
+"""Regional `torch.compile`: each decoder block (and the loss head) compiled once for all layers, after
+parallelization.
 
-INTERFACE STUB — the engine calls `compile_stage` after a stage is parallelized and materialized; the
-implementation lands with the compile work (issue 15).
+The engine calls `check_compile_available` when it validates the job (a machine where compilation cannot
+work fails there, with the reason) and `compile_stage` once a stage is built, parallelized (TP/EP/FSDP2
+applied by the provider's plan) and materialized.
+
+How one graph serves every layer: each region's `forward` is replaced by a call into one compiled function
+per region kind (`_decoder_block`, `_loss_head`). Dynamo keys its cache on that function's code object, and
+inlines the module (`inline_inbuilt_nn_modules`, on by default), so parameters are graph inputs rather than
+constants and every layer of the same structure hits the same entry. What would make layers differ was
+removed at the source: the attention mask is prepared (dense or block masks per window) once per forward
+outside the layers and only read inside them; the rotary tables are plain tensors; per-layer Python state
+is limited to the sliding window (one graph per distinct window). Module hooks (FSDP2's all-gather /
+reduce-scatter, TP's redistributions on the block itself) stay outside the compiled function because only
+`forward` is compiled, and activation checkpointing wraps the whole (compiled) block call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import importlib.util
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
+from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.utils import counters
+
+from d9d.modules.heads import CausalLMHead
 
 CompileRegion = Literal["decoder_blocks", "loss_head"]
+MIN_TORCH = (2, 11)
+
+logger = logging.getLogger(__name__)
 
 
 class CompileConfig(BaseModel):
-    """The job's `compile:` section. `enabled: null` means on for CUDA, off elsewhere."""
+    """The job's `compile:` section. `enabled: null` means on for CUDA, off elsewhere.
+
+    - `mode`: `torch.compile`'s mode (`max-autotune-no-cudagraphs` autotunes matmul/flex kernels; slower
+      warm-up).
+    - `regions`: what is compiled. `decoder_blocks`: every decoder block, one graph shared by all layers.
+      `loss_head`: the chunked linear cross-entropy head; its chunk loop unrolls to the token count, so it
+      compiles one graph per distinct batch × sequence size — opt in only with fixed shapes (packing to
+      `pack_length`), else the recompile limit is reached and the head runs eager again.
+    - `fullgraph`: refuse graph breaks instead of splitting the region (the dense blocks have none; an
+      expert-parallel MoE block's all-to-all with data-dependent splits may).
+    - `dynamic`: `None` lets dynamo mark a dimension dynamic the first time its size changes (one extra
+      compile per region, then bucketed sequence lengths reuse the graph); `False` compiles one graph per
+      shape — only with fixed shapes (packing to `pack_length`), or the recompile limit is reached.
+    - `backend`: `inductor` generates fused kernels; `aot_eager` traces the same graphs without code
+      generation (to tell an inductor bug from a tracing problem, and for fast tests).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     enabled: bool | None = None
     mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
-    regions: tuple[CompileRegion, ...] = ("decoder_blocks", "loss_head")
+    regions: tuple[CompileRegion, ...] = ("decoder_blocks",)
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    backend: Literal["inductor", "aot_eager"] = "inductor"
+
+
+@dataclass
+class CompileStats:
+    """Filled in while the stage runs: time spent in calls that compiled (the warm-up), graphs compiled,
+    and the reason compilation was abandoned, if it was."""
+
+    compile_seconds: float = 0.0
+    graphs: int = 0
+    failure: str | None = None
 
 
 @dataclass(frozen=True)
 class CompileReport:
-    """What `compile_stage` did, for the run's log."""
+    """What `compile_stage` did, for the run's log. `stats` keeps counting after the call returns."""
 
     enabled: bool
     regions: tuple[str, ...]
     reason: str
+    modules: int = 0
+    stats: CompileStats = field(default_factory=CompileStats)
+
+
+@runtime_checkable
+class DecoderStack(Protocol):
+    """A backbone whose repeated blocks are compiled as one region (e.g. `Qwen3Model`, whichever layers a
+    pipeline stage holds)."""
+
+    def decoder_layers(self) -> Mapping[int, nn.Module]: ...
 
 
 def compile_enabled(config: CompileConfig, device: torch.device) -> bool:
     return config.enabled if config.enabled is not None else device.type == "cuda"
 
 
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_compile_available(config: CompileConfig, device: torch.device) -> None:
+    """Raises ValueError naming why compilation cannot work here when the config enables it (explicitly or
+    by default on CUDA); a disabled config is always fine. Cheap: no compilation is attempted."""
+    if not compile_enabled(config, device):
+        return
+    if _torch_version() < MIN_TORCH:
+        raise ValueError(
+            f"compile.enabled needs torch >= {'.'.join(map(str, MIN_TORCH))} (regional compilation with "
+            f"FlexAttention); this is torch {torch.__version__}: upgrade or set compile.enabled: false"
+        )
+    if config.backend != "inductor":
+        return  # no code generation: nothing machine-specific to check
+    match device.type:
+        case "cuda":
+            if importlib.util.find_spec("triton") is None:
+                raise ValueError(
+                    "compile.enabled on cuda needs triton (inductor's GPU code generator), which is not "
+                    "installed: install it or set compile.enabled: false"
+                )
+            if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (7, 0):
+                raise ValueError(
+                    f"compile.enabled on cuda needs compute capability >= 7.0 (triton); {device} has "
+                    f"{torch.cuda.get_device_capability(device)}: set compile.enabled: false"
+                )
+        case "cpu":
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            try:
+                get_cpp_compiler()
+            except Exception as error:  # inductor raises its own InvalidCxxCompiler (or RuntimeError)
+                raise ValueError(
+                    f"compile.enabled on cpu needs a C++ compiler for inductor: {error}. Install g++ (or set "
+                    "CXX) or set compile.enabled: false"
+                ) from error
+        case other:
+            raise ValueError(f"compile.enabled is not supported on device type {other!r}: set it to false")
+
+
+def _decoder_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Runs a block's class-level forward (the instance's `forward` is the compiled entry point)."""
+    return type(block).forward(block, *args, **kwargs)
+
+
+def _loss_head(head: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A separate code object from `_decoder_block`, so the head's graphs do not count toward the blocks'
+    recompile limit."""
+    return type(head).forward(head, *args, **kwargs)
+
+
+_REGION_FUNCTIONS: dict[CompileRegion, Callable[..., Any]] = {
+    "decoder_blocks": _decoder_block,
+    "loss_head": _loss_head,
+}
+
+
+def _eager_backward_lowering() -> bool:
+    """Whether AOTAutograd can compile the backward together with the forward (so a backward compile
+    failure surfaces in the forward call, where the fallback catches it)."""
+    return "force_non_lazy_backward_lowering" in torch._functorch.config.get_config_copy()
+
+
+def _graph_count() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+class _RegionRunner:
+    """The callable installed as a region's `forward`: the compiled function, or — after a compile failure
+    anywhere in the stage — the eager forward, with one warning for the whole stage."""
+
+    def __init__(
+        self, module: nn.Module, compiled: Callable[..., Any], stats: CompileStats, eager_bw: bool
+    ) -> None:
+        self.module = module
+        self.compiled = compiled
+        self.stats = stats
+        self.eager_bw = eager_bw
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.stats.failure is not None:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        before, start = _graph_count(), time.perf_counter()
+        try:
+            if self.eager_bw:
+                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                    out = self.compiled(self.module, *args, **kwargs)
+            else:
+                out = self.compiled(self.module, *args, **kwargs)
+        except TorchDynamoException as error:
+            reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            self.stats.failure = reason
+            warnings.warn(
+                f"torch.compile failed ({reason}); the stage runs eager from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return type(self.module).forward(self.module, *args, **kwargs)
+        new_graphs = _graph_count() - before
+        if new_graphs > 0:
+            self.stats.graphs += new_graphs
+            self.stats.compile_seconds += time.perf_counter() - start
+        return out
+
+
+def _regions(stage: nn.Module, config: CompileConfig) -> Iterator[tuple[CompileRegion, nn.Module]]:
+    for region in config.regions:
+        match region:
+            case "decoder_blocks":
+                for module in stage.modules():
+                    if isinstance(module, DecoderStack):
+                        for block in module.decoder_layers().values():
+                            yield region, block
+            case "loss_head":
+                for module in stage.modules():
+                    if isinstance(module, CausalLMHead):
+                        yield region, module
+
+
 def compile_stage(stage: nn.Module, config: CompileConfig, device: torch.device) -> CompileReport:
-    """Compiles the stage's regions in place (stub: compiles nothing yet)."""
-    del stage
-    return CompileReport(enabled=False, regions=(), reason=f"not implemented yet (device {device})")
+    """Compiles the stage's regions in place: state-dict keys, parameters and hooks are untouched, only each
+    region module's `forward` becomes the shared compiled function. Call after parallelization and
+    materialization, and after `check_compile_available`."""
+    if not compile_enabled(config, device):
+        reason = "disabled" if config.enabled is False else f"off by default on {device.type}"
+        return CompileReport(enabled=False, regions=(), reason=reason)
+    stats = CompileStats()
+    eager_bw = _eager_backward_lowering()
+    compiled = {
+        region: torch.compile(
+            _REGION_FUNCTIONS[region],
+            backend=config.backend,
+            mode=config.mode if config.backend == "inductor" else None,
+            fullgraph=config.fullgraph,
+            dynamic=config.dynamic,
+        )
+        for region in config.regions
+    }
+    regions: set[str] = set()
+    count = 0
+    for region, module in _regions(stage, config):
+        # an instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks
+        module.forward = _RegionRunner(module, compiled[region], stats, eager_bw)
+        regions.add(region)
+        count += 1
+    found = tuple(r for r in config.regions if r in regions)
+    reason = f"compiled {count} modules ({', '.join(found) or 'none found'}), mode {config.mode}"
+    logger.info("compile: %s", reason)
+    return CompileReport(enabled=bool(count), regions=found, reason=reason, modules=count, stats=stats)

@@ -38,6 +38,12 @@ class CausalLMCollator:
 
     `document_ids` numbers the documents of a row from 0 (-1 on padding); `position_ids` restart at 0 for
     each document.
+
+    With `side="right"` (the default) padding only ever trails a row's real tokens. Pass
+    `padding_side=collator.side` to the model with `attention_mask`: a causal model then needs no key mask
+    (no real query can see a key after it, and labels ignore padded positions), so the batch keeps the plain
+    causal attention kernel instead of a masked one — and the model knows it without inspecting the mask
+    (a host sync per step).
     """
 
     pad_id: int

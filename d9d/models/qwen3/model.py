@@ -11,7 +11,7 @@ from torch import nn
 
 from d9d.models.qwen3.config import Qwen3Config
 from d9d.models.qwen3.layer import Qwen3DecoderLayer, qwen3_mlp
-from d9d.modules.attention import AttentionMask, SdpaBackend, build_sdpa_backend
+from d9d.modules.attention import AttentionMask, PaddingSide, SdpaBackend, build_sdpa_backend
 from d9d.modules.checkpointing import checkpointed
 from d9d.modules.embedding import TokenEmbedding
 from d9d.modules.norm import RMSNorm
@@ -25,7 +25,10 @@ class Qwen3Model(nn.Module):
 
     forward: the first stage embeds `input_ids`, later stages continue from `hidden_states`;
     `position_ids` [batch, seq] default to 0..seq-1; `attention_mask` [batch, seq] marks real tokens (1) and
-    padding (0); `segment_ids` [batch, seq] confines attention to packed documents.
+    padding (0); `padding_side="right"` declares that padding only trails real tokens (what the causal-LM
+    collator produces), so the batch keeps the plain causal kernel; `segment_ids` [batch, seq] confines
+    attention to packed documents. The attention backend prepares the mask once per forward (dense or block
+    masks for the windows this stage's layers use) and all layers share it.
     """
 
     def __init__(self, config: Qwen3Config, stage: PipelineStageInfo | None = None) -> None:
@@ -34,6 +37,8 @@ class Qwen3Model(nn.Module):
         self.stage = stage if stage is not None else PipelineStageInfo()
         self.layer_range = balance_layers(config.num_layers, self.stage)
         backend = build_sdpa_backend(config.attention_backend)
+        self.attention_backend = backend
+        self.attention_windows = frozenset(config.layer_window(i) for i in self.layer_range)
         self.embed_tokens = (
             TokenEmbedding(config.splits, config.hidden_size, init_std=config.initializer_range)
             if self.stage.is_first
@@ -84,6 +89,7 @@ class Qwen3Model(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        padding_side: PaddingSide | None = None,
     ) -> torch.Tensor:
         if self.embed_tokens is not None:
             if input_ids is None:
@@ -97,7 +103,12 @@ class Qwen3Model(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
         rotary = self.rotary(position_ids, hidden.dtype)
-        mask = AttentionMask(padding=attention_mask, segment_ids=segment_ids)
+        mask = self.attention_backend.prepare(
+            AttentionMask(padding=attention_mask, segment_ids=segment_ids, padding_side=padding_side),
+            seq_len=seq,
+            windows=self.attention_windows,
+            device=hidden.device,
+        )
         for index, layer in self.decoder_layers().items():
             if index in self.checkpointed_layers:
                 hidden = checkpointed(layer, hidden, rotary, mask)

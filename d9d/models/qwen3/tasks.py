@@ -10,6 +10,7 @@ from torch import nn
 
 from d9d.models.qwen3.config import Qwen3Config
 from d9d.models.qwen3.model import Qwen3Model
+from d9d.modules.attention import PaddingSide
 from d9d.modules.heads import CausalLMHead, EmbeddingHead, Pooling, SequenceClassificationHead
 from d9d.pipeline.api import PipelineStageInfo, TensorMeta
 
@@ -48,6 +49,7 @@ class Qwen3StageModel(nn.Module):
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         segment_ids: torch.Tensor | None,
+        padding_side: PaddingSide | None = None,
     ) -> torch.Tensor:
         hidden: torch.Tensor = self.model(
             input_ids=input_ids,
@@ -55,6 +57,7 @@ class Qwen3StageModel(nn.Module):
             position_ids=position_ids,
             attention_mask=attention_mask,
             segment_ids=segment_ids,
+            padding_side=padding_side,
         )
         return hidden
 
@@ -95,8 +98,11 @@ class Qwen3ForCausalLM(Qwen3StageModel):
         attention_mask: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        padding_side: PaddingSide | None = None,
     ) -> dict[str, torch.Tensor]:
-        hidden = self.backbone(input_ids, hidden_states, position_ids, attention_mask, segment_ids)
+        hidden = self.backbone(
+            input_ids, hidden_states, position_ids, attention_mask, segment_ids, padding_side
+        )
         if self.lm_head is None:
             return {"hidden_states": hidden}
         if labels is None:

@@ -5,13 +5,15 @@ from d9d.modules.attention.backends import (
     AutoSdpa,
     EagerSdpa,
     FlashAttnSdpa,
+    FlexSdpa,
     SdpaBackend,
     SdpaBackendName,
+    SdpaCall,
     TorchSdpa,
     build_sdpa_backend,
 )
 from d9d.modules.attention.gqa import GroupedQueryAttention
-from d9d.modules.attention.mask import AttentionMask, segment_ids_from_position_ids
+from d9d.modules.attention.mask import AttentionMask, PaddingSide, segment_ids_from_position_ids
 
 __all__ = [
     "ATTENTION_BACKEND_ENV",
@@ -19,9 +21,12 @@ __all__ = [
     "AutoSdpa",
     "EagerSdpa",
     "FlashAttnSdpa",
+    "FlexSdpa",
     "GroupedQueryAttention",
+    "PaddingSide",
     "SdpaBackend",
     "SdpaBackendName",
+    "SdpaCall",
     "TorchSdpa",
     "build_sdpa_backend",
     "segment_ids_from_position_ids",

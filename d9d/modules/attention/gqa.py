@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from d9d.modules.attention.backends import SdpaBackend, TorchSdpa
+from d9d.modules.attention.backends import SdpaBackend, SdpaCall, TorchSdpa
 from d9d.modules.attention.mask import AttentionMask
 from d9d.modules.norm import RMSNorm
 from d9d.modules.rotary import RotaryTables
@@ -75,12 +75,14 @@ class GroupedQueryAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply_qk(q, k)
         out = self.backend(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            mask=mask,
-            window=self.sliding_window,
-            scale=self.scale,
+            SdpaCall(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                mask=mask,
+                window=self.sliding_window,
+                scale=self.scale,
+            )
         )
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         return projected

@@ -2,36 +2,60 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+PaddingSide = Literal["left", "right"]
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMask:
     """A causal attention pattern for one batch, kept structured so each backend materializes what it needs.
 
-    Built once per forward by the model and shared by all layers; dense masks are cached per window size
-    because layers with the same window reuse them. Every query may always see itself, so rows of padding
-    tokens stay finite (their outputs are meaningless but never NaN, so gradients stay clean).
+    Every query may always see itself, so rows of padding tokens stay finite (their outputs are meaningless
+    but never NaN, so gradients stay clean).
 
-    - `padding` [batch, seq] bool: False marks padding keys.
+    - `padding` [batch, seq] bool/int: False (0) marks padding tokens.
+    - `padding_side`: `"right"` declares that padding only ever trails a row's real tokens, which is what
+      the causal-LM collator produces. Under a causal pattern no real query can reach a key after it, so
+      the key mask changes nothing at real positions and is dropped: the batch takes the plain causal
+      kernel. The declaration replaces a data-dependent check, which would be a host sync per step.
+      `None` (or `"left"`): padding may be anywhere and keys are masked.
     - `segment_ids` [batch, seq] int: tokens only see tokens of the same segment (packed documents).
+    - `dense_masks` / `block_masks`: per-window materializations built once per forward by the backend's
+      `prepare` (outside any compiled region) and only read by the layers, so every layer of a compiled
+      stage sees the same structure and no layer mutates shared state.
     """
 
     padding: torch.Tensor | None = None
     segment_ids: torch.Tensor | None = None
-    _dense: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    padding_side: PaddingSide | None = None
+    dense_masks: Mapping[int | None, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    block_masks: Mapping[int | None, BlockMask] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def key_padding(self) -> torch.Tensor | None:
+        """The padding that must mask keys: none when the padding is declared to be on the right."""
+        return None if self.padding_side == "right" else self.padding
 
     @property
     def is_plain_causal(self) -> bool:
-        return self.padding is None and self.segment_ids is None
+        return self.key_padding is None and self.segment_ids is None
+
+    def needs_mask(self, window: int | None) -> bool:
+        """Whether a layer with this window needs more than the plain causal kernel."""
+        return window is not None or not self.is_plain_causal
 
     def dense(self, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-        """Boolean mask [batch or 1, 1, seq, seq], True where attention is allowed."""
-        cached = self._dense.get(window)
-        if cached is not None:
-            return cached
+        """Boolean mask [batch or 1, 1, seq, seq], True where attention is allowed (prepared or built now)."""
+        prepared = self.dense_masks.get(window)
+        if prepared is not None:
+            return prepared
         q = torch.arange(seq_len, device=device)[:, None]
         k = torch.arange(seq_len, device=device)[None, :]
         allowed = k <= q
@@ -40,11 +64,40 @@ class AttentionMask:
         allowed = allowed[None]
         if self.segment_ids is not None:
             allowed = allowed & (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])
-        if self.padding is not None:
-            allowed = allowed & self.padding.bool()[:, None, :]
-        allowed = (allowed | (q == k)[None])[:, None]
-        self._dense[window] = allowed
+        padding = self.key_padding
+        if padding is not None:
+            allowed = allowed & padding.bool()[:, None, :]
+        return (allowed | (q == k)[None])[:, None]
+
+    def mask_mod(self, window: int | None) -> MaskMod:
+        """The same pattern as `dense`, as a FlexAttention `mask_mod(batch, head, q_idx, kv_idx)`."""
+        segments = self.segment_ids
+        padding = self.key_padding
+        keys = padding.bool() if padding is not None else None
+
+        def allowed(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            ok = kv <= q
+            if window is not None:
+                ok = ok & (kv > q - window)
+            if segments is not None:
+                ok = ok & (segments[b, q] == segments[b, kv])
+            if keys is not None:
+                ok = ok & keys[b, kv]
+            return ok | (q == kv)
+
         return allowed
+
+    def block(self, seq_len: int, window: int | None, device: torch.device) -> BlockMask:
+        """FlexAttention block mask for this window (prepared, or built now)."""
+        prepared = self.block_masks.get(window)
+        if prepared is not None:
+            return prepared
+        # Without per-row data the pattern is the same for every row: one broadcast row of blocks.
+        batch = None
+        for rows in (self.segment_ids, self.key_padding):
+            if rows is not None:
+                batch = rows.shape[0]
+        return create_block_mask(self.mask_mod(window), batch, None, seq_len, seq_len, device=device)
 
 
 def segment_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

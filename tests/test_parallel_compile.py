@@ -1,0 +1,302 @@
+"""Regional compilation: one graph for all decoder blocks, no graph breaks, eager-equal numerics (inductor's
+CPU backend on a tiny model), one warning on a compile failure, and the config-time availability check."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from d9d.parallel.compile import (
+    CompileConfig,
+    CompileReport,
+    check_compile_available,
+    compile_stage,
+)
+from d9d.pipeline.api import PipelineStageInfo
+from tests.harness import RankEnv, run_distributed
+from tests.test_parallel_reference import assert_runs_close, distributed_run, reference_run
+
+CPU = torch.device("cpu")
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    """Graph counts are per process: every test starts and ends with an empty dynamo cache."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _config(**overrides: object) -> Qwen3Config:
+    fields: dict[str, object] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 48,
+        "attention_backend": "torch",
+        "loss_chunk_size": 16,
+    }
+    fields.update(overrides)
+    return Qwen3Config.model_validate(fields)
+
+
+def _model(config: Qwen3Config | None = None, stage: PipelineStageInfo | None = None) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config or _config(), stage)
+
+
+def _batch(seq: int, seed: int = 0, batch: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor], **extra: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = model(**batch, **extra)["loss"].sum()
+    return out
+
+
+def _assert_loss_and_grads_match(
+    eager: nn.Module, compiled: nn.Module, batch: dict[str, torch.Tensor], tol: float, **extra: object
+) -> None:
+    """One forward and backward of each: the compiled loss and every gradient within `tol` of eager's."""
+    want, got = _loss(eager, batch, **extra), _loss(compiled, batch, **extra)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    want.backward()
+    got.backward()
+    reference = {n: p.grad for n, p in eager.named_parameters()}
+    for name, param in compiled.named_parameters():
+        torch.testing.assert_close(param.grad, reference[name], rtol=10 * tol, atol=tol / 10, msg=name)
+
+
+def test_all_blocks_share_one_graph_without_breaks() -> None:
+    """Four layers (one with a sliding window), a left-padding key mask prepared once per forward, and
+    activation checkpointing: one graph per distinct window, no graph break under fullgraph, the same
+    numbers as eager; a second batch of the same shape compiles nothing, and bucketed lengths recompile
+    once (the length turns dynamic) and never again."""
+    config = _config(num_layers=4, sliding_window=4, sliding_window_layers=(3,))
+    eager, compiled = _model(config), _model(config)
+    compiled.model.set_activation_checkpointing()
+    report = compile_stage(compiled, CompileConfig(enabled=True, fullgraph=True, backend="aot_eager"), CPU)
+    assert report.enabled and report.regions == ("decoder_blocks",) and report.modules == 4
+    assert "compiled 4 modules" in report.reason
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, :3] = 0
+    for seed in range(2):
+        batch = _batch(16, seed)
+        torch.testing.assert_close(
+            _loss(compiled, batch, attention_mask=padding), _loss(eager, batch, attention_mask=padding)
+        )
+    assert report.stats.graphs == 2  # full attention and the windowed layer; shared by the 4 blocks
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    for seq in (24, 32):
+        _loss(compiled, _batch(seq)).backward()
+    assert report.stats.graphs == 4  # each window once more, with a dynamic length
+    assert report.stats.failure is None and report.stats.compile_seconds > 0
+
+
+def test_pipeline_stage_compiles_only_its_layers_and_the_opt_in_loss_head() -> None:
+    config = _config(num_layers=4)
+    last = _model(config, PipelineStageInfo(current_stage=1, num_stages=2))
+    report = compile_stage(
+        last,
+        CompileConfig(
+            enabled=True, fullgraph=True, backend="aot_eager", regions=("decoder_blocks", "loss_head")
+        ),
+        CPU,
+    )
+    assert report.regions == ("decoder_blocks", "loss_head") and report.modules == 3  # 2 layers + the head
+    hidden = torch.randn(2, 8, 32, requires_grad=True)  # as a later stage receives it: part of the graph
+    expected = _model(config, PipelineStageInfo(current_stage=1, num_stages=2))(
+        hidden_states=hidden, labels=_batch(8)["labels"]
+    )["loss"]
+    got = last(hidden_states=hidden, labels=_batch(8)["labels"])["loss"]
+    torch.testing.assert_close(got, expected)
+    assert report.stats.graphs == 2 and not counters["graph_break"]  # one for the blocks, one for the head
+
+
+def test_flex_block_masks_enter_the_compiled_blocks_without_recompiling() -> None:
+    """Packed documents through FlexAttention inside the compiled blocks: block masks are built once per
+    forward outside them and passed in; new segment ids each batch reuse the one graph. (Forward only: CPU
+    FlexAttention has no backward.)"""
+    config = _config(num_layers=3, attention_backend="flex")
+    eager, compiled = _model(config), _model(config)
+    report = compile_stage(compiled, CompileConfig(enabled=True, fullgraph=True, backend="aot_eager"), CPU)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+            segments = torch.randint(0, 3, (2, 16), generator=g).sort(-1).values
+            torch.testing.assert_close(
+                compiled(input_ids=ids, segment_ids=segments)["logits"],
+                eager(input_ids=ids, segment_ids=segments)["logits"],
+            )
+    assert report.stats.graphs == 1 and not counters["graph_break"]
+
+
+def test_compile_is_off_by_default_on_cpu_and_leaves_the_model_alone() -> None:
+    model = _model()
+    report = compile_stage(model, CompileConfig(), CPU)
+    assert report == CompileReport(enabled=False, regions=(), reason="off by default on cpu")
+    assert "forward" not in vars(model.model.layers["0"])
+    disabled = compile_stage(model, CompileConfig(enabled=False), torch.device("cuda"))
+    assert not disabled.enabled and disabled.reason == "disabled"
+
+
+def test_inductor_forward_gradients_and_30_training_steps_match_eager() -> None:
+    """Inductor's CPU code on the tiny model: first-step loss and every gradient, then 30 AdamW steps with
+    losses within tolerance of the eager model's."""
+    eager = _model()
+    compiled = copy.deepcopy(eager)
+    report = compile_stage(compiled, CompileConfig(enabled=True, fullgraph=True), CPU)
+    _assert_loss_and_grads_match(eager, compiled, _batch(16), 1e-5)
+    assert report.stats.graphs == 1 and report.stats.failure is None
+    losses: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for step in range(30):
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(model, _batch(16, seed=step % 4))
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    assert losses["compiled"][-1] < losses["compiled"][0] * 0.8  # it trains
+    torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-3, atol=1e-3)
+    assert report.stats.graphs == 1  # 30 steps, no recompilation
+
+
+class _DataDependentBlock(nn.Module):
+    """Python branching on a tensor value: a graph break, which `fullgraph=True` refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.linear(x)
+        if y.sum() > 0:
+            return y * 2
+        return y - 1
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": _DataDependentBlock(), "1": _DataDependentBlock()})
+
+    def decoder_layers(self) -> dict[int, nn.Module]:
+        return {int(k): v for k, v in self.layers.items()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning() -> None:
+    torch.manual_seed(0)
+    eager = _Stack()
+    model = copy.deepcopy(eager)
+    report = compile_stage(model, CompileConfig(enabled=True, fullgraph=True, backend="aot_eager"), CPU)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            torch.testing.assert_close(model(x), eager(x))
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "torch.compile failed (Unsupported" in messages[0], messages
+    assert report.stats.failure is not None and report.stats.failure.startswith("Unsupported")
+
+
+def test_check_compile_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_compile_available(CompileConfig(), CPU)  # off by default on CPU: nothing to check
+    check_compile_available(CompileConfig(enabled=True), CPU)  # this machine has g++
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/no/such/c++",))
+    with pytest.raises(ValueError, match=r"compile.enabled on cpu needs a C\+\+ compiler"):
+        check_compile_available(CompileConfig(enabled=True), CPU)
+    check_compile_available(CompileConfig(enabled=False), CPU)
+    check_compile_available(CompileConfig(enabled=True, backend="aot_eager"), CPU)  # no code generation
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cpu")
+    with pytest.raises(ValueError, match=r"needs torch >= 2\.11.*this is torch 2\.4\.1"):
+        check_compile_available(CompileConfig(enabled=True, backend="aot_eager"), CPU)
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    with pytest.raises(ValueError, match="not supported on device type 'mps'"):
+        check_compile_available(CompileConfig(enabled=True), torch.device("mps"))
+
+
+def _compiled_parallel_cases(env: RankEnv) -> None:
+    """FSDP2 (with activation checkpointing), TP and EP each wrapped around compiled blocks (aot_eager: the
+    traced graphs and the parallel hooks, without inductor's slow CPU code generation) against a
+    single-process eager run of the same global batches."""
+    from d9d.core import DeviceMeshParameters, DistributedContext
+    from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
+    from d9d.parallel.expert import AllToAllBackendConfig
+    from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3, parallelize_qwen3_moe
+    from tests.test_parallel_qwen3 import MODELS, _batches, _task_loss
+
+    data = _batches(2, 4)
+    for name, params in (
+        ("qwen3", DeviceMeshParameters(data_parallel_shard=2)),
+        ("qwen3", DeviceMeshParameters(tensor_parallel=2)),
+        ("qwen3_moe", DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2)),
+    ):
+        reference = reference_run(MODELS[name](), data, _task_loss, max_norm=0.5)
+        ctx = DistributedContext.create(params, backend="gloo")
+        model = MODELS[name]()
+        model.model.set_activation_checkpointing()
+        plan = parallelize_qwen3_moe if name == "qwen3_moe" else parallelize_qwen3
+        plan(model, ctx, ParallelPlanConfig(expert_backend=AllToAllBackendConfig()))
+        report = compile_stage(model, CompileConfig(enabled=True, backend="aot_eager"), CPU)
+        assert report.modules == 2
+        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
+        dp = ctx.coordinates("batch")["dp"]
+        local = [b.shard(params.data_parallel, dp).split(2) for b in data]
+        got = distributed_run(model, sync, local, _task_loss, max_norm=0.5)
+        assert_runs_close(got, reference, f"compiled {name} {params}")
+        assert report.stats.failure is None, (name, params, report.stats.failure)
+        sync.close()
+
+
+@pytest.mark.distributed
+def test_compiled_blocks_under_fsdp_tp_and_ep() -> None:
+    run_distributed(_compiled_parallel_cases, 2, timeout=400)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_kind", ["causal", "right_padding", "documents"])
+def test_cuda_compiled_blocks_match_eager(batch_kind: str) -> None:
+    """Inductor on CUDA with the `auto` attention backend (SDPA is_causal, or compiled FlexAttention inside
+    the compiled blocks): loss and gradients against the eager model, one graph for all layers."""
+    device = torch.device("cuda")
+    config = _config(
+        num_layers=4, hidden_size=128, head_dim=32, intermediate_size=256, attention_backend="auto"
+    )
+    eager = _model(config).to(device)
+    compiled = copy.deepcopy(eager)
+    report = compile_stage(compiled, CompileConfig(), device)  # on by default on CUDA
+    assert report.enabled
+    batch = {k: v.to(device) for k, v in _batch(256, batch=4).items()}
+    extra: dict[str, object] = {}
+    if batch_kind == "right_padding":
+        padding = torch.ones(4, 256, dtype=torch.long, device=device)
+        padding[1, 200:] = 0
+        batch["labels"] = batch["labels"].masked_fill(padding == 0, -100)
+        extra = {"attention_mask": padding, "padding_side": "right"}
+    elif batch_kind == "documents":
+        extra = {
+            "segment_ids": torch.arange(256, device=device).div(64, rounding_mode="floor").expand(4, 256)
+        }
+    _assert_loss_and_grads_match(eager, compiled, batch, 1e-4, **extra)
+    assert report.stats.failure is None and report.stats.graphs == 1
