@@ -138,7 +138,7 @@ def test_triton_matches_reference_on_cuda(dtype: torch.dtype) -> None:
             torch.float64,
         ),
     ):
-        leaves = [q.to(cast).requires_grad_(), k.to(cast).requires_grad_()]
+        leaves = [t.detach().to(cast).clone().requires_grad_() for t in (q, k)]
         outs = fn(*leaves)
         torch.autograd.backward(outs, tuple(c.to(cast) for c in cot))
         results.append([t.double() for t in (*outs, *(leaf.grad for leaf in leaves))])

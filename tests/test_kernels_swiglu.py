@@ -103,7 +103,7 @@ def test_triton_matches_reference_on_cuda(dtype: torch.dtype) -> None:
     cot = torch.randn_like(up)
     results = []
     for fn, cast in ((lambda g, u: swiglu(g, u, backend="triton"), dtype), (swiglu_torch, torch.float64)):
-        leaves = [gate.to(cast).requires_grad_(), up.to(cast).requires_grad_()]
+        leaves = [t.detach().to(cast).clone().requires_grad_() for t in (gate, up)]
         out = fn(*leaves)
         out.backward(cot.to(cast))
         results.append([t.double() for t in (out.detach(), *(leaf.grad for leaf in leaves))])
