@@ -323,3 +323,26 @@ def test_flash_attn_backend_matches_eager() -> None:
             windows={None},
             device=q.device,
         )
+
+
+@pytest.mark.parametrize("backend", ["torch", "eager"])
+def test_packed_collator_batch_keeps_documents_apart(backend: str) -> None:
+    """A packed row from the causal-LM collator, fed with the keys the causal-LM task passes, gives each
+    document the logits it gets alone: the collator's `segment_ids` reach the model's mask."""
+    model = _tiny_qwen3(backend).double()
+    lengths = (5, 7, 3)
+    samples = [
+        {"input_ids": torch.randint(0, 43, (n,), generator=torch.Generator().manual_seed(n))}
+        for n in lengths
+    ]
+    batch = CausalLMCollator(pad_id=0, pack_length=16)(samples)
+    assert batch["input_ids"].shape[0] == 1
+    keys = ("input_ids", "position_ids", "attention_mask", "segment_ids")
+    with torch.no_grad():
+        packed = model(**{k: batch[k] for k in keys})["logits"][0]
+        start = 0
+        for sample in samples:
+            ids = sample["input_ids"]
+            alone = model(input_ids=ids[None])["logits"][0]
+            torch.testing.assert_close(packed[start : start + len(ids)], alone)
+            start += len(ids)

@@ -37,7 +37,8 @@ class CausalLMCollator:
       (`max_length` of the dataset) so no tokens are dropped silently.
 
     `document_ids` numbers the documents of a row from 0 (-1 on padding); `position_ids` restart at 0 for
-    each document.
+    each document. Packed rows also carry `segment_ids` (the same numbers), the key the models read to keep
+    attention inside each document.
 
     With `side="right"` (the default) padding only ever trails a row's real tokens. Pass
     `padding_side=collator.side` to the model with `attention_mask`: a causal model then needs no key mask
@@ -98,10 +99,15 @@ class CausalLMCollator:
             )
 
         document_ids = stack(rows_doc, -1)
-        return {
+        batch = {
             "input_ids": stack(rows_ids, self.pad_id),
             "labels": stack(rows_lab, IGNORE_INDEX),
             "position_ids": stack(rows_pos, 0),
             "attention_mask": (document_ids >= 0).long(),
             "document_ids": document_ids,
         }
+        if self.pack_length is not None:
+            # what the model confines attention with; only for packed rows, so that one-document rows keep
+            # the plain causal kernel
+            batch["segment_ids"] = document_ids
+        return batch
