@@ -73,7 +73,10 @@ class PeftModelProvider:
 
         @model_validator(mode="after")
         def _check_base(self) -> PeftModelProvider.Config:
-            if isinstance(self.base, ModelPlugin) and self.base.provider == "peft":
+            base = self.base
+            if isinstance(base, ModelPlugin) and (
+                base.provider == "peft" or issubclass(base.provider_class("base"), PeftModelProvider)
+            ):
                 raise ValueError(
                     "base.provider: a peft provider cannot wrap another; stack the methods instead"
                 )
