@@ -68,6 +68,9 @@ class TinyLMProvider:
     def export(self, modules, ctx, path) -> None:
         return None
 
+    def subscribe(self, events, modules, ctx, metrics) -> None:
+        return None  # no step logic of its own
+
 
 def sample_tokens(index: int) -> torch.Tensor:
     """Global sample `index` of an infinite deterministic stream (a noisy counting pattern)."""

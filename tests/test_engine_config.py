@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from d9d.engine.components import AdamW, ModelPlugin, Qwen3Model
 from d9d.engine.config import ConfigError, apply_overrides, load_config, parse_config
 
 BASE = {
@@ -12,9 +13,9 @@ BASE = {
     "mesh": {"data_parallel_shard": 2},
     "batching": {"global_batch_size": 8, "microbatch_size": 2},
     "trainer": {"total_steps": 10},
-    "model": {"provider": "tests.engine_fixtures:WidthModelProvider", "options": {"width": 4}},
-    "data": {"provider": "tests.engine_fixtures:WidthModelProvider"},
-    "task": {"provider": "tests.engine_fixtures:WidthModelProvider"},
+    "model": {"provider": "tests.engine_fixtures:TinyLMProvider", "options": {"width": 4}},
+    "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+    "task": {"provider": "tests.engine_fixtures:TokenCETask"},
     "optimizer": {"provider": "adamw", "options": {"lr": 1e-3}},
 }
 
@@ -37,7 +38,8 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
         _write(tmp_path, BASE), ["trainer.total_steps=100", "optimizer.options.lr=1e-4", "run.description=hi"]
     )
     assert config.trainer.total_steps == 100
-    assert config.optimizer.options["lr"] == 1e-4
+    assert isinstance(config.optimizer, AdamW)
+    assert config.optimizer.options.lr == 1e-4
     with pytest.raises(ConfigError, match=r"trainer\.total_steps"):
         load_config(_write(tmp_path, BASE), ["trainer.total_steps=-1"])
     with pytest.raises(ConfigError, match="not of the form"):
@@ -73,11 +75,52 @@ def test_unknown_provider_and_bad_options() -> None:
         parse_config(
             {
                 **BASE,
-                "model": {"provider": "tests.engine_fixtures:WidthModelProvider", "options": {"width": 0}},
+                "model": {"provider": "tests.engine_fixtures:TinyLMProvider", "options": {"width": 0}},
             }
         )
     with pytest.raises(ConfigError, match=r"optimizer\.options\.lrr: Extra inputs"):
         parse_config({**BASE, "optimizer": {"provider": "adamw", "options": {"lrr": 1}}})
+
+
+def test_plugin_must_implement_its_kinds_protocol() -> None:
+    # WidthModelProvider has options but none of the methods the engine calls on a model provider.
+    width = {"provider": "tests.engine_fixtures:WidthModelProvider", "options": {"width": 4}}
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.provider: tests\.engine_fixtures:WidthModelProvider is not a model provider "
+        r"\(ModelProvider\); missing methods: build_stage, parallelize, initialize, export, subscribe",
+    ):
+        parse_config({**BASE, "model": width})
+    # A training task where a data provider belongs: the protocol of the key decides.
+    with pytest.raises(ConfigError, match=r"data\.provider: .*missing methods: setup, next_step, state_dict"):
+        parse_config({**BASE, "data": {"provider": "tests.engine_fixtures:TokenCETask"}})
+
+
+def test_builtin_options_are_typed_and_plugins_keep_their_path() -> None:
+    qwen = {"provider": "qwen3", "options": {"architecture": _TINY_QWEN3}}
+    config = parse_config({**BASE, "model": qwen})
+    assert isinstance(config.model, Qwen3Model)
+    assert config.model.options.architecture == _TINY_QWEN3
+    plugin = parse_config(BASE).model
+    assert isinstance(plugin, ModelPlugin)
+    assert plugin.provider == "tests.engine_fixtures:TinyLMProvider"
+    assert plugin.options == {"width": 4}
+    # A built-in's option error names the key the user wrote (no union tag in the path).
+    with pytest.raises(ConfigError, match=r"model\.options\.dtype: Input should be 'float32' or 'bfloat16'"):
+        parse_config({**BASE, "model": {"provider": "qwen3", "options": {**qwen["options"], "dtype": "x"}}})
+    # The config round-trips through its dump (how it is shipped to rank processes).
+    assert parse_config(parse_config({**BASE, "model": qwen}).model_dump(mode="json")).model == config.model
+
+
+_TINY_QWEN3 = {
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "num_layers": 1,
+    "num_attention_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 8,
+    "intermediate_size": 32,
+}
 
 
 def test_schedule_longer_than_the_run_is_a_config_error() -> None:

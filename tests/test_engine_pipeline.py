@@ -61,7 +61,7 @@ def test_pipelined_training_equals_one_process(tmp_path: Path) -> None:
 
 def test_schedule_errors_at_config_time(tmp_path: Path) -> None:
     make_hf_qwen3(tmp_path / "hf", num_layers=6)
-    raw = _config(tmp_path, 2, {"kind": "dualpipev"})
+    raw = _config(tmp_path / "run", 2, {"kind": "dualpipev"})  # source_checkpoint: tmp_path / "hf"
     raw["batching"] = {"global_batch_size": 4, "microbatch_size": 2}  # 2 microbatches < 2·pp - 1
     with pytest.raises(ConfigError, match=r"pipelining \(dualpipev, 2 microbatches per step\).*at least"):
         parse_config(raw)

@@ -80,3 +80,56 @@ def test_state_of_other_stages_is_refused() -> None:
     state["2"] = state.pop("5")
     with pytest.raises(ValueError, match=r"optimizer state is for stages \['1', '2'\], but this rank holds"):
         opt.load_state_dict(state)
+
+
+def test_pairing_stages_with_optimizers_checks_the_stage_sets() -> None:
+    stages = _stages()
+    opt = PipelinedOptimizer({s: torch.optim.SGD(m.parameters(), lr=0.1) for s, m in stages.items()})
+    assert [m for m, _ in opt.pair_with(stages)] == [stages[1], stages[5]]
+    with pytest.raises(
+        ValueError, match=r"modules: stages \[1\] do not match the optimizer's stages \[1, 5\]"
+    ):
+        opt.pair_with({1: stages[1]})
+    with pytest.raises(ValueError, match=r"stages \[1, 2, 5\] do not match"):
+        opt.pair_with({**stages, 2: nn.Linear(1, 1)})
+
+
+def test_schedulers_must_match_the_optimizers_stages() -> None:
+    opt = PipelinedOptimizer.build(_stages(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    only_first = {1: torch.optim.lr_scheduler.LambdaLR(opt.optimizers[1], _warmup)}
+    with pytest.raises(ValueError, match=r"LR schedulers: stages \[1\] do not match the optimizer's stages"):
+        PipelinedLRScheduler(only_first, opt)
+    swapped = {
+        1: torch.optim.lr_scheduler.LambdaLR(opt.optimizers[5], _warmup),
+        5: torch.optim.lr_scheduler.LambdaLR(opt.optimizers[1], _warmup),
+    }
+    with pytest.raises(ValueError, match="scheduler of stage 1 drives another optimizer"):
+        PipelinedLRScheduler(swapped, opt)
+
+
+def test_positional_scheduler_state_refuses_another_count() -> None:
+    opt = PipelinedOptimizer.build(_stages(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    sched = PipelinedLRScheduler.build(opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup))
+    opt.step()
+    sched.step()
+    state = sched.positional_state()
+    assert [s["last_epoch"] for s in state] == [1, 1]
+    with pytest.raises(ValueError, match="holds 1 LR scheduler states, this rank has 2"):
+        sched.load_positional_state(state[:1])
+
+
+def test_live_lr_change_keeps_the_schedules_position() -> None:
+    """set_base_lr scales the current LR by new/old peak (mid-warmup stays mid-warmup); set_lr without a
+    scheduler sets every group."""
+    opt = PipelinedOptimizer.build(_stages(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    sched = PipelinedLRScheduler.build(opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup))
+    opt.step()
+    sched.step()  # warmup at 2/3
+    sched.set_base_lr(0.3)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.3 * 2 / 3] * 2)
+    opt.step()
+    sched.step()  # warmup done: the new peak
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.3, 0.3])
+    assert opt.lr == pytest.approx(0.3)
+    opt.set_lr(0.01)
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 0.01]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from d9d.core.context import DistributedContext
 from d9d.core.dist_ops import gather_object
+from d9d.core.files import atomic_write_text
 from d9d.engine.runtime import CheckpointFile, RankCheckpointReport, RunReporter
 from d9d.peft import trainable_state_dict
 
@@ -71,12 +71,6 @@ def sha256_of(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def read_latest(root: Path) -> Path | None:
@@ -107,8 +101,8 @@ def commit(root: Path, step: int, reports: Sequence[RankCheckpointReport], keep_
                 raise CheckpointError(f"rank {report.rank}: {path} is missing or not {f.size_bytes} bytes")
             files[f.relative_path] = {"rank": report.rank, "size": f.size_bytes, "sha256": f.sha256}
     manifest = {"step": step, "ranks": sorted(r.rank for r in reports), "files": files}
-    _atomic_write_text(step_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    _atomic_write_text(root / LATEST, step_dir.name)
+    atomic_write_text(step_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    atomic_write_text(root / LATEST, step_dir.name)
     prune(root, keep_last)
     return step_dir
 
@@ -148,17 +142,15 @@ def _dcp_problem(error: BaseException) -> str:
     return lines[-1] if lines else repr(error)
 
 
+StageOptimizers = Sequence[tuple[nn.Module, torch.optim.Optimizer]]
+"""Each local stage with its optimizer (`PipelinedOptimizer.pair_with`, which checks they match)."""
+
+
 class _ModelAndOptimizerState(Stateful):
     """DCP view of all local stages: merged FQN-keyed model state and flattened optimizer state."""
 
-    def __init__(
-        self,
-        modules: Sequence[nn.Module],
-        optimizers: Sequence[torch.optim.Optimizer],
-        trainable_only: bool = False,
-    ) -> None:
-        self.modules = modules
-        self.optimizers = optimizers
+    def __init__(self, stages: StageOptimizers, trainable_only: bool = False) -> None:
+        self.stages = stages
         self.trainable_only = trainable_only
 
     def _model_state(self, module: nn.Module) -> dict[str, Any]:
@@ -168,14 +160,14 @@ class _ModelAndOptimizerState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         model: dict[str, Any] = {}
         optim: dict[str, Any] = {}
-        for module, optimizer in zip(self.modules, self.optimizers, strict=True):
+        for module, optimizer in self.stages:
             model.update(self._model_state(module))
             optim.update(get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS))
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         model, optim = state_dict["model"], state_dict["optim"]
-        for module, optimizer in zip(self.modules, self.optimizers, strict=True):
+        for module, optimizer in self.stages:
             own_model = {k: model[k] for k in self._model_state(module)}
             set_model_state_dict(module, own_model, options=StateDictOptions(strict=not self.trainable_only))
             own_optim = {
@@ -198,8 +190,7 @@ class Checkpointer:
     def save(
         self,
         step: int,
-        modules: Sequence[nn.Module],
-        optimizers: Sequence[torch.optim.Optimizer],
+        stages: StageOptimizers,
         engine_state: Mapping[str, Any],
         rank_state: Mapping[str, Any],
     ) -> Path:
@@ -210,7 +201,7 @@ class Checkpointer:
                 shutil.rmtree(step_dir)  # leftovers of an interrupted save of the same step
         self.ctx.barrier()
         dcp_save(
-            {"app": _ModelAndOptimizerState(modules, optimizers, self.trainable_only)},
+            {"app": _ModelAndOptimizerState(stages, self.trainable_only)},
             checkpoint_id=str(step_dir),
         )
         rank = self.ctx.rank
@@ -242,8 +233,7 @@ class Checkpointer:
     def load(
         self,
         step_dir: Path,
-        modules: Sequence[nn.Module],
-        optimizers: Sequence[torch.optim.Optimizer],
+        stages: StageOptimizers,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Restore model + optimizer in place; return (engine state, this rank's state or None).
 
@@ -252,7 +242,7 @@ class Checkpointer:
         """
         try:
             dcp_load(
-                {"app": _ModelAndOptimizerState(modules, optimizers, self.trainable_only)},
+                {"app": _ModelAndOptimizerState(stages, self.trainable_only)},
                 checkpoint_id=str(step_dir),
             )
         except (Exception, CheckpointException) as e:

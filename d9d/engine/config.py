@@ -2,7 +2,8 @@
 
 Every section is frozen and forbids unknown keys, so a typo fails loudly with its dotted path instead of
 being silently ignored. Providers (model, data, task, optimizer, LR scheduler) are chosen by built-in name
-or by import path and validate their own `options` (see `d9d.engine.registry`).
+(a typed union: `d9d.engine.components`) or by import path (a plug-in checked against its protocol:
+`d9d.engine.registry`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.engine.components import (
+    AdamW,
+    CausalLMTaskComponent,
+    DataComponent,
+    LRSchedulerComponent,
+    OptimizerComponent,
+    TaskComponent,
+)
+from d9d.engine.errors import ConfigError, format_validation_error
+from d9d.engine.registry import ModelComponent, validate_components
+from d9d.parallel.compile import CompileConfig
 from d9d.parallel.grad_sync import GradSyncConfig
 from d9d.pipeline.schedule.config import OneFOneBSchedule, ScheduleConfig, build_schedule
 from d9d.tracking import TrackerConfig
@@ -113,13 +125,6 @@ class TimeoutsConfig(_Section):
     step_s: float = Field(300.0, gt=0)
 
 
-class ComponentConfig(_Section):
-    """A provider chosen by built-in name (e.g. `qwen3_moe`) or import path (`my_pkg.mod:MyProvider`)."""
-
-    provider: str = Field(min_length=1)
-    options: dict[str, Any] = Field(default_factory=dict)
-
-
 class TrainConfig(_Section):
     run: RunConfig
     mesh: DeviceMeshParameters = Field(default_factory=DeviceMeshParameters)
@@ -136,13 +141,13 @@ class TrainConfig(_Section):
     gc: GCConfig = Field(default_factory=GCConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
-    model: ComponentConfig
-    data: ComponentConfig
-    task: ComponentConfig = Field(default_factory=lambda: ComponentConfig(provider="causal_lm"))
-    optimizer: ComponentConfig = Field(
-        default_factory=lambda: ComponentConfig(provider="adamw", options={"lr": 3e-4})
-    )
-    lr_scheduler: ComponentConfig | None = None
+    # Regional torch.compile of every stage after it is parallelized (d9d.parallel.compile).
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    model: ModelComponent
+    data: DataComponent
+    task: TaskComponent = Field(default_factory=CausalLMTaskComponent)
+    optimizer: OptimizerComponent = Field(default_factory=AdamW)
+    lr_scheduler: LRSchedulerComponent | None = None
 
     @model_validator(mode="after")
     def _check_batching(self) -> Self:
@@ -169,17 +174,14 @@ class TrainConfig(_Section):
         return self.checkpointing.dir if self.checkpointing.dir is not None else self.run_dir / "checkpoints"
 
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the dotted field path."""
-
-
-def format_validation_error(error: ValidationError, prefix: str = "") -> str:
-    lines = []
-    for item in error.errors():
-        path = ".".join(str(p) for p in item["loc"])
-        full = f"{prefix}.{path}" if prefix and path else (prefix or path)
-        lines.append(f"{full or '<root>'}: {item['msg']}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+__all__ = [
+    "ConfigError",
+    "TrainConfig",
+    "apply_overrides",
+    "format_validation_error",
+    "load_config",
+    "parse_config",
+]
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -223,14 +225,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def parse_config(data: Mapping[str, Any], *, check_components: bool = True) -> TrainConfig:
-    """Validate a config mapping; with `check_components`, also import providers and check their options."""
+    """Validate a config mapping; with `check_components`, also import plug-ins and check them and their
+    options (built-in options are always checked: they are part of the schema)."""
     try:
         config = TrainConfig.model_validate(dict(data))
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
     if check_components:
-        from d9d.engine.registry import validate_components
-
         validate_components(config)
     return config
 

@@ -8,21 +8,31 @@ resumes where it stopped instead of starting over.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from pydantic import Field
+from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
+from d9d.core.files import atomic_write
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.core.pytree import tree_to
-from d9d.determinism import RankSeeds, parameter_init_rng, seed_everything
-from d9d.engine.config import ComponentConfig, DeterminismConfig, RunConfig, TimeoutsConfig, _Section
-from d9d.engine.providers import DataProvider, DataSetup, InferenceTask, ModelProvider
-from d9d.engine.registry import build_component
+from d9d.determinism import RankSeeds, seed_everything
+from d9d.engine.components import (
+    DataComponent,
+    InferenceTaskComponent,
+    PerplexityTaskComponent,
+    build_data,
+    build_inference_task,
+)
+from d9d.engine.config import DeterminismConfig, RunConfig, TimeoutsConfig, _Section
+from d9d.engine.providers import DataSetup
+from d9d.engine.registry import ModelComponent, build_model
+from d9d.engine.stages import build_stages
+from d9d.parallel.compile import CompileConfig
 from d9d.pipeline.api import PipelineStageInfo
 
 STATE_FILE = "inference_state.pt"
@@ -32,9 +42,11 @@ class InferenceConfig(_Section):
     run: RunConfig
     mesh: DeviceMeshParameters = Field(default_factory=DeviceMeshParameters)
     microbatch_size: int = Field(ge=1)
-    model: ComponentConfig
-    data: ComponentConfig
-    task: ComponentConfig = Field(default_factory=lambda: ComponentConfig(provider="perplexity"))
+    model: ModelComponent
+    data: DataComponent
+    task: InferenceTaskComponent = Field(default_factory=PerplexityTaskComponent)
+    # Regional torch.compile of the stage, as in training (d9d.parallel.compile).
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     determinism: DeterminismConfig = Field(default_factory=DeterminismConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     # Save progress every N microbatch steps (None: never; an interrupted run starts over).
@@ -48,12 +60,15 @@ class Inference:
         self.config = config
         self.ctx = ctx
         self.state_path = config.run.resolved_dir / STATE_FILE
+        seeds = RankSeeds.for_rank(ctx.params, ctx.rank, config.determinism.seed)
+        self.task = build_inference_task(config.task)
+        self.data = build_data(config.data)
+        self.seeds = seeds
+        self.module: nn.Module | None = None
+        self.steps = 0
 
     def setup(self) -> None:
         c, ctx = self.config, self.ctx
-        seeds = RankSeeds.for_rank(ctx.params, ctx.rank, c.determinism.seed)
-        self.task: InferenceTask = build_component("inference_task", c.task, "task")
-        self.data: DataProvider = build_component("data", c.data, "data")
         dp_size = ctx.params.data_parallel
         self.data.setup(
             DataSetup(
@@ -65,21 +80,16 @@ class Inference:
                 seed=c.determinism.seed,
             )
         )
-        provider: ModelProvider = build_component("model", c.model, "model")
-        with torch.device("meta"):
-            module = provider.build_stage(PipelineStageInfo())
-        provider.parallelize(module, ctx)
-        module.to_empty(device=ctx.device)
-        mesh = (
-            ctx.mesh_for(MeshDomain.REGULAR)["dp_replicate", "dp_shard", "cp", "tp"]
-            if ctx.is_distributed
-            else None
+        stages = build_stages(
+            build_model(c.model),
+            [PipelineStageInfo()],
+            ctx,
+            parameter_seed=self.seeds.parameters,
+            compile_config=c.compile,
+            training=False,
         )
-        with torch.no_grad(), parameter_init_rng(seeds.parameters, mesh):
-            provider.initialize(module, ctx)
-        seed_everything(seeds.activations)
-        self.module = module.eval()
-        self.steps = 0
+        seed_everything(self.seeds.activations)
+        self.module = stages.modules[0]
         if self.state_path.is_file():
             state: dict[str, Any] = torch.load(self.state_path, weights_only=True)
             self.steps = int(state["steps"])
@@ -97,13 +107,16 @@ class Inference:
 
     @torch.no_grad()
     def run(self) -> dict[str, float]:
+        module = self.module
+        if module is None:
+            raise RuntimeError("Inference.setup() must run first")
         while True:
             microbatches = self.data.next_step()
             if not self._any_rank_has(bool(microbatches)):
                 break
             for microbatch in microbatches:
                 microbatch = tree_to(microbatch, self.ctx.device, non_blocking=True)
-                outputs = self.module(**self.task.forward_inputs(microbatch))
+                outputs = module(**self.task.forward_inputs(microbatch))
                 self.task.process_outputs(outputs, microbatch)
             self.steps += 1
             period = self.config.save_period
@@ -130,9 +143,8 @@ class Inference:
         if self.ctx.is_main_process:
             assert data is not None and task is not None
             self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.state_path.with_suffix(f".tmp-{os.getpid()}")
-            torch.save({"steps": self.steps, "data": data, "task": task}, tmp)
-            os.replace(tmp, self.state_path)
+            state = {"steps": self.steps, "data": data, "task": task}
+            atomic_write(self.state_path, lambda f: torch.save(state, f))
 
 
 def run_inference(config: InferenceConfig, ctx: DistributedContext) -> dict[str, float]:

@@ -1,8 +1,10 @@
 """What users implement to plug a model, data, a task and an optimizer into the engine.
 
-Each provider is a class with a nested pydantic `Config` (its `options` in the job file) and a constructor
-taking that config. The engine calls them in a fixed order (see docs/engine.md); providers never see the
-loop itself, only what they need to do their part.
+Each provider kind is a `Protocol` listing every method the engine calls on it. A provider is a class with a
+nested pydantic `Config` (its `options` in the job file) and a constructor taking that config; a user's
+class named by `module:Class` is checked against its kind's protocol when the config is validated
+(`d9d.engine.plugins`). The engine calls providers in a fixed order (see docs/engine.md); they never see
+the loop itself, only what they need to do their part.
 """
 
 from __future__ import annotations
@@ -10,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from pydantic import BaseModel
 from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.types import PyTree
+from d9d.engine.events import EventBus
 from d9d.pipeline.api import PipelineStageInfo
 
 
@@ -35,8 +37,6 @@ class DataSetup:
 
 @runtime_checkable
 class ModelProvider(Protocol):
-    Config: ClassVar[type[BaseModel]]
-
     def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
         """Build the stage's module. Called under `torch.device("meta")`: allocate nothing."""
         ...
@@ -53,11 +53,20 @@ class ModelProvider(Protocol):
         """Write the trained model (e.g. in Hugging Face format). Collective over all ranks."""
         ...
 
+    def subscribe(
+        self,
+        events: EventBus,
+        modules: Sequence[nn.Module],
+        ctx: DistributedContext,
+        metrics: dict[str, float],
+    ) -> None:
+        """Hook the model's own step logic (e.g. MoE load balancing) to the loop's events; values written to
+        `metrics` during a step are logged with it. Training only; a model without any does nothing."""
+        ...
+
 
 @runtime_checkable
 class DataProvider(Protocol):
-    Config: ClassVar[type[BaseModel]]
-
     def setup(self, setup: DataSetup) -> None: ...
 
     def next_step(self) -> list[PyTree]:
@@ -82,8 +91,6 @@ class LossOutput:
 
 @runtime_checkable
 class TrainTask(Protocol):
-    Config: ClassVar[type[BaseModel]]
-
     def forward_inputs(self, microbatch: PyTree) -> dict[str, torch.Tensor]:
         """Model keyword inputs for a microbatch (every pipeline stage receives them)."""
         ...
@@ -101,8 +108,6 @@ class TrainTask(Protocol):
 
 @runtime_checkable
 class InferenceTask(Protocol):
-    Config: ClassVar[type[BaseModel]]
-
     def forward_inputs(self, microbatch: PyTree) -> dict[str, torch.Tensor]: ...
 
     def process_outputs(self, outputs: Any, microbatch: PyTree) -> None:
@@ -120,8 +125,6 @@ class InferenceTask(Protocol):
 
 @runtime_checkable
 class OptimizerProvider(Protocol):
-    Config: ClassVar[type[BaseModel]]
-
     def build(self, parameters: Iterable[nn.Parameter], *, seed: int) -> torch.optim.Optimizer:
         """`seed`: this stage's parameter seed (shared by replicas), for optimizers with randomness."""
         ...
@@ -129,12 +132,11 @@ class OptimizerProvider(Protocol):
 
 @runtime_checkable
 class LRSchedulerProvider(Protocol):
-    """Any provider may also define `check_run(self, config: TrainConfig) -> None`, raising ValueError for
-    options that do not fit this run (a schedule longer than `trainer.total_steps`); config validation
-    calls it, so the mistake is reported before any process starts."""
-
-    Config: ClassVar[type[BaseModel]]
-
     def build(
         self, optimizer: torch.optim.Optimizer, total_steps: int
     ) -> torch.optim.lr_scheduler.LRScheduler: ...
+
+    def check_run(self, total_steps: int) -> None:
+        """Raise ValueError when the options do not fit a run of `total_steps` (a schedule longer than the
+        run); config validation calls it, so the mistake is reported before any process starts."""
+        ...

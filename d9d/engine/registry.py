@@ -1,102 +1,85 @@
-"""Resolve providers by built-in name or `package.module:Class` import path, and validate their options.
+"""The `model` section's union (built-ins, the `peft` wrapper, plug-ins), one `build_model`, and the config-
+time check of every plug-in (`validate_components`).
 
-Resolution and option validation run at config-load time, so an unknown provider or a bad option fails
-with its dotted path (`model.options.hidden_size: ...`) before any process group or actor exists.
+Built-in options are validated with the config tree itself; plug-ins are imported and checked against
+their kind's protocol here, so an unknown provider, a missing method or a bad option fails with its dotted
+path (`model.options.hidden_size: ...`) before any process group or actor exists.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import Discriminator, Tag
+
+from d9d.engine.builtin.peft import PeftModelProvider
+from d9d.engine.components import (
+    PLUGIN_TAG,
+    BuiltinComponent,
+    LRSchedulerPlugin,
+    ModelPlugin,
+    PiecewiseLR,
+    Qwen3Model,
+    Qwen3MoEModel,
+    build_base_model,
+    build_lr_scheduler,
+    provider_tag,
+    tag,
+)
+from d9d.engine.errors import ConfigError
+from d9d.engine.plugins import PluginSpec
+from d9d.engine.providers import ModelProvider
 
 if TYPE_CHECKING:
-    from d9d.engine.config import ComponentConfig, TrainConfig
-
-ComponentKind = Literal["model", "data", "task", "optimizer", "lr_scheduler", "inference_task"]
-
-BUILTIN_PROVIDERS: dict[str, dict[str, str]] = {
-    "model": {
-        "qwen3": "d9d.engine.builtin.models:Qwen3Provider",
-        "qwen3_moe": "d9d.engine.builtin.models:Qwen3MoEProvider",
-        "peft": "d9d.engine.builtin.peft:PeftModelProvider",
-    },
-    "data": {"text": "d9d.engine.builtin.text_data:TextDataProvider"},
-    "task": {"causal_lm": "d9d.engine.builtin.causal_lm:CausalLMTask"},
-    "inference_task": {"perplexity": "d9d.engine.builtin.causal_lm:PerplexityTask"},
-    "optimizer": {
-        "adamw": "d9d.engine.builtin.optimizers:AdamWProvider",
-        "sgd": "d9d.engine.builtin.optimizers:SGDProvider",
-        "stochastic_adamw": "d9d.engine.builtin.optimizers:StochasticAdamWProvider",
-    },
-    "lr_scheduler": {"piecewise": "d9d.engine.builtin.optimizers:PiecewiseLRProvider"},
-}
+    from d9d.engine.config import TrainConfig
 
 
-def resolve_provider_class(kind: str, spec: str, field: str) -> type[Any]:
-    target = BUILTIN_PROVIDERS.get(kind, {}).get(spec, spec)
-    if ":" not in target:
-        known = ", ".join(sorted(BUILTIN_PROVIDERS.get(kind, {}))) or "none"
-        raise _config_error(
-            f"{field}: unknown {kind} provider {spec!r}; built-ins: {known}; "
-            "or give an import path 'pkg.module:Class'"
-        )
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise _config_error(
-            f"{field}: cannot import module {module_name!r} for provider {spec!r}: {e}"
-        ) from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise _config_error(f"{field}: module {module_name!r} has no attribute {attr!r}")
-    config_cls = getattr(cls, "Config", None)
-    if not (isinstance(config_cls, type) and issubclass(config_cls, BaseModel)):
-        raise _config_error(f"{field}: provider {target} must define a nested pydantic `Config` class")
-    resolved: type[Any] = cls
-    return resolved
+class PeftModel(BuiltinComponent):
+    provider: Literal["peft"]
+    options: PeftModelProvider.Config
 
 
-def validate_options(cls: type[Any], options: dict[str, Any], field: str) -> BaseModel:
-    from d9d.engine.config import format_validation_error
+ModelComponent = Annotated[
+    Annotated[Qwen3Model, tag("qwen3")]
+    | Annotated[Qwen3MoEModel, tag("qwen3_moe")]
+    | Annotated[PeftModel, tag("peft")]
+    | Annotated[ModelPlugin, Tag(PLUGIN_TAG)],
+    Discriminator(provider_tag(ModelPlugin.builtins)),
+]
 
-    try:
-        result: BaseModel = cls.Config.model_validate(options)
-    except ValidationError as e:
-        raise _config_error(format_validation_error(e, prefix=f"{field}.options")) from None
-    return result
+
+def build_model(
+    component: Qwen3Model | Qwen3MoEModel | PeftModel | ModelPlugin, field: str = "model"
+) -> ModelProvider:
+    match component:
+        case PeftModel():
+            return PeftModelProvider(component.options)
+        case Qwen3Model() | Qwen3MoEModel() | ModelPlugin():
+            return build_base_model(component, field)
 
 
-def build_component(kind: ComponentKind, component: ComponentConfig, field: str) -> Any:
-    cls = resolve_provider_class(kind, component.provider, f"{field}.provider")
-    return cls(validate_options(cls, component.options, field))
+def plugins(config: TrainConfig) -> list[tuple[str, PluginSpec]]:
+    """Every plug-in section of a config with its dotted key (the peft wrapper's base included)."""
+    sections: list[tuple[str, object]] = [
+        ("model", config.model),
+        ("data", config.data),
+        ("task", config.task),
+        ("optimizer", config.optimizer),
+        ("lr_scheduler", config.lr_scheduler),
+    ]
+    if isinstance(config.model, PeftModel):
+        sections.append(("model.options.base", config.model.options.base))
+    return [(field, c) for field, c in sections if isinstance(c, PluginSpec)]
 
 
 def validate_components(config: TrainConfig) -> None:
-    sections: list[tuple[ComponentKind, ComponentConfig | None, str]] = [
-        ("model", config.model, "model"),
-        ("data", config.data, "data"),
-        ("task", config.task, "task"),
-        ("optimizer", config.optimizer, "optimizer"),
-        ("lr_scheduler", config.lr_scheduler, "lr_scheduler"),
-    ]
-    for kind, component, field in sections:
-        if component is not None:
-            cls = resolve_provider_class(kind, component.provider, f"{field}.provider")
-            options = validate_options(cls, component.options, field)
-            # Options that are only wrong for this run (a schedule longer than the run) fail here too,
-            # not at the first step; a provider opts in with `check_run(config)`.
-            check = getattr(cls, "check_run", None)
-            if check is not None:
-                try:
-                    check(cls(options), config)
-                except ValueError as e:
-                    raise _config_error(f"{field}.options: {e}") from None
-
-
-def _config_error(message: str) -> Exception:
-    from d9d.engine.config import ConfigError
-
-    return ConfigError(message)
+    """Import and check every plug-in; ask the LR scheduler whether it fits the run's length."""
+    for field, plugin in plugins(config):
+        plugin.check(field)
+    if isinstance(config.lr_scheduler, PiecewiseLR | LRSchedulerPlugin):
+        # Options that are only wrong for this run (a schedule longer than the run) fail here too, not at
+        # the first step.
+        try:
+            build_lr_scheduler(config.lr_scheduler).check_run(config.trainer.total_steps)
+        except ValueError as e:
+            raise ConfigError(f"lr_scheduler.options: {e}") from None

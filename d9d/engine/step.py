@@ -13,10 +13,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from d9d.core.context import DistributedContext
+from d9d.core.domains import MeshDomain
+from d9d.core.pytree import tree_map_tensors, tree_to
 from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput, TrainTask
+from d9d.parallel import clip_grad_norm_
 from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, collect_synced_params
 from d9d.pipeline.runtime.executor import PipelineExecutor
 
@@ -31,8 +36,6 @@ class StepRunner(Protocol):
 
 
 class GradientReducer(Protocol):
-    def begin_step(self) -> None: ...
-
     def finish(self, global_weight: torch.Tensor) -> None:
         """After the last backward: finish any reduction and divide gradients by `global_weight`."""
         ...
@@ -112,21 +115,17 @@ class SynchronizedGradientReducer:
     def __init__(self, synchronizer: GradientSynchronizer) -> None:
         self.synchronizer = synchronizer
 
-    def begin_step(self) -> None:
-        return None
-
     def finish(self, global_weight: torch.Tensor) -> None:
         self.synchronizer.wait(global_weight)
 
 
 def build_gradient_reducer(
-    modules: Sequence[nn.Module],
-    optimizers: Sequence[torch.optim.Optimizer],
-    config: GradSyncConfig,
-    num_microbatches: int,
+    stages: Sequence[tuple[nn.Module, torch.optim.Optimizer]], config: GradSyncConfig, num_microbatches: int
 ) -> GradientReducer:
-    """Use the synchronizer when any strategy marked a parameter for reduction, else a local scale."""
-    synced = [sp for m, o in zip(modules, optimizers, strict=True) for sp in collect_synced_params(m, o)]
+    """Use the synchronizer when any strategy marked a parameter for reduction, else a local scale.
+
+    `stages`: each local stage with its optimizer (`PipelinedOptimizer.pair_with`)."""
+    synced = [sp for m, o in stages for sp in collect_synced_params(m, o)]
     if any(sp.reduce_mesh is not None for sp in synced):
         return SynchronizedGradientReducer(
             GradientSynchronizer(synced, config, num_microbatches=num_microbatches)
@@ -140,12 +139,61 @@ class LocalGradientReducer:
     def __init__(self, parameters: Iterable[nn.Parameter]) -> None:
         self.parameters = [p for p in parameters if p.requires_grad]
 
-    def begin_step(self) -> None:
-        return None
-
     def finish(self, global_weight: torch.Tensor) -> None:
         scale = 1.0 / float(global_weight)
         with torch.no_grad():
             for p in self.parameters:
                 if p.grad is not None:
                     p.grad.mul_(scale)
+
+
+def global_loss(ctx: DistributedContext, loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[loss sum, weight] (float64) summed over every rank that computes a distinct loss.
+
+    Runners return zeros where no loss is computed (pipeline ranks without the last stage), and
+    tensor-parallel ranks compute the same loss, so only tp coordinate 0 contributes.
+    """
+    totals = torch.stack([loss_sum, weight]).double()
+    if not ctx.is_distributed:
+        return totals
+    if ctx.coordinates(MeshDomain.REGULAR)["tp"] != 0:
+        totals = torch.zeros_like(totals)
+    dist.all_reduce(totals)
+    return totals
+
+
+class GradientClipper:
+    """Clips the global gradient norm over every stage (pipeline ranks included); None: no clipping."""
+
+    def __init__(
+        self, ctx: DistributedContext, parameters: list[nn.Parameter], max_norm: float | None
+    ) -> None:
+        self.parameters = parameters
+        self.max_norm = max_norm
+        self.pp_group: dist.ProcessGroup | None = None
+        if ctx.is_distributed and ctx.params.pipeline_parallel > 1:
+            self.pp_group = ctx.mesh_for(MeshDomain.REGULAR).get_group("pp")
+
+    def clip(self) -> float | None:
+        """The gradient norm before clipping."""
+        if self.max_norm is None or not self.parameters:
+            return None
+        return float(clip_grad_norm_(self.parameters, self.max_norm, pp_group=self.pp_group))
+
+
+def data_group(ctx: DistributedContext) -> dist.ProcessGroup | None:
+    """The ranks that see different data (dp, and cp when the sequence is split): task metrics sync here."""
+    if not ctx.is_distributed:
+        return None
+    batch = ctx.mesh_for(MeshDomain.BATCH)
+    if ctx.params.context_parallel == 1:
+        return batch.get_group("dp")
+    return batch["dp", "cp"]._flatten().get_group()
+
+
+def to_device(microbatch: PyTree, device: torch.device, pin_memory: bool) -> PyTree:
+    if device.type == "cpu":
+        return microbatch
+    if pin_memory:
+        microbatch = tree_map_tensors(lambda t: t.pin_memory(), microbatch)
+    return tree_to(microbatch, device, non_blocking=True)

@@ -1,14 +1,16 @@
 """One optimizer and one LR scheduler per local stage, stepped together.
 
-A rank holds several stages under interleaved and V schedules. Each stage keeps its own optimizer (built over
-its own parameters) and scheduler, so its state travels with the stage: a checkpoint written under one
-placement can be loaded under another that puts the stage elsewhere. These wrappers make the set behave as a
-single optimizer and scheduler for the training loop; their state dicts are keyed by stage index.
+A rank holds one stage without pipelining and several under interleaved and V schedules. Each stage keeps
+its own optimizer (built over its own parameters) and scheduler, so its state travels with the stage: a
+checkpoint written under one placement can be loaded under another that puts the stage elsewhere. These
+containers make the set behave as a single optimizer and scheduler for the training loop; their state dicts
+are keyed by stage index. Pairing stages with optimizers, or optimizers with schedulers, checks that both
+sides hold the same stages (a missing or extra one is an error, never silently dropped).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +26,12 @@ def _check_stages(kind: str, have: Iterable[int], got: Iterable[str]) -> None:
         raise ValueError(f"{kind} state is for stages {theirs}, but this rank holds stages {mine}")
 
 
+def _check_same_stages(what: str, mine: Iterable[int], theirs: Iterable[int]) -> None:
+    a, b = sorted(mine), sorted(theirs)
+    if a != b:
+        raise ValueError(f"{what}: stages {b} do not match the optimizer's stages {a}")
+
+
 class PipelinedOptimizer:
     def __init__(self, optimizers: Mapping[int, Optimizer]) -> None:
         if not optimizers:
@@ -36,6 +44,24 @@ class PipelinedOptimizer:
     ) -> PipelinedOptimizer:
         """`factory` builds one optimizer over one stage's trainable parameters."""
         return cls({s: factory([p for p in m.parameters() if p.requires_grad]) for s, m in stages.items()})
+
+    @property
+    def stages(self) -> list[int]:
+        return list(self.optimizers)
+
+    def pair_with(self, modules: Mapping[int, nn.Module]) -> list[tuple[nn.Module, Optimizer]]:
+        """(module, its optimizer) per stage, in stage order; the stages must be exactly this rank's."""
+        _check_same_stages("modules", self.optimizers, modules)
+        return [(modules[s], opt) for s, opt in self.optimizers.items()]
+
+    @property
+    def lr(self) -> float:
+        """The first stage's first group's learning rate (all stages follow one schedule)."""
+        return float(next(iter(self.optimizers.values())).param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = lr
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -60,17 +86,36 @@ class PipelinedOptimizer:
 
 
 class PipelinedLRScheduler:
-    def __init__(self, schedulers: Mapping[int, LRScheduler]) -> None:
+    def __init__(
+        self, schedulers: Mapping[int, LRScheduler], optimizer: PipelinedOptimizer | None = None
+    ) -> None:
+        """With `optimizer`, each stage's scheduler must drive that stage's optimizer."""
         if not schedulers:
             raise ValueError("PipelinedLRScheduler needs at least one stage scheduler")
         self.schedulers = dict(sorted(schedulers.items()))
+        if optimizer is not None:
+            _check_same_stages("LR schedulers", optimizer.optimizers, self.schedulers)
+            for s, scheduler in self.schedulers.items():
+                if scheduler.optimizer is not optimizer.optimizers[s]:
+                    raise ValueError(
+                        f"the LR scheduler of stage {s} drives another optimizer than the stage's"
+                    )
 
     @classmethod
     def build(
         cls, optimizer: PipelinedOptimizer, factory: Callable[[Optimizer], LRScheduler]
     ) -> PipelinedLRScheduler:
         """`factory` builds one scheduler for one stage's optimizer; all follow the same schedule."""
-        return cls({s: factory(opt) for s, opt in optimizer.optimizers.items()})
+        return cls({s: factory(opt) for s, opt in optimizer.optimizers.items()}, optimizer)
+
+    def set_base_lr(self, lr: float) -> None:
+        """Change the schedule's peak: every group's base LR becomes `lr`, its current LR scales with it, so
+        the schedule continues from where it is (a warmup at 50% stays at 50% of the new value)."""
+        for scheduler in self.schedulers.values():
+            for i, group in enumerate(scheduler.optimizer.param_groups):
+                ratio = lr / scheduler.base_lrs[i]
+                scheduler.base_lrs[i] = lr
+                group["lr"] *= ratio
 
     def step(self) -> None:
         for scheduler in self.schedulers.values():
@@ -86,3 +131,17 @@ class PipelinedLRScheduler:
         _check_stages("LR scheduler", self.schedulers, state)
         for s, scheduler in self.schedulers.items():
             scheduler.load_state_dict(state[str(s)])
+
+    def positional_state(self) -> list[dict[str, Any]]:
+        """Per-stage states in stage order, without stage indices: every stage follows the same schedule, so
+        one rank's list restores the schedulers of any rank holding as many stages (the engine checkpoint)."""
+        return [scheduler.state_dict() for scheduler in self.schedulers.values()]
+
+    def load_positional_state(self, states: Sequence[Mapping[str, Any]]) -> None:
+        if len(states) != len(self.schedulers):
+            raise ValueError(
+                f"the checkpoint holds {len(states)} LR scheduler states, this rank has "
+                f"{len(self.schedulers)} stages with a scheduler (lr_scheduler added or removed since?)"
+            )
+        for scheduler, state in zip(self.schedulers.values(), states, strict=True):
+            scheduler.load_state_dict(dict(state))

@@ -3,13 +3,13 @@
 ```python
 setup = PipelineSetup.create(ctx, schedule_config, num_microbatches)  # collective: creates P2P groups
 modules = {info.current_stage: provider.build_stage(info) for info in setup.local_stages}
-executor = setup.executor(modules, observers=[synchronizer_observer])
+executor = setup.executor(modules)
 ```
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -20,7 +20,6 @@ from d9d.core.domains import MeshDomain
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.runtime.channels import P2PChannels, pipeline_groups, program_channels
 from d9d.pipeline.runtime.executor import PipelineExecutor
-from d9d.pipeline.runtime.protocols import GradientObserver
 from d9d.pipeline.schedule.config import ScheduleConfig, build_schedule
 from d9d.pipeline.schedule.program import PipelineProgram
 
@@ -53,9 +52,7 @@ class PipelineSetup:
         n = self.program.num_stages
         return [PipelineStageInfo(s, n) for s in self.program.placement.stages_of(self.pp_rank)]
 
-    def executor(
-        self, stages: Mapping[int, nn.Module], observers: Sequence[GradientObserver] = ()
-    ) -> PipelineExecutor:
+    def executor(self, stages: Mapping[int, nn.Module]) -> PipelineExecutor:
         return PipelineExecutor(
             self.program,
             stages,
@@ -63,5 +60,4 @@ class PipelineSetup:
             device=self.ctx.device,
             channels=self.channels,
             pp_group=self.pp_group,
-            observers=observers,
         )

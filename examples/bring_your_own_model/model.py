@@ -23,8 +23,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from d9d.core import DistributedContext, MeshDomain
+from d9d.engine.events import EventBus
 from d9d.engine.providers import LossOutput
 from d9d.metrics import MeanMetric
+from d9d.modules.base import ModuleLateInit
 from d9d.parallel import parallelize_replicate
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import save_model_state
@@ -114,7 +116,8 @@ class TinyGPT(nn.Module):
         nn.init.normal_(self.tokens.weight, std=0.02)
         nn.init.normal_(self.positions.weight, std=0.02)
         for block in self.blocks:
-            block.reset_parameters()  # type: ignore[operator]
+            assert isinstance(block, ModuleLateInit)
+            block.reset_parameters()
         self.norm.reset_parameters()
         nn.init.normal_(self.head.weight, std=0.02)
 
@@ -175,6 +178,17 @@ class TinyGPTProvider:
             overwrite=True,
             extra_files={"config.json": self.config.model_dump_json(indent=2) + "\n"},
         )
+
+    def subscribe(
+        self,
+        events: EventBus,
+        modules: Sequence[nn.Module],
+        ctx: DistributedContext,
+        metrics: dict[str, float],
+    ) -> None:
+        """Step logic of the model's own (e.g. balancing MoE experts after each optimizer step) would hook to
+        the engine's events here; TinyGPT has none."""
+        return None
 
 
 def load_exported(path: Path) -> TinyGPT:

@@ -23,6 +23,7 @@ import transformers
 import yaml
 
 from d9d.core import DistributedContext
+from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.data import TextDatasetConfig, build_text_dataset
 from d9d.engine.inference import InferenceConfig, run_inference
 
@@ -99,12 +100,12 @@ def main() -> int:
     join_process_group()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     raw["mesh"] = {"data_parallel_replicate": world}
-    config = InferenceConfig.model_validate(raw)
-    ctx = DistributedContext.create(config.mesh, backend="gloo")
+    ctx = DistributedContext.create(DeviceMeshParameters.model_validate(raw["mesh"]), backend="gloo")
     if args.checkpoint is None and ctx.is_main_process:
         make_random_checkpoint(checkpoint)
         print(f"created a tiny random Qwen3 at {checkpoint}")
     dist.barrier()
+    config = InferenceConfig.model_validate(raw)  # after the checkpoint exists: the options check it
 
     result = run_inference(config, ctx)
     ok = True

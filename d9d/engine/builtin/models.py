@@ -23,6 +23,7 @@ from d9d.models.hf.io import build_causal_lm
 from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, has_expert_bias, hf_to_d9d_mapper
 from d9d.models.qwen3 import Qwen3Config, Qwen3StageModel
 from d9d.models.qwen3_moe import Qwen3MoEConfig
+from d9d.modules.base import ModuleLateInit
 from d9d.modules.moe import MoELayer, MoEMetrics, TopKRouter
 from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3
 from d9d.pipeline.api import PipelineStageInfo
@@ -54,7 +55,9 @@ class _CausalLMOptions(BaseModel):
         return self
 
 
-class _CausalLMProvider:
+class CausalLMProvider:
+    """What the catalogue's causal LMs share; `model_config` is the architecture (Hugging Face mapping)."""
+
     def __init__(self, config: _CausalLMOptions) -> None:
         self.options = config
         self.model_config = self._resolve_config()
@@ -88,7 +91,9 @@ class _CausalLMProvider:
             parallelize_qwen3(module, ctx, self.options.parallel, activation_dtype=self.dtype)
 
     def initialize(self, module: nn.Module, ctx: DistributedContext) -> None:
-        module.reset_parameters()  # type: ignore[operator]
+        if not isinstance(module, ModuleLateInit):
+            raise TypeError(f"{type(module).__name__} has no reset_parameters(); it cannot be built on meta")
+        module.reset_parameters()
         source = self.options.source_checkpoint
         if source is None:
             return
@@ -163,11 +168,11 @@ class ExpertLoadBalancer:
         self.moe_metrics.record(self.metrics, layers, step)
 
 
-class Qwen3Provider(_CausalLMProvider):
+class Qwen3Provider(CausalLMProvider):
     class Config(_CausalLMOptions):
         architecture_class = Qwen3Config
 
 
-class Qwen3MoEProvider(_CausalLMProvider):
+class Qwen3MoEProvider(CausalLMProvider):
     class Config(_CausalLMOptions):
         architecture_class = Qwen3MoEConfig

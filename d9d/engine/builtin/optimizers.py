@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,20 +11,22 @@ from torch import nn
 
 from d9d.optim import PiecewiseScheduleConfig, StochasticAdamW, build_piecewise_lr
 
-if TYPE_CHECKING:
-    from d9d.engine.config import TrainConfig
-
 
 class _Options(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class _AdamOptions(_Options):
+    """The hyperparameters every Adam-style optimizer here shares."""
+
+    lr: float = Field(3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+
+
 class AdamWProvider:
-    class Config(_Options):
-        lr: float = Field(3e-4, gt=0)
-        betas: tuple[float, float] = (0.9, 0.95)
-        eps: float = Field(1e-8, gt=0)
-        weight_decay: float = Field(0.1, ge=0)
+    class Config(_AdamOptions):
         # Fused kernels where the device supports them (CUDA); the foreach path elsewhere.
         fused: bool | None = None
 
@@ -64,11 +66,7 @@ class SGDProvider:
 class StochasticAdamWProvider:
     """bf16 parameters updated in fp32 and written back with stochastic rounding (d9d.optim)."""
 
-    class Config(_Options):
-        lr: float = Field(3e-4, gt=0)
-        betas: tuple[float, float] = (0.9, 0.95)
-        eps: float = Field(1e-8, gt=0)
-        weight_decay: float = Field(0.1, ge=0)
+    class Config(_AdamOptions):
         state_dtype: Literal["float32", "bfloat16"] = "float32"
         backend: Literal["auto", "triton", "torch"] = "auto"
 
@@ -103,5 +101,5 @@ class PiecewiseLRProvider:
     ) -> torch.optim.lr_scheduler.LRScheduler:
         return build_piecewise_lr(self.config, optimizer, total_steps)
 
-    def check_run(self, config: TrainConfig) -> None:
-        self.config.resolve(config.trainer.total_steps)
+    def check_run(self, total_steps: int) -> None:
+        self.config.resolve(total_steps)

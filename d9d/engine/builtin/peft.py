@@ -13,15 +13,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ModelWrapValidatorHandler, ValidationError, model_validator
 from torch import nn
 
 from d9d.core.context import DistributedContext
-from d9d.engine.config import ComponentConfig
+from d9d.engine.builtin.models import CausalLMProvider
+from d9d.engine.components import BaseModelComponent, ModelPlugin, build_base_model
+from d9d.engine.errors import UNION_TAG_PREFIX
 from d9d.engine.events import EventBus
 from d9d.engine.providers import ModelProvider
-from d9d.engine.registry import build_component, resolve_provider_class
 from d9d.models.hf import d9d_to_hf_mapper
 from d9d.models.qwen3 import Qwen3Config
 from d9d.peft import (
@@ -45,36 +47,54 @@ class PeftModelProvider:
         model_config = ConfigDict(frozen=True, extra="forbid")
 
         # The wrapped model provider (e.g. {provider: qwen3, options: {source_checkpoint: ...}}).
-        base: ComponentConfig
+        base: BaseModelComponent
         method: PeftConfig
         # Also write the LoRA adapters in the Hugging Face `peft` layout to `<export dir>/adapter`.
         export_adapters: bool = False
 
+        @model_validator(mode="wrap")
+        @classmethod
+        def _base_problems_in_one_line(
+            cls, data: Any, handler: ModelWrapValidatorHandler[PeftModelProvider.Config]
+        ) -> PeftModelProvider.Config:
+            """Problems of the wrapped provider's section read `base.options.x: ...`, one per line part."""
+            try:
+                return handler(data)
+            except ValidationError as e:
+                problems = [
+                    ".".join(str(p) for p in item["loc"] if not str(p).startswith(UNION_TAG_PREFIX))
+                    + f": {item['msg']}"
+                    for item in e.errors()
+                    if item["loc"] and item["loc"][0] == "base"
+                ]
+                if not problems:
+                    raise
+                raise ValueError("; ".join(problems)) from None
+
         @model_validator(mode="after")
         def _check_base(self) -> PeftModelProvider.Config:
-            cls = resolve_provider_class("model", self.base.provider, "base.provider")
-            if cls is PeftModelProvider:
+            base = self.base
+            if isinstance(base, ModelPlugin) and (
+                base.provider == "peft" or issubclass(base.provider_class("base"), PeftModelProvider)
+            ):
                 raise ValueError(
                     "base.provider: a peft provider cannot wrap another; stack the methods instead"
                 )
-            try:
-                cls.Config.model_validate(self.base.options)
-            except ValidationError as e:  # one line per problem, with its path under base.options
-                problems = [f"base.options.{'.'.join(map(str, i['loc']))}: {i['msg']}" for i in e.errors()]
-                raise ValueError("; ".join(problems)) from None
             return self
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.base: ModelProvider = build_component("model", config.base, "model.options.base")
+        self.base: ModelProvider = build_base_model(config.base, "model.options.base")
         self.method = build_peft_method(config.method)
-        hf_config = getattr(self.base, "model_config", None)
-        if config.export_adapters and not isinstance(hf_config, Qwen3Config):
+        # Only the catalogue's providers know the Hugging Face layout an adapter export needs.
+        self.hf_config: Qwen3Config | None = (
+            self.base.model_config if isinstance(self.base, CausalLMProvider) else None
+        )
+        if config.export_adapters and self.hf_config is None:
             raise ValueError(
                 f"export_adapters needs a base provider with a Hugging Face mapping (qwen3, qwen3_moe); "
                 f"{config.base.provider!r} has none"
             )
-        self.hf_config: Qwen3Config | None = hf_config if isinstance(hf_config, Qwen3Config) else None
 
     def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
         module: nn.Module = self.base.build_stage(stage)
@@ -112,6 +132,4 @@ class PeftModelProvider:
         ctx: DistributedContext,
         metrics: dict[str, float],
     ) -> None:
-        subscribe = getattr(self.base, "subscribe", None)
-        if subscribe is not None:
-            subscribe(events, modules, ctx, metrics)
+        self.base.subscribe(events, modules, ctx, metrics)

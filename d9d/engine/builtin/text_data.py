@@ -8,6 +8,7 @@ DP degree continues with the next unread sample (no sample skipped or repeated).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,11 +38,16 @@ class TextDataProvider:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._iter: Iterator[Any] | None = None
+        self._stream: _Stream | None = None
+
+    @property
+    def stream(self) -> _Stream:
+        if self._stream is None:
+            raise RuntimeError("TextDataProvider.setup() must run first")
+        return self._stream
 
     def setup(self, setup: DataSetup) -> None:
         c = self.config
-        self.setup_info = setup
         dataset: Any = build_text_dataset(c.dataset)
         pad_id = dataset.tokenizer.pad_id
         if pad_id is None:
@@ -50,7 +56,7 @@ class TextDataProvider:
             dataset = BufferSortedDataset(
                 dataset, buffer_size=c.bucketing_buffer, pack_size=setup.microbatch_size, seed=setup.seed
             )
-        self.sharded = ShardedDataset(
+        sharded = ShardedDataset(
             dataset,
             num_shards=setup.dp_size,
             shard_index=setup.dp_rank,
@@ -58,18 +64,18 @@ class TextDataProvider:
             epochs=c.epochs,
             on_reshard="keep_position",
         )
-        self.collate = CausalLMCollator(pad_id=pad_id, pad_to_multiple_of=c.pad_to_multiple_of)
-        self._iter = iter(self.sharded)
+        collate = CausalLMCollator(pad_id=pad_id, pad_to_multiple_of=c.pad_to_multiple_of)
+        self._stream = _Stream(setup, sharded, collate, iter(sharded))
 
     def next_step(self) -> list[PyTree]:
         """Up to a full step of microbatches; fewer (or none) once a finite dataset runs out."""
-        s = self.setup_info
-        assert self._iter is not None, "setup() first"
+        stream = self.stream
+        s = stream.setup
         wanted = s.microbatch_size * s.gradient_accumulation
         samples = []
         for _ in range(wanted):
             try:
-                samples.append(next(self._iter))
+                samples.append(next(stream.iterator))
             except StopIteration:
                 break
         return [
@@ -78,15 +84,26 @@ class TextDataProvider:
         ]
 
     def _collate(self, samples: list[Any]) -> dict[str, torch.Tensor]:
-        batch = self.collate(samples)
+        batch = self.stream.collate(samples)
         out = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
         if bool((batch["attention_mask"] == 0).any()):
             out["attention_mask"] = batch["attention_mask"]  # only when padded: all-ones would cost speed
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sharded.state_dict()
+        return self.stream.sharded.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.sharded.load_state_dict(state)
-        self._iter = iter(self.sharded)
+        stream = self.stream
+        stream.sharded.load_state_dict(state)
+        stream.iterator = iter(stream.sharded)
+
+
+@dataclass
+class _Stream:
+    """What `setup` builds: this rank's shard of the global sample order and its collator."""
+
+    setup: DataSetup
+    sharded: ShardedDataset[Any]
+    collate: CausalLMCollator
+    iterator: Iterator[Any]

@@ -11,6 +11,7 @@ from torch import nn
 from d9d.models.qwen3.config import Qwen3Config
 from d9d.models.qwen3.model import Qwen3Model
 from d9d.modules.attention import PaddingSide
+from d9d.modules.base import ModuleLateInit
 from d9d.modules.heads import CausalLMHead, EmbeddingHead, Pooling, SequenceClassificationHead
 from d9d.pipeline.api import PipelineStageInfo, TensorMeta
 
@@ -32,8 +33,38 @@ class Qwen3StageModel(nn.Module):
         self.model = self.backbone_class(config, self.stage)
         self.activation_dtype: torch.dtype | None = None
 
+    def head(self) -> ModuleLateInit | None:
+        """The task head (on the last stage only; None elsewhere)."""
+        return None
+
+    def head_outputs(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """The last stage's outputs from the backbone's final hidden states."""
+        raise NotImplementedError
+
     def reset_parameters(self) -> None:
         self.model.reset_parameters()
+        head = self.head()
+        if head is not None:
+            head.reset_parameters()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        padding_side: PaddingSide | None = None,
+    ) -> dict[str, torch.Tensor]:
+        hidden = self.backbone(
+            input_ids, hidden_states, position_ids, attention_mask, segment_ids, padding_side
+        )
+        if self.head() is None:
+            return {"hidden_states": hidden}
+        return self.head_outputs(hidden, attention_mask, labels)
 
     def stage_output_meta(self, microbatch_inputs: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
         if self.stage.is_last:
@@ -85,26 +116,13 @@ class Qwen3ForCausalLM(Qwen3StageModel):
                     )
                 self.lm_head.tie_to(self.model.embed_tokens)
 
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.lm_head is not None:
-            self.lm_head.reset_parameters()
+    def head(self) -> ModuleLateInit | None:
+        return self.lm_head
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        padding_side: PaddingSide | None = None,
+    def head_outputs(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
-        hidden = self.backbone(
-            input_ids, hidden_states, position_ids, attention_mask, segment_ids, padding_side
-        )
-        if self.lm_head is None:
-            return {"hidden_states": hidden}
+        assert self.lm_head is not None
         if labels is None:
             return {"logits": self.lm_head(hidden)}
         return {"loss": self.lm_head(hidden, labels)}
@@ -130,23 +148,13 @@ class Qwen3ForSequenceClassification(Qwen3StageModel):
             else None
         )
 
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.score is not None:
-            self.score.reset_parameters()
+    def head(self) -> ModuleLateInit | None:
+        return self.score
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+    def head_outputs(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
-        hidden = self.backbone(input_ids, hidden_states, position_ids, attention_mask, segment_ids)
-        if self.score is None:
-            return {"hidden_states": hidden}
+        assert self.score is not None
         out = self.score(hidden, attention_mask, labels)
         return {"logits": out} if labels is None else {"loss": out}
 
@@ -176,20 +184,15 @@ class Qwen3ForEmbedding(Qwen3StageModel):
             else None
         )
 
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.embedding_head is not None:
-            self.embedding_head.reset_parameters()
+    def head(self) -> ModuleLateInit | None:
+        return self.embedding_head
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
+    def head_outputs(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
-        hidden = self.backbone(input_ids, hidden_states, position_ids, attention_mask, segment_ids)
-        if self.embedding_head is None:
-            return {"hidden_states": hidden}
+        assert self.embedding_head is not None
+        if labels is not None:
+            raise ValueError(
+                "an embedding model takes no labels; compute the contrastive loss on its outputs"
+            )
         return {"embeddings": self.embedding_head(hidden, attention_mask)}

@@ -6,12 +6,11 @@ a mailbox keyed by (kind, stage, microbatch), where stages on the same rank also
 without communication. Sends are waited for at the end of the step.
 
 Loss: the last stage calls `loss_fn(outputs, microbatch)`, which returns the microbatch's summed loss and its
-weight (e.g. its number of target tokens). The backward starts from `loss_sum × loss_scale`; the engine passes
-`loss_scale = 1 / W`, with W the weight summed over all microbatches and data-parallel ranks, which it knows
-before the step from the batch. Accumulated over microbatches (and summed over data-parallel ranks by the
-gradient synchronizer), `.grad` is then the gradient of Σ loss_sum / W: the weighted mean loss of the global
-batch, whatever the split into microbatches. With the default scale of 1, `.grad` holds the gradient of the
-plain sum, and dividing it by W afterwards gives the same result.
+weight (e.g. its number of target tokens). The backward starts from `loss_sum × loss_scale`. With the default
+scale of 1, `.grad` accumulates the gradient of the plain sum over microbatches; the engine keeps that default
+and divides by W, the weight summed over all microbatches and data-parallel ranks, once the step's backward is
+done (its gradient reducer), which gives the gradient of the weighted mean loss of the global batch whatever
+the split into microbatches. A caller that knows W before the step may pass `loss_scale = 1 / W` instead.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from torch import nn
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.runtime.channels import P2PChannels
 from d9d.pipeline.runtime.metadata import MetadataExchange, StageMetas
-from d9d.pipeline.runtime.protocols import GradientObserver, PipelineLossFn, PipelineOutputFn
+from d9d.pipeline.runtime.protocols import PipelineLossFn, PipelineOutputFn
 from d9d.pipeline.runtime.stage import StageRuntime, is_differentiable
 from d9d.pipeline.schedule.actions import Compute, ComputeKind, Direction, Recv, Send, Transfer, compute_parts
 from d9d.pipeline.schedule.program import PipelineProgram, comm_batches
@@ -87,7 +86,6 @@ class PipelineExecutor:
         device: torch.device,
         channels: P2PChannels | None = None,
         pp_group: dist.ProcessGroup | None = None,
-        observers: Sequence[GradientObserver] = (),
     ) -> None:
         expected = program.placement.stages_of(pp_rank)
         if sorted(stages) != list(expected):
@@ -106,7 +104,6 @@ class PipelineExecutor:
         self._channels = channels
         self._pp_group = pp_group
         self._metas = MetadataExchange(list(self._runtimes.values()), pp_group)
-        self._observers = list(observers)
 
     @property
     def num_microbatches(self) -> int:
@@ -138,11 +135,7 @@ class PipelineExecutor:
         """Forward and backward every microbatch; gradients accumulate into `.grad` (see module docs)."""
         if not self.program.training:
             raise ValueError(f"{self.program.name} is a forward-only program; use forward_step")
-        for observer in self._observers:
-            observer.on_step_start(self.num_microbatches)
         step = self._run(microbatches, loss_fn, None, loss_scale)
-        for observer in self._observers:
-            observer.on_step_end()
         losses = [step.losses[mb] for mb in sorted(step.losses)]
         if not losses:
             return StepResult(None, None, [])
@@ -249,25 +242,18 @@ class PipelineExecutor:
                 self._hand_over(step, Transfer(Direction.FORWARD, s, mb), outputs)
         elif part.kind is ComputeKind.BACKWARD_WEIGHT:
             runtime.backward_weight(mb)
-            self._backward_done(s, mb)
         else:
             grads = self._take(step, ("grad", s, mb)) if s < last else None
             split = part.kind is ComputeKind.BACKWARD_INPUT
             input_grads = runtime.backward(mb, grads, split=split)
             if s > 0:
                 self._hand_over(step, Transfer(Direction.BACKWARD, s, mb), input_grads)
-            if not split:
-                self._backward_done(s, mb)
 
     def _hand_over(self, step: _Step, transfer: Transfer, tensors: dict[str, torch.Tensor]) -> None:
         if self.program.placement.rank_of(transfer.dst_stage) == self.pp_rank:
             step.mailbox[_delivered(transfer)] = _Received(tensors)
         else:
             step.outbox[transfer] = tensors
-
-    def _backward_done(self, stage: int, microbatch: int) -> None:
-        for observer in self._observers:
-            observer.on_backward_done(stage, microbatch)
 
 
 def _delivered(transfer: Transfer) -> tuple[str, int, int]:

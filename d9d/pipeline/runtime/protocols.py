@@ -1,4 +1,4 @@
-"""What the executor calls out to: the loss on the last stage and observers of gradient accumulation."""
+"""What the executor calls out to: the loss (or output consumer) on the last stage."""
 
 from __future__ import annotations
 
@@ -27,19 +27,3 @@ class PipelineOutputFn(Protocol):
     """Consumes the last stage's outputs of microbatch `microbatch` in a forward-only step."""
 
     def __call__(self, outputs: Any, microbatch: int) -> None: ...
-
-
-class GradientObserver(Protocol):
-    """Told when the gradients of a stage's parameters are complete for a microbatch.
-
-    A gradient synchronizer uses it to know how many microbatches each parameter accumulates in a step (the
-    executor's `num_microbatches`) and when a stage's last microbatch is done, e.g. to start reducing.
-    """
-
-    def on_step_start(self, num_microbatches: int) -> None: ...
-
-    def on_backward_done(self, stage: int, microbatch: int) -> None:
-        """Every weight gradient of `stage` for `microbatch` has been accumulated into `.grad`."""
-        ...
-
-    def on_step_end(self) -> None: ...

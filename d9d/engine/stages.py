@@ -1,0 +1,87 @@
+"""Building this rank's model stages, shared by training and inference.
+
+Every stage goes through the same steps: built on the meta device (nothing allocated), parallelized by the
+model provider (parameters become DTensors, still on meta), materialized on the device (`to_empty`),
+initialized under the stage's parameter seed (identical on every rank of the stage, so replicas agree),
+switched to train or eval mode, and finally compiled (regional `torch.compile`, d9d.parallel.compile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from d9d.core.context import DistributedContext
+from d9d.core.domains import MeshDomain
+from d9d.determinism import parameter_init_rng
+from d9d.engine.providers import ModelProvider
+from d9d.parallel.compile import CompileConfig, CompileReport, compile_stage
+from d9d.pipeline.api import PipelineStageInfo
+
+
+@dataclass(frozen=True)
+class Stages:
+    """This rank's stages (one without pipelining, several under interleaved and V schedules)."""
+
+    infos: tuple[PipelineStageInfo, ...]
+    modules: tuple[nn.Module, ...]
+
+    def __post_init__(self) -> None:
+        if not self.modules or len(self.infos) != len(self.modules):
+            raise ValueError(f"{len(self.infos)} stage infos for {len(self.modules)} stage modules")
+
+    @property
+    def by_index(self) -> dict[int, nn.Module]:
+        """Global stage index -> module."""
+        return {info.current_stage: m for info, m in zip(self.infos, self.modules, strict=True)}
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters() if p.requires_grad]
+
+
+def stage_mesh(ctx: DistributedContext) -> DeviceMesh | None:
+    """All ranks of this rank's pipeline stage: they share the parameter-init seed."""
+    if not ctx.is_distributed:
+        return None
+    return ctx.mesh_for(MeshDomain.REGULAR)["dp_replicate", "dp_shard", "cp", "tp"]
+
+
+def build_stages(
+    provider: ModelProvider,
+    infos: list[PipelineStageInfo],
+    ctx: DistributedContext,
+    *,
+    parameter_seed: int,
+    compile_config: CompileConfig,
+    training: bool,
+) -> Stages:
+    modules = []
+    reports: list[CompileReport] = []
+    for info in infos:
+        with torch.device("meta"):
+            module = provider.build_stage(info)
+        provider.parallelize(module, ctx)
+        module.to_empty(device=ctx.device)
+        with torch.no_grad(), parameter_init_rng(parameter_seed, stage_mesh(ctx)):
+            provider.initialize(module, ctx)
+        module.train(training)
+        reports.append(compile_stage(module, compile_config, ctx.device))
+        modules.append(module)
+    _log_compile(ctx, reports)
+    return Stages(tuple(infos), tuple(modules))
+
+
+def _log_compile(ctx: DistributedContext, reports: list[CompileReport]) -> None:
+    """One line per run (stages of a rank compile alike; a differing report is logged too)."""
+    if not ctx.is_main_process:
+        return
+    for report in dict.fromkeys(reports):
+        ctx.logger.info(
+            "compile: %s, regions %s (%s)",
+            "on" if report.enabled else "off",
+            ", ".join(report.regions) or "none",
+            report.reason,
+        )

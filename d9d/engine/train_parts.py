@@ -1,0 +1,151 @@
+"""Everything a training rank is made of, built from the config in one fixed order.
+
+The order matters for reproducibility (RNG draws) and for collectives (every rank creates the pipeline's
+process groups at the same point): seeds → task → data → model stages (`d9d.engine.stages`) → activation
+seed → event subscriptions → optimizers → gradient reducer → LR schedulers → task metrics → step runner →
+checkpointer. The loop (`d9d.engine.trainer`) only uses the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from d9d.core.context import DistributedContext
+from d9d.core.domains import MeshDomain
+from d9d.determinism import RankSeeds, seed_everything
+from d9d.engine.checkpoint import Checkpointer
+from d9d.engine.components import build_data, build_lr_scheduler, build_optimizer, build_task
+from d9d.engine.config import TrainConfig
+from d9d.engine.events import EventBus
+from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTask
+from d9d.engine.registry import build_model
+from d9d.engine.reporting import StepReporter
+from d9d.engine.runtime import RunReporter
+from d9d.engine.stages import Stages, build_stages
+from d9d.engine.state import EngineState, TrainProgress
+from d9d.engine.step import (
+    GradientClipper,
+    GradientReducer,
+    PipelinedStepRunner,
+    SequentialStepRunner,
+    StepRunner,
+    build_gradient_reducer,
+    data_group,
+)
+from d9d.metrics import AsyncMetricCollector, ComposeMetric
+from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.optim import PipelinedLRScheduler, PipelinedOptimizer
+from d9d.pipeline.setup import PipelineSetup
+
+
+@dataclass(frozen=True)
+class TrainParts:
+    seeds: RankSeeds
+    grad_accumulation: int
+    task: TrainTask
+    data: DataProvider
+    model: ModelProvider
+    stages: Stages
+    optimizer: PipelinedOptimizer
+    schedulers: PipelinedLRScheduler | None
+    reducer: GradientReducer
+    clipper: GradientClipper
+    runner: StepRunner
+    reports: StepReporter
+    checkpointer: Checkpointer
+    state: EngineState
+
+
+def build_train_parts(
+    config: TrainConfig,
+    ctx: DistributedContext,
+    reporter: RunReporter,
+    events: EventBus,
+    progress: TrainProgress,
+) -> TrainParts:
+    c = config
+    seeds = RankSeeds.for_rank(ctx.params, ctx.rank, c.determinism.seed)
+    task = build_task(c.task)
+    grad_accumulation = c.batching.gradient_accumulation(ctx.params.data_parallel)
+    data = build_data(c.data)
+    data.setup(
+        DataSetup(
+            dp_rank=ctx.coordinates(MeshDomain.BATCH)["dp"],
+            dp_size=ctx.params.data_parallel,
+            microbatch_size=c.batching.microbatch_size,
+            gradient_accumulation=grad_accumulation,
+            global_batch_size=c.batching.global_batch_size,
+            seed=c.determinism.seed,
+        )
+    )
+    model = build_model(c.model)
+    pipeline: PipelineSetup | None = None
+    infos = [PipelineStageInfo()]
+    if ctx.params.pipeline_parallel > 1:
+        pipeline = PipelineSetup.create(ctx, c.schedule, grad_accumulation)
+        infos = pipeline.local_stages
+    stages = build_stages(
+        model, infos, ctx, parameter_seed=seeds.parameters, compile_config=c.compile, training=True
+    )
+    seed_everything(seeds.activations)
+    step_metrics: dict[str, float] = {}
+    model.subscribe(events, stages.modules, ctx, step_metrics)
+    optimizer_provider = build_optimizer(c.optimizer)
+    optimizer = PipelinedOptimizer(
+        {
+            s: optimizer_provider.build(m.parameters(), seed=seeds.parameters)
+            for s, m in stages.by_index.items()
+        }
+    )
+    reducer = build_gradient_reducer(
+        optimizer.pair_with(stages.by_index), c.gradient_manager, grad_accumulation
+    )
+    schedulers = None
+    if c.lr_scheduler is not None:
+        scheduler_provider = build_lr_scheduler(c.lr_scheduler)
+        schedulers = PipelinedLRScheduler.build(
+            optimizer, lambda o: scheduler_provider.build(o, c.trainer.total_steps)
+        )
+    metrics = task.create_metrics()
+    collector: AsyncMetricCollector[Any] | None = None
+    if metrics:
+        # Synced over the ranks that see different data; computed on a side thread so steps don't wait.
+        collector = AsyncMetricCollector(ComposeMetric(metrics), group=data_group(ctx))
+    runner: StepRunner
+    if pipeline is not None:
+        runner = PipelinedStepRunner(pipeline.executor(stages.by_index), task, ctx.device, metrics)
+    else:
+        runner = SequentialStepRunner(stages.modules[0], task, ctx.device, metrics)
+    return TrainParts(
+        seeds=seeds,
+        grad_accumulation=grad_accumulation,
+        task=task,
+        data=data,
+        model=model,
+        stages=stages,
+        optimizer=optimizer,
+        schedulers=schedulers,
+        reducer=reducer,
+        clipper=GradientClipper(ctx, stages.trainable_parameters(), c.gradient_clipping.max_norm),
+        runner=runner,
+        reports=StepReporter(
+            ctx,
+            reporter,
+            period=c.logging.period,
+            total_steps=c.trainer.total_steps,
+            collector=collector,
+            loss_pp_rank=runner.loss_pp_rank,
+            step_metrics=step_metrics,
+        ),
+        checkpointer=Checkpointer(
+            ctx, c.checkpoint_dir, reporter, trainable_only=c.checkpointing.trainable_only
+        ),
+        state=EngineState(
+            progress,
+            ctx.world_size,
+            schedulers,
+            data,
+            collector.metric if collector is not None else None,
+        ),
+    )

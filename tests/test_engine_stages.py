@@ -1,0 +1,69 @@
+"""The stage builder shared by training and inference: what each stage looks like when it reaches the
+compile hook, and the `Stages` value it returns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from d9d.engine.stages import Stages
+from d9d.pipeline.api import PipelineStageInfo
+from tests.harness import RankEnv, run_distributed
+
+
+def _build(env: RankEnv) -> None:
+    import d9d.engine.stages as stages_module
+    from d9d.core import DeviceMeshParameters, DistributedContext
+    from d9d.parallel.compile import CompileConfig, CompileReport
+    from tests.engine_fixtures import TinyLM, TinyLMProvider
+
+    seen: list[dict[str, object]] = []
+
+    def record(stage: nn.Module, config: CompileConfig, device: torch.device) -> CompileReport:
+        seen.append(
+            {
+                "meta": any(p.is_meta for p in stage.parameters()),
+                "training": stage.training,
+                "mode": config.mode,
+                "device": device.type,
+                "weight": stage.hidden.weight.detach().clone(),
+            }
+        )
+        return CompileReport(enabled=False, regions=(), reason="recorded by the test")
+
+    stages_module.compile_stage = record  # the builder's hook (d9d.parallel.compile)
+    ctx = DistributedContext.create(DeviceMeshParameters(), backend="gloo")
+    provider = TinyLMProvider(TinyLMProvider.Config(width=4))
+    infos = [PipelineStageInfo(0, 2), PipelineStageInfo(1, 2)]
+    config = CompileConfig(mode="max-autotune-no-cudagraphs")
+    built = stages_module.build_stages(
+        provider, infos, ctx, parameter_seed=7, compile_config=config, training=False
+    )
+    assert [type(m) for m in built.modules] == [TinyLM, TinyLM]
+    assert list(built.by_index) == [0, 1]
+    assert len(seen) == 2  # once per stage
+    for record_, module in zip(seen, built.modules, strict=True):
+        assert record_ == {**record_, "meta": False, "training": False, "mode": config.mode, "device": "cpu"}
+        # Compiled after initialization: the hook saw the final weights.
+        torch.testing.assert_close(record_["weight"], module.hidden.weight.detach())
+    trained = stages_module.build_stages(
+        provider, infos[:1], ctx, parameter_seed=7, compile_config=config, training=True
+    )
+    assert trained.modules[0].training
+    # Initialized under the given parameter seed: a rebuild draws the same weights.
+    torch.testing.assert_close(trained.modules[0].hidden.weight, built.modules[0].hidden.weight)
+
+
+@pytest.mark.distributed
+def test_stages_reach_the_compile_hook_materialized_and_initialized(tmp_path: Path) -> None:
+    run_distributed(_build, 1, tmp_dir=tmp_path, timeout=120)
+
+
+def test_stages_value_checks_infos_against_modules() -> None:
+    with pytest.raises(ValueError, match="1 stage infos for 2 stage modules"):
+        Stages((PipelineStageInfo(),), (nn.Linear(1, 1), nn.Linear(1, 1)))
+    with pytest.raises(ValueError, match="0 stage infos for 0 stage modules"):
+        Stages((), ())
