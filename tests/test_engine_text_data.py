@@ -54,3 +54,25 @@ def test_microbatches_and_elastic_resume(tmp_path: Path) -> None:
     while step := alone.next_step():
         seen += _docs(step)
     assert sorted(seen) == sorted(lines), "a document was skipped or repeated across the DP change"
+
+
+def test_padded_microbatches_declare_right_padding_to_the_model(tmp_path: Path) -> None:
+    """A padded microbatch carries its mask and the collator's side; the causal-LM task hands both to the
+    model, which then keeps the plain causal kernel; an unpadded one carries neither."""
+    from d9d.engine.builtin.causal_lm import CausalLMTask
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["short", "a much longer document line", "x" * 8, "y" * 8]))
+    task = CausalLMTask(CausalLMTask.Config())
+    seen_padded = False
+    for mb in _provider(corpus, 0, 1, 1).next_step() + _provider(corpus, 0, 1, 1).next_step():
+        inputs = task.forward_inputs(mb)
+        if "attention_mask" in mb:
+            seen_padded = True
+            assert inputs["padding_side"] == "right"
+            mask = inputs["attention_mask"]
+            # right padding: once a row's mask drops to 0 it never returns to 1
+            assert bool((mask[:, 1:] <= mask[:, :-1]).all())
+        else:
+            assert "padding_side" not in inputs
+    assert seen_padded, "the corpus was meant to give a padded microbatch"

@@ -332,8 +332,7 @@ def test_packed_collator_batch_keeps_documents_apart(backend: str) -> None:
     model = _tiny_qwen3(backend).double()
     lengths = (5, 7, 3)
     samples = [
-        {"input_ids": torch.randint(0, 43, (n,), generator=torch.Generator().manual_seed(n))}
-        for n in lengths
+        {"input_ids": torch.randint(0, 43, (n,), generator=torch.Generator().manual_seed(n))} for n in lengths
     ]
     batch = CausalLMCollator(pad_id=0, pack_length=16)(samples)
     assert batch["input_ids"].shape[0] == 1

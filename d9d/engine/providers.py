@@ -91,7 +91,7 @@ class LossOutput:
 
 @runtime_checkable
 class TrainTask(Protocol):
-    def forward_inputs(self, microbatch: PyTree) -> dict[str, torch.Tensor]:
+    def forward_inputs(self, microbatch: PyTree) -> dict[str, Any]:
         """Model keyword inputs for a microbatch (every pipeline stage receives them)."""
         ...
 
@@ -108,7 +108,7 @@ class TrainTask(Protocol):
 
 @runtime_checkable
 class InferenceTask(Protocol):
-    def forward_inputs(self, microbatch: PyTree) -> dict[str, torch.Tensor]: ...
+    def forward_inputs(self, microbatch: PyTree) -> dict[str, Any]: ...
 
     def process_outputs(self, outputs: Any, microbatch: PyTree) -> None:
         """Consume a microbatch's outputs (accumulate, write)."""

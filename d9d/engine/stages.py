@@ -17,8 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.determinism import parameter_init_rng
+from d9d.engine.errors import ConfigError
 from d9d.engine.providers import ModelProvider
-from d9d.parallel.compile import CompileConfig, CompileReport, compile_stage
+from d9d.parallel.compile import CompileConfig, CompileReport, check_compile_available, compile_stage
 from d9d.pipeline.api import PipelineStageInfo
 
 
@@ -28,6 +29,7 @@ class Stages:
 
     infos: tuple[PipelineStageInfo, ...]
     modules: tuple[nn.Module, ...]
+    compile_reports: tuple[CompileReport, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.modules or len(self.infos) != len(self.modules):
@@ -58,6 +60,10 @@ def build_stages(
     compile_config: CompileConfig,
     training: bool,
 ) -> Stages:
+    try:  # before anything is built: a config that cannot compile here fails with its reason
+        check_compile_available(compile_config, ctx.device)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     modules = []
     reports: list[CompileReport] = []
     for info in infos:
@@ -71,17 +77,30 @@ def build_stages(
         reports.append(compile_stage(module, compile_config, ctx.device))
         modules.append(module)
     _log_compile(ctx, reports)
-    return Stages(tuple(infos), tuple(modules))
+    return Stages(tuple(infos), tuple(modules), tuple(reports))
 
 
 def _log_compile(ctx: DistributedContext, reports: list[CompileReport]) -> None:
     """One line per run (stages of a rank compile alike; a differing report is logged too)."""
     if not ctx.is_main_process:
         return
-    for report in dict.fromkeys(reports):
+    lines = dict.fromkeys((r.enabled, r.regions, r.reason) for r in reports)
+    for enabled, regions, reason in lines:
         ctx.logger.info(
-            "compile: %s, regions %s (%s)",
-            "on" if report.enabled else "off",
-            ", ".join(report.regions) or "none",
-            report.reason,
+            "compile: %s, regions %s (%s)", "on" if enabled else "off", ", ".join(regions) or "none", reason
         )
+
+
+def log_compile_warmup(ctx: DistributedContext, stages: Stages) -> None:
+    """After the first step (when the compiled regions have been traced and compiled): how long it took."""
+    if not ctx.is_main_process:
+        return
+    for report in stages.compile_reports:
+        if report.enabled:
+            stats = report.stats
+            ctx.logger.info(
+                "compile warm-up: %.1f s, %d graph(s)%s",
+                stats.compile_seconds,
+                stats.graphs,
+                f"; fell back to eager: {stats.failure}" if stats.failure else "",
+            )

@@ -31,6 +31,7 @@ from d9d.engine.events import (
 )
 from d9d.engine.progress import StepProgress
 from d9d.engine.runtime import RankResult, RunReporter
+from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
 from d9d.engine.step import global_loss, to_device
 from d9d.engine.train_parts import TrainParts, build_train_parts
@@ -113,6 +114,7 @@ class Trainer:
                     if first_step:
                         # The attempt's first step is done (loading, compilation): hung ranks surface quickly.
                         self.ctx.set_timeout(timedelta(seconds=c.timeouts.step_s))
+                        log_compile_warmup(self.ctx, self.parts.stages)
                         first_step = False
                     self._after_step(self.progress.step)
             self._finish(finished)

@@ -19,10 +19,12 @@ from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput
 
 IGNORE_INDEX = -100
-_MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segment_ids", "labels")
+# `padding_side` is the collator's declaration (a string, not a tensor) that lets the model drop a
+# right-padding key mask and keep the plain causal kernel without inspecting the mask on the device
+_MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segment_ids", "labels", "padding_side")
 
 
-def _model_inputs(microbatch: PyTree) -> dict[str, torch.Tensor]:
+def _model_inputs(microbatch: PyTree) -> dict[str, Any]:
     return {k: microbatch[k] for k in _MODEL_INPUTS if k in microbatch}
 
 
@@ -46,7 +48,7 @@ class CausalLMTask:
     def __init__(self, config: Config) -> None:
         self.config = config
 
-    def forward_inputs(self, microbatch: PyTree) -> dict[str, torch.Tensor]:
+    def forward_inputs(self, microbatch: PyTree) -> dict[str, Any]:
         return _model_inputs(microbatch)
 
     def compute_loss(self, outputs: Any, microbatch: PyTree) -> LossOutput:
@@ -71,7 +73,7 @@ class PerplexityTask:
         self.nll_sum = 0.0
         self.tokens = 0.0
 
-    def forward_inputs(self, microbatch: PyTree) -> dict[str, torch.Tensor]:
+    def forward_inputs(self, microbatch: PyTree) -> dict[str, Any]:
         return _model_inputs(microbatch)
 
     def process_outputs(self, outputs: Any, microbatch: PyTree) -> None:

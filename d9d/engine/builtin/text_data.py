@@ -11,7 +11,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.core.types import PyTree
@@ -83,11 +82,12 @@ class TextDataProvider:
             for i in range(0, len(samples), s.microbatch_size)
         ]
 
-    def _collate(self, samples: list[Any]) -> dict[str, torch.Tensor]:
+    def _collate(self, samples: list[Any]) -> dict[str, Any]:
         batch = self.stream.collate(samples)
-        out = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
-        if bool((batch["attention_mask"] == 0).any()):
+        out: dict[str, Any] = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+        if bool((batch["attention_mask"] == 0).any()):  # a host tensor: no device sync
             out["attention_mask"] = batch["attention_mask"]  # only when padded: all-ones would cost speed
+            out["padding_side"] = self.stream.collate.side
         return out
 
     def state_dict(self) -> dict[str, Any]:
