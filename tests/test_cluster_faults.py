@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from d9d.cluster import JobState, TrainingJob
-from d9d.cluster.coordinator import NAMESPACE, rank_name
+from d9d.cluster.names import NAMESPACE, rank_name
 from d9d.cluster.spec import build_job
 from d9d.engine.checkpoint import read_latest, verify_manifest
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
