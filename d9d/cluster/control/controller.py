@@ -37,24 +37,32 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Reserve:
-    target: int  # ranks to aim for
+    """Reserve bundles for the largest valid layout up to `target` ranks that fits."""
+
+    target: int
     growing: bool  # a resize asked for `target`
 
 
 @dataclass(frozen=True)
 class Run:
+    """Start the attempt's ranks and watch them until it ends."""
+
     attempt: Attempt
 
 
 @dataclass(frozen=True)
 class Restart:
+    """Tear the attempt down, then act on the decision (Retry(0) for a resize)."""
+
     target: int
     growing: bool
-    decision: FailureDecision  # Retry(0) for a resize
+    decision: FailureDecision
 
 
 @dataclass(frozen=True)
 class End:
+    """The run is over; `error` says why when it failed."""
+
     state: JobState
     error: str | None = None
 

@@ -27,11 +27,15 @@ def is_retryable(error: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class Retry:
+    """Start the next attempt after `backoff_s` (a stop request cuts the wait short)."""
+
     backoff_s: float
 
 
 @dataclass(frozen=True)
 class GiveUp:
+    """End the run as failed; `error` goes to the run summary."""
+
     error: str
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from d9d.cluster.control.failure import is_retryable
@@ -26,41 +27,36 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[-1] if text else ''}"
 
 
+@dataclass
 class AttemptRunner:
-    def __init__(
-        self,
-        spec: JobSpec,
-        workers: WorkerGroup,
-        mailbox: CommandMailbox,
-        metrics: MetricsHub,
-        machine: StateMachine,
-        changes: Changes,
-        on_result: Callable[[RankResult], None],
-    ) -> None:
-        self._spec = spec
-        self._workers = workers
-        self._mailbox = mailbox
-        self._metrics = metrics
-        self._machine = machine
-        self._changes = changes
-        self._on_result = on_result  # rank 0's result of an attempt whose ranks all returned
-        c = spec.cluster
-        self._limits = Limits(spec.step_timeout_s, spec.init_timeout_s, c.heartbeat_timeout_s)
+    spec: JobSpec
+    workers: WorkerGroup
+    mailbox: CommandMailbox
+    metrics: MetricsHub
+    machine: StateMachine
+    changes: Changes
+    on_result: Callable[[RankResult], None]  # rank 0's result of an attempt whose ranks all returned
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            self.spec.step_timeout_s, self.spec.init_timeout_s, self.spec.cluster.heartbeat_timeout_s
+        )
 
     async def run(self, at: Attempt) -> Outcome:
         try:
-            launches = await self._workers.start(at)
+            launches = await self.workers.start(at)
         except Exception as e:
             return Failed(f"starting ranks: {describe(e)}", retryable=is_retryable(e))
         # Opening a tracker (an MLflow store) can take longer than starting the ranks; training begins
         # only once metric points can be written as they arrive.
-        await asyncio.to_thread(self._metrics.wait_ready, self._spec.init_timeout_s)
+        await asyncio.to_thread(self.metrics.wait_ready, self.spec.init_timeout_s)
         at.live.progress = time.monotonic()
-        if self._mailbox.paused:  # the new rank 0 pauses at its first step boundary
-            self._mailbox.post(Command(CommandKind.PAUSE))
+        if self.mailbox.paused:  # the new rank 0 pauses at its first step boundary
+            self.mailbox.post(Command(CommandKind.PAUSE))
         runs = {asyncio.ensure_future(a.run.remote(launch)): r for r, (a, launch) in enumerate(launches)}
-        self._machine.to(JobState.RUNNING)
-        await self._changes.notify()
+        self.machine.to(JobState.RUNNING)
+        await self.changes.notify()
         return await self._watch(at, runs)
 
     async def _watch(self, at: Attempt, runs: dict[asyncio.Future[Any], int]) -> Outcome:
@@ -76,7 +72,7 @@ class AttemptRunner:
                     return Failed(f"rank {rank}: {describe(e)}", retryable=is_retryable(e))
             if not pending:
                 final = results[0]
-                self._on_result(final)
+                self.on_result(final)
                 return Finished() if final.status == "finished" else Stopped()
             outcome = self._interrupted(at, results)
             if outcome is not None:
@@ -85,14 +81,14 @@ class AttemptRunner:
     def _interrupted(self, at: Attempt, results: dict[int, RankResult]) -> Outcome | None:
         """Why a running attempt must end now: a kill, a failed health check, or a resize."""
         now = time.monotonic()
-        if self._mailbox.kill:
+        if self.mailbox.kill:
             return Stopped("killed by request")
         live = at.live
         if results:
             live.returned = frozenset(results)
             live.first_returned = live.first_returned or now
-        failure = first_failure(live, self._limits, now, self._mailbox.paused)
+        failure = first_failure(live, self.limits, now, self.mailbox.paused)
         if failure is not None:
             return failure
-        workers = self._mailbox.take_resize()
+        workers = self.mailbox.take_resize()
         return Resize(workers) if workers is not None else None
