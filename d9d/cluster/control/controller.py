@@ -202,9 +202,12 @@ class Controller:
         await self._changes.notify()
 
     async def teardown(self) -> None:
-        at, self.attempt = self.attempt, None
+        # The attempt stays current until its ranks are gone: points and step boundaries still in flight
+        # from them (a rank 0 that just committed before a resize) are accepted meanwhile.
+        at = self.attempt
         if at is not None:
             await self._workers.teardown(at)
+            self.attempt = None
 
     def finish(self, state: JobState) -> RunSummary:
         """Enter the terminal state and write `run_summary.json`."""
