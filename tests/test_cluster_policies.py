@@ -347,3 +347,118 @@ def test_tracker_sink_merges_a_step_and_names_health_and_cluster_points(
     assert tracker.opened == {"run_id": "r1"}
     TrackerSink(tracker, RunSpec("r"), state, resume=False)  # type: ignore[arg-type]
     assert tracker.opened is None
+
+
+# -- the controller's loop, with a fake worker group and runner --------------------------------------------
+
+
+class _FakeWorkers:
+    def __init__(self, policy: ScalingPolicy, capacity: list[int]) -> None:
+        self.policy = policy
+        self.capacity = capacity  # per reservation
+        self.torn_down: list[int] = []
+
+    async def reserve(self, target: int) -> tuple[Any, Any] | None:
+        return self.policy.candidates(target, self.capacity.pop(0))[0], "pg"
+
+    async def teardown(self, at: Any) -> None:
+        self.torn_down.append(at.index)
+
+    def free(self) -> int:
+        return 0
+
+    def alive(self) -> frozenset[str]:
+        return frozenset({"head"})
+
+
+class _FakeRunner:
+    def __init__(self, outcomes: list[Outcome]) -> None:
+        self.outcomes = outcomes
+        self.machine: StateMachine | None = None
+        self.ran: list[tuple[int, int]] = []  # (attempt index, world size)
+
+    async def run(self, at: Any) -> Outcome:
+        assert self.machine is not None
+        self.machine.to(JobState.RUNNING)  # as the real runner does once the ranks run
+        self.ran.append((at.index, at.plan.world_size))
+        return self.outcomes.pop(0)
+
+
+def _controller(
+    tmp_path: Path,
+    outcomes: list[Outcome],
+    capacity: list[int],
+    mailbox: CommandMailbox | None = None,
+    changes: Any = None,
+    **cluster: Any,
+) -> Any:
+    from d9d.cluster.checkpoints import CheckpointStore
+    from d9d.cluster.control.controller import Controller
+    from d9d.cluster.control.signal import Changes
+
+    mailbox = mailbox or CommandMailbox()
+    changes = changes or Changes()
+    job = toy_job("ctl", tmp_path / "run", world=4, cluster={"min_workers": 1, "max_workers": 4, **cluster})
+    spec = build_job(job)
+    workers = _FakeWorkers(ScalingPolicy.for_job(spec), capacity)
+    runner = _FakeRunner(outcomes)
+    hub = MetricsHub(MetricsWriter(lambda: _Sink(), min_interval_s=0.0))
+    store = CheckpointStore(spec.checkpoint_dir, 2)
+    ctl = Controller(spec, store, mailbox, hub, changes, workers=workers, runner=runner)
+    runner.machine = ctl.machine
+    return ctl, workers, runner
+
+
+def test_controller_restarts_shrinks_grows_and_finishes(tmp_path: Path) -> None:
+    import asyncio
+
+    outcomes: list[Outcome] = [Failed("rank 3: node lost"), Resize(4), Finished()]
+    ctl, workers, runner = _controller(tmp_path, outcomes, capacity=[4, 2, 4], restart_backoff_s=0.01)
+    state = asyncio.run(ctl.run())
+    summary = ctl.finish(state)
+
+    assert state is JobState.FINISHED
+    assert runner.ran == [(0, 4), (1, 2), (2, 4)]
+    assert workers.torn_down == [0, 1, 2]
+    assert (summary.world_sizes, summary.resizes, summary.failures) == ([4, 2, 4], 1, ["rank 3: node lost"])
+    assert summary.restarts == 2 and summary.error is None
+    start, run, restart = JobState.STARTING, JobState.RUNNING, JobState.RESTARTING
+    assert [s for _, s in ctl.machine.history] == [
+        JobState.PENDING, start, run, restart, start, run, restart, start, run, JobState.FINISHED
+    ]  # fmt: skip
+    assert (tmp_path / "run" / "run_summary.json").is_file()
+
+
+def test_controller_gives_up_when_the_budget_is_spent(tmp_path: Path) -> None:
+    import asyncio
+
+    outcomes: list[Outcome] = [Failed("a"), Failed("b")]
+    ctl, workers, runner = _controller(
+        tmp_path, outcomes, capacity=[4, 4], max_failures=1, restart_backoff_s=0.01
+    )
+    state = asyncio.run(ctl.run())
+
+    assert state is JobState.FAILED and len(runner.ran) == 2
+    assert ctl.summary.error == "gave up after 2 failures (cluster.max_failures=1); last: b"
+    assert workers.torn_down == [0, 1]
+    assert ctl.machine.state is JobState.RESTARTING  # `finish` enters the terminal state
+
+
+def test_controller_stops_before_reserving_again_after_a_stop(tmp_path: Path) -> None:
+    import asyncio
+
+    from d9d.cluster.control.signal import Changes
+
+    async def main() -> JobState:
+        mailbox, changes = CommandMailbox(), Changes()
+        ctl, _, runner = _controller(tmp_path, [Failed("a")], [4], mailbox, changes, restart_backoff_s=30.0)
+        task = asyncio.create_task(ctl.run())
+        while ctl.machine.state is not JobState.RESTARTING:
+            await asyncio.sleep(0.01)
+        mailbox.post(Command(CommandKind.STOP))  # a client's stop during the 30 s backoff
+        await changes.notify()
+        state = await task
+        assert len(runner.ran) == 1
+        return state
+
+    assert asyncio.run(main()) is JobState.STOPPED

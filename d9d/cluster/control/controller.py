@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from d9d.cluster.checkpoints import CheckpointStore
 from d9d.cluster.control.failure import FailureDecision, FailurePolicy, GiveUp, Retry
@@ -26,7 +27,8 @@ from d9d.cluster.control.outcome import Failed, Finished, Outcome, Resize, Stopp
 from d9d.cluster.control.runner import AttemptRunner
 from d9d.cluster.control.scaling import ScalingPolicy
 from d9d.cluster.control.signal import Changes
-from d9d.cluster.control.workers import Attempt, WorkerGroup, alive_nodes
+from d9d.cluster.control.workers import Attempt, WorkerGroup
+from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, RunSummary, StateMachine
 from d9d.core.files import atomic_write_text
@@ -97,6 +99,24 @@ def job_state_of(state: ControllerState) -> JobState | None:
             return job_state
 
 
+class Workers(Protocol):
+    """What the controller needs of the worker group (`WorkerGroup` on Ray)."""
+
+    async def reserve(self, target: int) -> tuple[WorldPlan, Any] | None: ...
+
+    async def teardown(self, at: Attempt) -> None: ...
+
+    def free(self) -> int: ...
+
+    def alive(self) -> frozenset[str]: ...
+
+
+class Runs(Protocol):
+    """Runs one attempt to its outcome (`AttemptRunner` on Ray)."""
+
+    async def run(self, at: Attempt) -> Outcome: ...
+
+
 class Controller:
     def __init__(
         self,
@@ -105,6 +125,9 @@ class Controller:
         mailbox: CommandMailbox,
         metrics: MetricsHub,
         changes: Changes,
+        *,
+        workers: Workers | None = None,
+        runner: Runs | None = None,
     ) -> None:
         self._spec = spec
         self._store = store
@@ -116,9 +139,10 @@ class Controller:
         c = spec.cluster
         self.failures = FailurePolicy(c.max_failures, c.restart_backoff_s, c.max_backoff_s)
         self._scaling = ScalingPolicy.for_job(spec)
-        self._workers = WorkerGroup(spec, mailbox, self._scaling)
-        self._runner = AttemptRunner(
-            spec, self._workers, mailbox, metrics, self.machine, changes, self._result
+        group = WorkerGroup(spec, mailbox, self._scaling)
+        self._workers: Workers = workers or group
+        self._runner: Runs = runner or AttemptRunner(
+            spec, group, mailbox, metrics, self.machine, changes, self._result
         )
         self.attempt: Attempt | None = None
         self.attempts = 0  # started so far
@@ -169,7 +193,7 @@ class Controller:
             return End(JobState.STOPPED)
         plan, pg = reserved
         if state.growing:
-            self._scaling.resize_reserved(state.target, plan.world_size, alive_nodes())
+            self._scaling.resize_reserved(state.target, plan.world_size, self._workers.alive())
         resumed_from = await asyncio.to_thread(self._prepare_store)
         self.attempt = Attempt(self.attempts, plan, pg, resumed_from, Liveness(plan.world_size))
         await self._started(self.attempt)
@@ -251,7 +275,7 @@ class Controller:
         at.live.progress = time.monotonic()
         if not self._scaling.may_grow(at.plan.world_size):
             return  # without asking Ray
-        workers = self._scaling.grow_to(at.plan.world_size, self._workers.free(), alive_nodes())
+        workers = self._scaling.grow_to(at.plan.world_size, self._workers.free(), self._workers.alive())
         if workers is not None:
             self._mailbox.request_resize(workers)
 

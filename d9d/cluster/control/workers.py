@@ -45,10 +45,6 @@ class Attempt:
     actors: list[Any] = field(default_factory=list)
 
 
-def alive_nodes() -> frozenset[str]:
-    return frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-
-
 class WorkerGroup:
     def __init__(self, spec: JobSpec, mailbox: CommandMailbox, scaling: ScalingPolicy) -> None:
         self._spec = spec
@@ -60,6 +56,9 @@ class WorkerGroup:
 
     def free(self) -> int:
         return free_capacity(ray.available_resources(), self._spec.cluster.resources)
+
+    def alive(self) -> frozenset[str]:
+        return frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
     async def reserve(self, target: int) -> tuple[WorldPlan, PlacementGroup] | None:
         """A placement group for the largest valid world size ≤ target that the cluster can hold (None:
