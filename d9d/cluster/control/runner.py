@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from d9d.cluster.control.failure import is_retryable
 from d9d.cluster.control.health import Limits, first_failure
 from d9d.cluster.control.mailbox import CommandMailbox
@@ -25,6 +27,11 @@ _POLL_S = 0.1
 def describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[-1] if text else ''}"
+
+
+def _process_died(fut: asyncio.Future[Any]) -> bool:
+    """A rank whose process died is the cause when it fails together with peers whose collectives broke."""
+    return isinstance(fut.exception(), RayActorError)
 
 
 @dataclass
@@ -64,7 +71,7 @@ class AttemptRunner:
         pending = set(runs)
         while True:
             done, pending = await asyncio.wait(pending, timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
+            for fut in sorted(done, key=lambda f: (not _process_died(f), runs[f])):
                 rank = runs[fut]
                 try:
                     results[rank] = fut.result()
