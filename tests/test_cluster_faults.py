@@ -109,18 +109,19 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(
 
 
 def test_a_non_retryable_error_ends_the_run_without_a_restart(tmp_path: Path) -> None:
-    """An error the rank marks as not retryable ends the run at once, with budget left for retries (Ray
-    re-raises it as a class that still derives from the rank's error type)."""
-    fatal = {"kind": "raise_non_retryable", "step": 3, "rank": 1}
+    """An error the ranks mark as not retryable (raised on every rank, as a bad input would be) ends the
+    run at once, with budget left for retries: Ray re-raises it as a class that still derives from the
+    rank's error type."""
+    fatal = [{"kind": "raise_non_retryable", "step": 3, "rank": r} for r in range(2)]
     job = toy_job(
-        "fatal", tmp_path, steps=STEPS, model={"options": {"faults": [fatal]}}, cluster={"max_failures": 3}
+        "fatal", tmp_path, steps=STEPS, model={"options": {"faults": fatal}}, cluster={"max_failures": 3}
     )
     summary = TrainingJob(build_job(job)).start().result(timeout=180)
 
     assert summary.status == "failed"
     assert summary.restarts == 0 and summary.world_sizes == [2]
     assert len(summary.failures) == 1 and "NonRetryableError" in summary.failures[0]
-    assert summary.error is not None and summary.error.startswith("not retryable: rank 1")
+    assert summary.error is not None and summary.error.startswith("not retryable: rank ")
 
 
 def test_interactive_pause_checkpoint_update_resume_stop(tmp_path: Path) -> None:

@@ -462,3 +462,31 @@ def test_controller_stops_before_reserving_again_after_a_stop(tmp_path: Path) ->
         return state
 
     assert asyncio.run(main()) is JobState.STOPPED
+
+
+def test_of_ranks_failing_together_a_dead_process_then_a_fatal_error_names_the_failure() -> None:
+    import asyncio
+
+    from ray.exceptions import RayActorError
+
+    from d9d.cluster.control.runner import failure_precedence
+
+    async def futures() -> list[int]:
+        loop = asyncio.get_running_loop()
+        errors: list[BaseException | None] = [
+            RuntimeError("gloo: connection closed by peer"),
+            NonRetryableError("bad input"),
+            None,  # returned
+            RayActorError(),
+        ]
+        futs = []
+        for error in errors:
+            fut: asyncio.Future[Any] = loop.create_future()
+            if error is None:
+                fut.set_result(0)
+            else:
+                fut.set_exception(error)
+            futs.append(fut)
+        return [failure_precedence(f) for f in futs]
+
+    assert asyncio.run(futures()) == [2, 1, 2, 0]

@@ -29,9 +29,15 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[-1] if text else ''}"
 
 
-def _process_died(fut: asyncio.Future[Any]) -> bool:
-    """A rank whose process died is the cause when it fails together with peers whose collectives broke."""
-    return isinstance(fut.exception(), RayActorError)
+def failure_precedence(fut: asyncio.Future[Any]) -> int:
+    """Which of the ranks that failed together names the attempt's failure: one whose process died (its
+    peers' collectives broke because of it), then one whose error is not retryable, then any."""
+    error = fut.exception()
+    if isinstance(error, RayActorError):
+        return 0
+    if error is not None and not is_retryable(error):
+        return 1
+    return 2
 
 
 @dataclass
@@ -71,7 +77,7 @@ class AttemptRunner:
         pending = set(runs)
         while True:
             done, pending = await asyncio.wait(pending, timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: (not _process_died(f), runs[f])):
+            for fut in sorted(done, key=lambda f: (failure_precedence(f), runs[f])):
                 rank = runs[fut]
                 try:
                     results[rank] = fut.result()
