@@ -13,7 +13,8 @@ model small enough that a whole Ray test takes seconds:
 - rank 0 polls commands at every step boundary and broadcasts them;
 - every rank logs the sample indices it trained on to `<run dir>/samples/`, so tests can prove that no
   sample was skipped or repeated;
-- faults can be injected from the config (hang, crash while writing a checkpoint, raise).
+- faults can be injected from the config (hang, crash while writing a checkpoint, raise, raise an error
+  that is not retryable).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class _Opts(BaseModel):
 
 
 class Fault(_Opts):
-    kind: Literal["hang", "exit_in_checkpoint", "raise"]
+    kind: Literal["hang", "exit_in_checkpoint", "raise", "raise_non_retryable"]
     step: int
     rank: int = 0
     attempt: int = 0
@@ -265,6 +266,10 @@ class _Toy:
             time.sleep(3600)
         if self._fault("raise", self.step + 1):
             raise RuntimeError(f"injected failure at step {self.step + 1}")
+        if self._fault("raise_non_retryable", self.step + 1):
+            from d9d.cluster import NonRetryableError
+
+            raise NonRetryableError(f"injected fatal error at step {self.step + 1}")
         dist.all_reduce(packed)
         loss = self.update(packed)
         self.position += self.global_batch

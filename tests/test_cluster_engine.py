@@ -14,7 +14,7 @@ import ray
 import torch
 
 from d9d.cluster import JobState, TrainingJob, build_job
-from d9d.cluster.coordinator import NAMESPACE, rank_name
+from d9d.cluster.names import NAMESPACE, rank_name
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import parse_config
 from d9d.engine.launch import run_rank

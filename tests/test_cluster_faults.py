@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from d9d.cluster import JobState, TrainingJob
-from d9d.cluster.coordinator import NAMESPACE, rank_name
+from d9d.cluster.names import NAMESPACE, rank_name
 from d9d.cluster.spec import build_job
 from d9d.engine.checkpoint import read_latest, verify_manifest
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
@@ -106,6 +106,22 @@ def test_crash_during_checkpoint_write_keeps_previous_checkpoint(
     latest = read_latest(tmp_path / "checkpoints")
     assert latest is not None and latest.name.endswith(f"{STEPS:08d}")
     verify_manifest(latest)
+
+
+def test_a_non_retryable_error_ends_the_run_without_a_restart(tmp_path: Path) -> None:
+    """An error the ranks mark as not retryable (raised on every rank, as a bad input would be) ends the
+    run at once, with budget left for retries: Ray re-raises it as a class that still derives from the
+    rank's error type."""
+    fatal = [{"kind": "raise_non_retryable", "step": 3, "rank": r} for r in range(2)]
+    job = toy_job(
+        "fatal", tmp_path, steps=STEPS, model={"options": {"faults": fatal}}, cluster={"max_failures": 3}
+    )
+    summary = TrainingJob(build_job(job)).start().result(timeout=180)
+
+    assert summary.status == "failed"
+    assert summary.restarts == 0 and summary.world_sizes == [2]
+    assert len(summary.failures) == 1 and "NonRetryableError" in summary.failures[0]
+    assert summary.error is not None and summary.error.startswith("not retryable: rank ")
 
 
 def test_interactive_pause_checkpoint_update_resume_stop(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from d9d.cluster import JobState, TrainingJob, build_job
-from d9d.cluster.coordinator import NAMESPACE, rank_name
+from d9d.cluster.names import NAMESPACE, rank_name
 from d9d.engine.checkpoint import read_latest, verify_manifest
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 

@@ -9,17 +9,23 @@ import pytest
 
 from d9d.cluster.checkpoints import CheckpointStore
 from d9d.cluster.config import RankResources
-from d9d.cluster.coordinator import _device_placement
 from d9d.cluster.elastic import valid_plans
-from d9d.cluster.placement import assign_bundles, free_capacity, local_ranks, node_capacity
+from d9d.cluster.placement import (
+    assign_bundles,
+    device_placement,
+    free_capacity,
+    local_ranks,
+    node_capacity,
+)
 from d9d.cluster.rank import RankNode
-from d9d.cluster.sink import ReplayFilter, metric_names
+from d9d.cluster.sink import ReplayFilter
 from d9d.cluster.spec import build_job, load_job
 from d9d.cluster.state import IllegalTransition, JobState, RunSummary, StateMachine
 from d9d.core import DeviceMeshParameters
 from d9d.engine.checkpoint import CheckpointError, read_latest, step_dir_name
 from d9d.engine.config import BatchingConfig, ConfigError
 from d9d.engine.runtime import CheckpointFile, MetricPoint, RankCheckpointReport
+from d9d.engine.tracking_sink import metric_names
 from tests.cluster_fixtures import toy_job
 
 pytestmark = pytest.mark.timeout(60)
@@ -129,8 +135,8 @@ def test_gpu_ranks_see_their_node_gpus_and_drive_their_own() -> None:
         RankNode("n1", "10.0.0.1", ("1",)),
         RankNode("n2", "10.0.0.2", ("0",)),
     ]
-    assert _device_placement(nodes, gpus=True) == [(1, 2, "1,3"), (0, 2, "1,3"), (0, 1, "0")]
-    assert _device_placement(nodes, gpus=False) == [(0, 2, None), (1, 2, None), (0, 1, None)]
+    assert device_placement(nodes, gpus=True) == [(1, 2, "1,3"), (0, 2, "1,3"), (0, 1, "0")]
+    assert device_placement(nodes, gpus=False) == [(0, 2, None), (1, 2, None), (0, 1, None)]
 
 
 # -- state ------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from d9d.cluster.client import TrainingJob, connect, disconnect
 from d9d.cluster.config import ClusterConfig, CoordinatorStorage, RankResources, SharedStorage
+from d9d.cluster.control.failure import NonRetryableError
 from d9d.cluster.spec import JobSpec, build_job, load_job
 from d9d.cluster.state import JobState, JobStatus, RunSummary
 
@@ -11,6 +12,7 @@ __all__ = [
     "JobSpec",
     "JobState",
     "JobStatus",
+    "NonRetryableError",
     "RankResources",
     "RunSummary",
     "SharedStorage",

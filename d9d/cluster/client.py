@@ -16,7 +16,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from d9d.cluster.coordinator import NAMESPACE, Coordinator, coordinator_name, rank_name
+from d9d.cluster.coordinator import Coordinator
+from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
 from d9d.cluster.sink import build_sink
 from d9d.cluster.spec import JobSpec, build_job, load_job
 from d9d.cluster.state import JobStatus, RunSummary
@@ -214,10 +215,4 @@ def _release_finished(name: str) -> None:
     if not old_status.state.terminal:
         return
     ray.kill(old, no_restart=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            return
-        time.sleep(0.05)
+    wait_names_free([name], 30.0)

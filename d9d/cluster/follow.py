@@ -9,7 +9,7 @@ from typing import TextIO
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from d9d.cluster.client import TrainingJob
-from d9d.cluster.coordinator import CLUSTER_RANK
+from d9d.cluster.control.metrics import CLUSTER_RANK
 from d9d.cluster.state import JobState, JobStatus, RunSummary
 from d9d.engine.runtime import MetricPoint
 

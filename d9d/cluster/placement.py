@@ -10,9 +10,12 @@ fit, and their collectives off the network.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from d9d.cluster.config import RankResources
+
+if TYPE_CHECKING:
+    from d9d.cluster.rank import RankNode
 
 
 def bundle_for(resources: RankResources) -> dict[str, float]:
@@ -59,3 +62,21 @@ def node_capacity(nodes: Sequence[Mapping[str, Any]], resources: RankResources) 
 def free_capacity(available: Mapping[str, float], resources: RankResources) -> int:
     """Extra rank bundles the cluster's free resources (`ray.available_resources()`) could hold."""
     return int(min(available.get(key, 0.0) // amount for key, amount in bundle_for(resources).items()))
+
+
+def device_placement(nodes: Sequence[RankNode], *, gpus: bool) -> list[tuple[int, int, str | None]]:
+    """(local rank, local world size, CUDA_VISIBLE_DEVICES) per rank.
+
+    GPU ranks on one node all see that node's job GPUs, and a rank's local rank is the index of the GPU
+    Ray gave it among them, so `cuda:<LOCAL_RANK>` is exactly its own device.
+    """
+    if not gpus:
+        return [(local, size, None) for local, size in local_ranks([n.node_id for n in nodes])]
+    per_node: dict[str, list[str]] = {}
+    for n in nodes:
+        per_node.setdefault(n.node_id, []).extend(n.gpu_ids)
+    out: list[tuple[int, int, str | None]] = []
+    for n in nodes:
+        ids = sorted(per_node[n.node_id], key=lambda g: (len(g), g))
+        out.append((ids.index(n.gpu_ids[0]), len(ids), ",".join(ids)))
+    return out

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported by c10d, not re-declared
 
 from d9d.cluster.reporter import CoordinatorTransfer, RayRunReporter
+from d9d.core.context import init_process_group
 from d9d.engine.runtime import RankResult, RankRuntime
 
 
@@ -128,18 +129,12 @@ class RankActor:
             store = TCPStore(
                 launch.master_addr, launch.master_port, rt.world_size, is_master=False, timeout=timeout
             )
-        if launch.backend == "nccl":
-            device = torch.device("cuda", rt.local_rank)
-            torch.cuda.set_device(device)
-            dist.init_process_group(
-                "cuda:nccl,cpu:gloo",
-                store=store,
-                rank=rt.rank,
-                world_size=rt.world_size,
-                timeout=timeout,
-                device_id=device,
-            )
-        else:
-            dist.init_process_group(
-                "gloo", store=store, rank=rt.rank, world_size=rt.world_size, timeout=timeout
-            )
+        device = torch.device("cuda", rt.local_rank) if launch.backend == "nccl" else None
+        init_process_group(
+            launch.backend,
+            device=device,
+            store=store,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            timeout=timeout,
+        )

@@ -10,20 +10,22 @@ queues what it returns for the next step boundary. Checkpoint calls do wait; the
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
-import os
 import shutil
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import ray
 
+from d9d.core.files import atomic_write
 from d9d.engine.checkpoint import sha256_of, step_dir_name
-from d9d.engine.runtime import Command, MetricPoint, RankCheckpointReport
+from d9d.engine.runtime import CheckpointFile, Command, MetricPoint, RankCheckpointReport
 
 _log = logging.getLogger(__name__)
 
@@ -114,7 +116,7 @@ class RayRunReporter:
             try:
                 sent_step = self._send(last_step=sent_step)
                 if time.monotonic() >= next_beat:
-                    self._coordinator.heartbeat.remote(self.attempt, self._rank, [])
+                    self._coordinator.heartbeat.remote(self.attempt, self._rank)
                     next_beat = time.monotonic() + self._heartbeat_s
             except Exception:  # the coordinator is gone: its supervisor tears this rank down
                 _log.debug("courier call failed", exc_info=True)
@@ -175,7 +177,7 @@ class RayRunReporter:
             if old.is_dir() and old.name < step_dir_name(report.step):
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _download(self, step: int, files: Sequence[Any]) -> Path:
+    def _download(self, step: int, files: Sequence[CheckpointFile]) -> Path:
         assert self._transfer is not None
         step_dir = self._transfer.local_root / step_dir_name(step)
         for f in files:
@@ -183,15 +185,19 @@ class RayRunReporter:
             if target.is_file() and target.stat().st_size == f.size_bytes and sha256_of(target) == f.sha256:
                 continue  # this rank wrote it itself
             target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.part-{os.getpid()}")
-            with partial.open("wb") as out:
-                offset = 0
-                while offset < f.size_bytes:
-                    size = min(self._transfer.chunk_bytes, f.size_bytes - offset)
-                    data = ray.get(self._coordinator.read_chunk.remote(step, f.relative_path, offset, size))
-                    out.write(data)
-                    offset += len(data)
-            if sha256_of(partial) != f.sha256:
-                raise RuntimeError(f"checkpoint file {f.relative_path} of step {step} arrived corrupted")
-            os.replace(partial, target)
+            atomic_write(target, functools.partial(self._fetch, step, f))
         return step_dir
+
+    def _fetch(self, step: int, f: CheckpointFile, out: BinaryIO) -> None:
+        """Write one committed file into `out`, checking it against its sha256 before it is kept."""
+        assert self._transfer is not None
+        digest = hashlib.sha256()
+        offset = 0
+        while offset < f.size_bytes:
+            size = min(self._transfer.chunk_bytes, f.size_bytes - offset)
+            data = ray.get(self._coordinator.read_chunk.remote(step, f.relative_path, offset, size))
+            out.write(data)
+            digest.update(data)
+            offset += len(data)
+        if digest.hexdigest() != f.sha256:
+            raise RuntimeError(f"checkpoint file {f.relative_path} of step {step} arrived corrupted")

@@ -3,18 +3,17 @@ server, a SQLite store on a network disk) never delays the calls ranks make."""
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from d9d.engine.runtime import MetricPoint
-from d9d.tracking import RunSpec, Tracker, build_tracker
-from d9d.tracking.protocol import RunStatus
+from d9d.engine.tracking_sink import STATE_FILE, TrackerSink
+from d9d.tracking import RunSpec, RunStatus, build_tracker
 
 if TYPE_CHECKING:
     from d9d.cluster.spec import JobSpec
@@ -25,7 +24,12 @@ _log = logging.getLogger(__name__)
 class MetricSink(Protocol):
     def write(self, points: Sequence[MetricPoint]) -> None: ...
 
-    def close(self, status: str) -> None: ...
+    def close(self, status: RunStatus) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Close:
+    status: RunStatus
 
 
 class MetricsWriter:
@@ -34,7 +38,7 @@ class MetricsWriter:
     fast-stepping job from spending a CPU core on its tracker, at a bounded cost in lag."""
 
     def __init__(self, sink_factory: Callable[[], MetricSink], min_interval_s: float = 0.2) -> None:
-        self._queue: queue.Queue[MetricPoint | str] = queue.Queue()
+        self._queue: queue.Queue[MetricPoint | _Close] = queue.Queue()
         self._factory = sink_factory
         self._interval = min_interval_s
         self._ready = threading.Event()
@@ -48,8 +52,8 @@ class MetricsWriter:
     def submit(self, point: MetricPoint) -> None:
         self._queue.put(point)
 
-    def close(self, status: str, timeout_s: float = 60.0) -> None:
-        self._queue.put(status)
+    def close(self, status: RunStatus, timeout_s: float = 60.0) -> None:
+        self._queue.put(_Close(status))
         self._thread.join(timeout_s)
 
     def _loop(self) -> None:
@@ -68,7 +72,7 @@ class MetricsWriter:
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
             points = [item for item in items if isinstance(item, MetricPoint)]
-            status = next((item for item in items if isinstance(item, str)), None)
+            status = next((item.status for item in items if isinstance(item, _Close)), None)
             if points and sink is not None:
                 try:
                     sink.write(points)
@@ -101,50 +105,6 @@ class ReplayFilter:
         return True
 
 
-def metric_names(point: MetricPoint) -> dict[str, float]:
-    """Tracker keys, as the engine's own launchers name them: train/eval values as they are,
-    `health/rank<r>/…` per rank, and `cluster/…` for the coordinator's own (rank -1)."""
-    if point.rank < 0:
-        prefix = "cluster/"
-    elif point.kind == "health":
-        prefix = f"health/rank{point.rank}/"
-    else:
-        prefix = ""
-    return {f"{prefix}{key}": float(value) for key, value in point.values.items()}
-
-
-class TrackerSink:
-    """Feeds a `d9d.tracking` tracker: one `log_scalars` per step, merging the points of that step.
-
-    The tracker's resume state is kept in the run directory. When the job resumes from a checkpoint
-    (a later `d9d train` of the same run), the same tracker run continues and the steps recomputed
-    after the checkpoint are not written twice.
-    """
-
-    def __init__(self, tracker: Tracker, run: RunSpec, state_file: Path, resume: bool) -> None:
-        self._tracker = tracker
-        previous = json.loads(state_file.read_text()) if resume and state_file.is_file() else None
-        tracker.open(run, resume=previous)
-        state_file.parent.mkdir(parents=True, exist_ok=True)
-        state_file.write_text(json.dumps(tracker.resume_state()))
-
-    def write(self, points: Sequence[MetricPoint]) -> None:
-        by_step: dict[int, dict[str, float]] = {}
-        for p in points:
-            by_step.setdefault(p.step, {}).update(metric_names(p))
-        reported = [p.wall_time for p in points if p.rank >= 0 and p.wall_time > 0]
-        if reported:  # how long the oldest point took from its rank to here (same clock on one node)
-            by_step[max(by_step)]["cluster/metrics_lag_s"] = max(0.0, time.time() - min(reported))
-        for step, values in sorted(by_step.items()):
-            self._tracker.log_scalars(step, values)
-
-    def close(self, status: str) -> None:
-        self._tracker.close(_TRACKER_STATUS.get(status, "failed"))
-
-
-_TRACKER_STATUS: dict[str, RunStatus] = {"finished": "finished", "stopped": "killed", "failed": "failed"}
-
-
 def build_sink(spec: JobSpec) -> MetricSink:
     """The tracker the engine config names (`logging.tracker`); MLflow with a SQLite store in the run
     directory when it names none."""
@@ -157,4 +117,5 @@ def build_sink(spec: JobSpec) -> MetricSink:
     params = {**run_params(spec.train), "cluster": spec.cluster.model_dump(mode="json")}
     run = RunSpec(name=spec.run_name, params=params, tags={"d9d.launcher": "ray"})
     resume = CheckpointStore(spec.checkpoint_dir, spec.train.checkpointing.keep_last).latest() is not None
-    return TrackerSink(build_tracker(config, spec.run_dir), run, spec.run_dir / "tracker_state.json", resume)
+    tracker = build_tracker(config, spec.run_dir)
+    return TrackerSink(tracker, run, spec.run_dir / STATE_FILE, resume=resume, report_lag=True)

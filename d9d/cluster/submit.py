@@ -14,7 +14,7 @@ from typing import Any
 from ray.job_submission import JobStatus as RayJobStatus
 from ray.job_submission import JobSubmissionClient
 
-from d9d.cluster.coordinator import NAMESPACE
+from d9d.cluster.names import NAMESPACE
 from d9d.cluster.spec import load_job
 
 RUN_KEY = "d9d_run"

@@ -12,11 +12,12 @@ import datetime
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import Store
 
 from d9d.core.domains import DomainLayout, MeshDomain, compute_layout
 from d9d.core.logging import RankLoggerAdapter, build_rank_logger
@@ -32,6 +33,35 @@ def resolve_backend(choice: BackendChoice) -> Literal["nccl", "gloo"]:
     if choice == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend='nccl' was requested but no CUDA device is visible to this process")
     return choice
+
+
+def init_process_group(
+    backend: Literal["nccl", "gloo"],
+    *,
+    device: torch.device | None = None,
+    store: Store | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+    timeout: datetime.timedelta | None = None,
+) -> None:
+    """Create the default process group: gloo, or NCCL with gloo alongside for the CPU-side object
+    collectives (metrics, manifests) on `device`.
+
+    Without `store`, torch reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment, as
+    torchrun sets them; with it, `rank` and `world_size` say who this process is.
+    """
+    kwargs: dict[str, Any] = {}
+    if store is not None:
+        kwargs.update(store=store, rank=rank, world_size=world_size)
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if backend == "nccl":
+        if device is None:
+            raise ValueError("init_process_group: backend 'nccl' needs the rank's CUDA device")
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo", device_id=device, **kwargs)
+    else:
+        dist.init_process_group(backend="gloo", **kwargs)
 
 
 def _local_rank() -> int:
@@ -71,14 +101,7 @@ class DistributedContext:
         resolved = resolve_backend(backend)
         device = _select_device(resolved, device_index)
         if not dist.is_initialized():
-            kwargs: dict[str, object] = {}
-            if timeout is not None:
-                kwargs["timeout"] = timeout
-            if resolved == "nccl":
-                # gloo rides along for CPU-side object collectives (metrics, manifests).
-                dist.init_process_group(backend="cuda:nccl,cpu:gloo", device_id=device, **kwargs)  # type: ignore[arg-type]
-            else:
-                dist.init_process_group(backend="gloo", **kwargs)  # type: ignore[arg-type]
+            init_process_group(resolved, device=device, timeout=timeout)
         existing = str(dist.get_backend())
         if resolved == "nccl" and "nccl" not in existing:
             raise RuntimeError(
@@ -201,12 +224,6 @@ class DistributedContext:
                 continue
             seen.add(id(group))
             _set_pg_timeout(timeout, group)
-
-    def destroy(self) -> None:
-        if self.is_distributed and dist.is_initialized():
-            _MESH_CACHE.clear()
-            dist.destroy_process_group()
-        self._meshes.clear()
 
 
 # Building a DeviceMesh creates process groups (collective, and NCCL communicators on GPU). Contexts with the

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from d9d.core.context import DistributedContext
+from d9d.core.context import DistributedContext, init_process_group
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import TrainConfig, load_config, parse_config
 from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
-from d9d.engine.tracking_sink import TrackerSink
+from d9d.engine.tracking_sink import STATE_FILE, TrackerSink
 from d9d.engine.trainer import Trainer
-from d9d.tracking import LogTrackerConfig, RunSpec
+from d9d.tracking import LogTrackerConfig, RunSpec, build_tracker
 
 
 def with_data_parallel(params: DeviceMeshParameters, data_parallel: int) -> DeviceMeshParameters:
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" not in os.environ:
         # One process: a one-rank gloo group on an in-memory store, so meshes and DTensors still exist.
         store = dist.HashStore()  # type: ignore[attr-defined]  # exported by c10d, not re-declared
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        init_process_group("gloo", store=store, rank=0, world_size=1)
     runtime = RankRuntime(
         rank=rank,
         world_size=world_size,
@@ -88,7 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         # Default: metrics.jsonl in the run dir; the progress reporter already prints to the terminal.
         tracker_config = config.logging.tracker or LogTrackerConfig(stdout=False)
-        sink = TrackerSink(tracker_config, config.run_dir, RunSpec(config.run.name, run_params(config)))
+        sink = TrackerSink(
+            build_tracker(tracker_config, config.run_dir),
+            RunSpec(config.run.name, run_params(config)),
+            config.run_dir / STATE_FILE,
+            resume=True,
+        )
     reporter = LocalRunReporter(config.checkpoint_dir, config.checkpointing.keep_last, sink)
     result = run_rank(config, runtime, reporter)
     if sink is not None:

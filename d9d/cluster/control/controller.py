@@ -1,0 +1,296 @@
+"""The loop over attempts, as states and one step function that picks the next state.
+
+    Reserve ──▶ Run ──Finished/Stopped──────────────────────────▶ End
+       ▲         │
+       │         └──Failed/Resize──▶ Restart ──FailurePolicy gives up──▶ End(failed)
+       └──────── backoff (none for a resize) ──┘
+
+Each controller state puts the job in a `JobState` (Reserve: starting; Run: running once the ranks run;
+Restart: restarting; End: terminal), through the `StateMachine`, whose table says which changes are legal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from d9d.cluster.checkpoints import CheckpointStore
+from d9d.cluster.control.failure import FailureDecision, FailurePolicy, GiveUp, Retry
+from d9d.cluster.control.health import Liveness
+from d9d.cluster.control.mailbox import CommandMailbox
+from d9d.cluster.control.metrics import CLUSTER_RANK, MetricsHub
+from d9d.cluster.control.outcome import Failed, Finished, Outcome, Resize, Stopped
+from d9d.cluster.control.runner import AttemptRunner
+from d9d.cluster.control.scaling import ScalingPolicy
+from d9d.cluster.control.signal import Changes
+from d9d.cluster.control.workers import Attempt, WorkerGroup
+from d9d.cluster.elastic import WorldPlan
+from d9d.cluster.spec import JobSpec
+from d9d.cluster.state import JobState, RunSummary, StateMachine
+from d9d.core.files import atomic_write_text
+from d9d.engine.runtime import MetricPoint, RankResult
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Reserve bundles for the largest valid layout up to `target` ranks that fits."""
+
+    target: int
+    growing: bool  # a resize asked for `target`
+
+
+@dataclass(frozen=True)
+class Run:
+    """Start the attempt's ranks and watch them until it ends."""
+
+    attempt: Attempt
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Tear the attempt down, then act on the decision (Retry(0) for a resize)."""
+
+    target: int
+    growing: bool
+    decision: FailureDecision
+
+
+@dataclass(frozen=True)
+class End:
+    """The run is over; `error` says why when it failed."""
+
+    state: JobState
+    error: str | None = None
+
+
+ControllerState = Reserve | Run | Restart | End
+
+
+def after_attempt(outcome: Outcome, failures: FailurePolicy, initial_workers: int) -> Restart | End:
+    """What follows an attempt that ended with `outcome`."""
+    match outcome:
+        case Finished():
+            return End(JobState.FINISHED)
+        case Stopped():
+            return End(JobState.STOPPED)
+        case Resize(workers):
+            return Restart(workers, growing=True, decision=Retry(0.0))
+        case Failed():
+            return Restart(initial_workers, growing=False, decision=failures.decide(outcome))
+
+
+def job_state_of(state: ControllerState) -> JobState | None:
+    """The job state a controller state enters (None: Run, which the runner moves to running once the
+    ranks were started)."""
+    match state:
+        case Reserve():
+            return JobState.STARTING
+        case Run():
+            return None
+        case Restart():
+            return JobState.RESTARTING
+        case End(job_state):
+            return job_state
+
+
+class Workers(Protocol):
+    """What the controller needs of the worker group (`WorkerGroup` on Ray)."""
+
+    async def reserve(self, target: int) -> tuple[WorldPlan, Any] | None: ...
+
+    async def teardown(self, at: Attempt) -> None: ...
+
+    def free(self) -> int: ...
+
+    def alive(self) -> frozenset[str]: ...
+
+
+class Runs(Protocol):
+    """Runs one attempt to its outcome (`AttemptRunner` on Ray)."""
+
+    async def run(self, at: Attempt) -> Outcome: ...
+
+
+class Controller:
+    def __init__(
+        self,
+        spec: JobSpec,
+        store: CheckpointStore,
+        mailbox: CommandMailbox,
+        metrics: MetricsHub,
+        changes: Changes,
+        *,
+        workers: Workers | None = None,
+        runner: Runs | None = None,
+    ) -> None:
+        self._spec = spec
+        self._store = store
+        self._mailbox = mailbox
+        self._metrics = metrics
+        self._changes = changes
+        self.machine = StateMachine()
+        self.summary = RunSummary(run_name=spec.run_name, status=JobState.PENDING.value, steps=0, restarts=0)
+        c = spec.cluster
+        self.failures = FailurePolicy(c.max_failures, c.restart_backoff_s, c.max_backoff_s)
+        self._scaling = ScalingPolicy.for_job(spec)
+        group = WorkerGroup(spec, mailbox, self._scaling)
+        self._workers: Workers = workers or group
+        self._runner: Runs = runner or AttemptRunner(
+            spec, group, mailbox, metrics, self.machine, changes, self._result
+        )
+        self.attempt: Attempt | None = None
+        self.attempts = 0  # started so far
+        self.latest_step: int | None = None  # of the latest committed checkpoint
+        self._failure_time: float | None = None  # when the last failure was seen, until a step completes
+
+    # == the loop ========================================================================================
+
+    async def run(self) -> JobState:
+        state = await self._enter(self._reserve_or_stop(self._spec.initial_workers, growing=False))
+        while not isinstance(state, End):
+            state = await self._enter(await self._step(state))
+        if state.error is not None:
+            self.summary.error = state.error
+        await self.teardown()
+        return state.state
+
+    async def _enter(self, state: ControllerState) -> ControllerState:
+        entered = job_state_of(state)
+        if entered is not None and not entered.terminal:  # `finish` enters the terminal one
+            self.machine.to(entered)
+            await self._changes.notify()
+        return state
+
+    def _reserve_or_stop(self, target: int, *, growing: bool) -> Reserve | End:
+        return End(JobState.STOPPED) if self._mailbox.stop else Reserve(target, growing)
+
+    async def _step(self, state: ControllerState) -> ControllerState:
+        match state:
+            case Reserve():
+                return await self._reserve(state)
+            case Run(attempt):
+                outcome = await self._runner.run(attempt)
+                if isinstance(outcome, Failed):
+                    # Say so before the teardown, which waits for Ray to release the dead actors (seconds
+                    # after a node loss).
+                    self._failure_time = time.monotonic()
+                    _log.warning("run %s attempt failed: %s", self._spec.run_name, outcome.reason)
+                return after_attempt(outcome, self.failures, self._spec.initial_workers)
+            case Restart():
+                return await self._restart(state)
+            case End():
+                return state
+
+    async def _reserve(self, state: Reserve) -> Run | End:
+        reserved = await self._workers.reserve(state.target)
+        if reserved is None:
+            return End(JobState.STOPPED)
+        plan, pg = reserved
+        if state.growing:
+            self._scaling.resize_reserved(state.target, plan.world_size, self._workers.alive())
+        resumed_from = await asyncio.to_thread(self._prepare_store)
+        self.attempt = Attempt(self.attempts, plan, pg, resumed_from, Liveness(plan.world_size))
+        await self._started(self.attempt)
+        return Run(self.attempt)
+
+    async def _restart(self, state: Restart) -> Reserve | End:
+        await self.teardown()
+        if state.growing:
+            self.summary.resizes += 1
+        match state.decision:
+            case GiveUp(error):
+                return End(JobState.FAILED, error)
+            case Retry(backoff_s):
+                if backoff_s > 0:
+                    await self._changes.wait_until(lambda: self._mailbox.stop, backoff_s)
+                return self._reserve_or_stop(state.target, growing=state.growing)
+
+    def _prepare_store(self) -> int:
+        self._store.clear_uncommitted()
+        latest = self._store.latest()
+        return latest.step if latest is not None else 0
+
+    async def _started(self, at: Attempt) -> None:
+        self.attempts += 1
+        self.summary.world_sizes.append(at.plan.world_size)
+        self.summary.resumed_from.append(at.resumed_from or None)
+        self.latest_step = at.resumed_from or None
+        layout: dict[str, float] = {"world_size": at.plan.world_size, "data_parallel": at.plan.data_parallel}
+        self._metrics.add(MetricPoint(at.resumed_from, CLUSTER_RANK, layout, "health", time.time()))
+        await self._changes.notify()
+
+    async def teardown(self) -> None:
+        # The attempt stays current until its ranks are gone: points and step boundaries still in flight
+        # from them (a rank 0 that just committed before a resize) are accepted meanwhile.
+        at = self.attempt
+        if at is not None:
+            await self._workers.teardown(at)
+            self.attempt = None
+
+    def finish(self, state: JobState) -> RunSummary:
+        """Enter the terminal state and write `run_summary.json`."""
+        if not self.machine.state.terminal:
+            self.machine.to(state)
+        s = self.summary
+        s.status = self.machine.state.value
+        s.steps = self._metrics.last_step
+        s.restarts = max(self.attempts - 1, 0)
+        s.failures = list(self.failures.failures)
+        s.losses = dict(sorted(self._metrics.losses.items()))
+        s.final_loss = s.losses[max(s.losses)] if s.losses else None
+        run_dir = self._spec.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "run_summary.json", json.dumps(s.to_json(), indent=1))
+        return s
+
+    # == what the ranks report ===========================================================================
+
+    def current(self, attempt: int) -> Attempt | None:
+        at = self.attempt
+        return at if at is not None and at.index == attempt else None
+
+    def step_seen(self, step: int) -> None:
+        """A step completed; the first one past the checkpoint after a failure ends the recovery."""
+        self._metrics.step_seen(step)
+        at = self.attempt
+        if at is None or at.live.step_done or step <= at.resumed_from:
+            return
+        at.live.step_done = True
+        if self._failure_time is not None:
+            recovery = time.monotonic() - self._failure_time
+            self._failure_time = None
+            self.summary.recovery_times_s.append(recovery)
+            point = MetricPoint(step, CLUSTER_RANK, {"recovery_time_s": recovery}, "health", time.time())
+            self._metrics.add(point)
+
+    def committed(self, at: Attempt, step: int) -> None:
+        """At a commit boundary, restart bigger if the cluster now has room for a larger valid layout."""
+        self.latest_step = step
+        at.live.progress = time.monotonic()
+        if not self._scaling.may_grow(at.plan.world_size):
+            return  # without asking Ray
+        workers = self._scaling.grow_to(at.plan.world_size, self._workers.free(), self._workers.alive())
+        if workers is not None:
+            self._mailbox.request_resize(workers)
+
+    def resumed(self) -> None:
+        if self.machine.state is JobState.PAUSED:
+            self.machine.to(JobState.RUNNING)
+        if self.attempt is not None:
+            self.attempt.live.progress = time.monotonic()
+
+    def ranks_paused(self) -> None:
+        """Rank 0 stopped at a step boundary; a resume sent meanwhile wins (the ranks go on at once)."""
+        if self._mailbox.paused and self.machine.state is JobState.RUNNING:
+            self.machine.to(JobState.PAUSED)
+
+    def _result(self, final: RankResult) -> None:
+        self.summary.tokens_per_s = final.tokens_per_s
+        self.step_seen(final.steps)
+        self._metrics.final_loss(final.steps, final.final_loss)

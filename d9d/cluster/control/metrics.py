@@ -1,0 +1,72 @@
+"""Where every metric point of a run passes: numbered into a buffer clients read from, and written to the
+tracker (once per step and stream, see `ReplayFilter`)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from d9d.cluster.sink import MetricsWriter, ReplayFilter
+from d9d.cluster.state import JobState
+from d9d.engine.runtime import MetricPoint
+from d9d.tracking import RunStatus
+
+CLUSTER_RANK = -1  # metric points about the job itself (recovery time, world size) carry this rank
+_BUFFER = 100_000
+
+_TRACKER_STATUS: dict[JobState, RunStatus] = {
+    JobState.FINISHED: "finished",
+    JobState.STOPPED: "killed",
+    JobState.FAILED: "failed",
+}
+
+
+def loss_step(point: MetricPoint) -> int | None:
+    """The step a point completes when it is rank 0's loss: the job's progress signal."""
+    if point.kind == "train" and point.rank == 0 and "loss" in point.values:
+        return point.step
+    return None
+
+
+def reports_pause(point: MetricPoint) -> bool:
+    """Rank 0 says it stopped at a step boundary on a pause command."""
+    return point.kind == "health" and point.rank == 0 and "paused" in point.values
+
+
+class MetricsHub:
+    def __init__(self, writer: MetricsWriter, buffer: int = _BUFFER) -> None:
+        self._writer = writer
+        self._replays = ReplayFilter()
+        self._buffer: deque[tuple[int, MetricPoint]] = deque(maxlen=buffer)
+        self.seq = 0  # of the last point buffered
+        self.losses: dict[int, float] = {}  # rank 0's loss per step, as last trained
+        self.last_step = 0
+
+    def add(self, point: MetricPoint) -> None:
+        step = loss_step(point)
+        if step is not None:
+            self.losses[step] = float(point.values["loss"])
+        self.seq += 1
+        self._buffer.append((self.seq, point))
+        if point.rank == CLUSTER_RANK or self._replays.fresh(point):
+            self._writer.submit(point)
+
+    def since(self, seq: int) -> list[MetricPoint]:
+        return [p for s, p in self._buffer if s > seq]
+
+    def step_seen(self, step: int) -> None:
+        self.last_step = max(self.last_step, step)
+
+    def final_loss(self, step: int, loss: float | None) -> None:
+        """Rank 0's result: the last step's loss, when no point carried it."""
+        if loss is not None and step not in self.losses:
+            self.losses[step] = loss
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[max(self.losses)] if self.losses else None
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._writer.wait_ready(timeout_s)
+
+    def close(self, state: JobState) -> None:
+        self._writer.close(_TRACKER_STATUS.get(state, "failed"))

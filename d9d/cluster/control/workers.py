@@ -1,0 +1,173 @@
+"""The worker group of one attempt, the only part of the controller that talks to Ray: it reserves a
+placement group, starts one rank actor per bundle, and tears them all down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from d9d.cluster.config import CoordinatorStorage
+from d9d.cluster.control.health import Liveness
+from d9d.cluster.control.mailbox import CommandMailbox
+from d9d.cluster.control.scaling import ScalingPolicy
+from d9d.cluster.elastic import WorldPlan
+from d9d.cluster.names import NAMESPACE, rank_name, wait_names_free
+from d9d.cluster.placement import assign_bundles, bundle_for, device_placement, free_capacity, node_capacity
+from d9d.cluster.rank import RankActor, RankLaunch, RankNode
+from d9d.cluster.reporter import CoordinatorTransfer
+from d9d.cluster.spec import JobSpec
+from d9d.engine.runtime import RankRuntime
+
+
+class NoResources(RuntimeError):
+    pass
+
+
+@dataclass
+class Attempt:
+    index: int
+    plan: WorldPlan
+    pg: PlacementGroup
+    resumed_from: int  # checkpoint step (0: from scratch)
+    live: Liveness
+    actors: list[Any] = field(default_factory=list)
+
+
+class WorkerGroup:
+    def __init__(self, spec: JobSpec, mailbox: CommandMailbox, scaling: ScalingPolicy) -> None:
+        self._spec = spec
+        self._mailbox = mailbox
+        self._scaling = scaling
+
+    def capacity(self) -> int:
+        return node_capacity(ray.nodes(), self._spec.cluster.resources)
+
+    def free(self) -> int:
+        return free_capacity(ray.available_resources(), self._spec.cluster.resources)
+
+    def alive(self) -> frozenset[str]:
+        return frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+    async def reserve(self, target: int) -> tuple[WorldPlan, PlacementGroup] | None:
+        """A placement group for the largest valid world size ≤ target that the cluster can hold (None:
+        the job was stopped meanwhile)."""
+        c = self._spec.cluster
+        candidates = self._scaling.candidates(target, self.capacity())
+        bundle = bundle_for(c.resources)
+        for plan in candidates:
+            pg = placement_group(
+                [dict(bundle) for _ in range(plan.world_size)], strategy=c.placement_strategy
+            )
+            if await self._placed(pg, plan, smaller_exists=plan is not candidates[-1]):
+                return plan, pg
+            remove_placement_group(pg)
+            if self._mailbox.stop:
+                return None
+        raise NoResources(
+            f"no placement group of {[p.world_size for p in candidates]} × {bundle} became ready within "
+            f"cluster.placement_timeout_s={c.placement_timeout_s}"
+        )
+
+    async def _placed(self, pg: PlacementGroup, plan: WorldPlan, *, smaller_exists: bool) -> bool:
+        """Wait for `pg`; give up early when the job is stopped or, with a smaller layout to fall back
+        to, when Ray reports that the alive nodes can no longer hold this one (a node was lost)."""
+        ready = asyncio.ensure_future(pg.ready())
+        deadline = time.monotonic() + self._spec.cluster.placement_timeout_s
+        while time.monotonic() < deadline:
+            done, _ = await asyncio.wait({ready}, timeout=0.5)
+            if done:
+                return True
+            if self._mailbox.stop or (smaller_exists and self.capacity() < plan.world_size):
+                break
+        ready.cancel()
+        return False
+
+    async def start(self, at: Attempt) -> list[tuple[Any, RankLaunch]]:
+        """Start the rank actors on their bundles and say how each joins the job."""
+        spec = self._spec
+        c = spec.cluster
+        table = placement_group_table(at.pg)
+        bundles = assign_bundles([table["bundles_to_node_id"][i] for i in range(at.plan.world_size)])
+        me = ray.get_runtime_context().current_actor
+        actor_cls = ray.remote(RankActor)
+        for rank, bundle in enumerate(bundles):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=at.pg, placement_group_bundle_index=bundle
+            )
+            at.actors.append(
+                actor_cls.options(
+                    name=rank_name(spec.run_name, rank),
+                    namespace=NAMESPACE,
+                    num_cpus=c.resources.cpus,
+                    num_gpus=c.resources.gpus,
+                    scheduling_strategy=strategy,
+                    max_restarts=0,
+                ).remote(me)
+            )
+        nodes: list[RankNode] = await asyncio.wait_for(
+            asyncio.gather(*[a.node.remote() for a in at.actors]), spec.init_timeout_s
+        )
+        port: int = await at.actors[0].open_store.remote(at.plan.world_size, spec.init_timeout_s)
+        placement = device_placement(nodes, gpus=c.resources.gpus > 0)
+        return [
+            (actor, self._launch(at, rank, nodes[0].ip, port, where))
+            for rank, (actor, where) in enumerate(zip(at.actors, placement, strict=True))
+        ]
+
+    def _launch(
+        self, at: Attempt, rank: int, master_addr: str, port: int, where: tuple[int, int, str | None]
+    ) -> RankLaunch:
+        spec = self._spec
+        c = spec.cluster
+        local_rank, local_world, visible = where
+        mesh_dp = spec.train.mesh.data_parallel
+        transfer = (
+            CoordinatorTransfer(spec.local_checkpoint_dir(rank), c.storage.chunk_mb << 20)
+            if isinstance(c.storage, CoordinatorStorage)
+            else None
+        )
+        runtime = RankRuntime(
+            rank=rank,
+            world_size=at.plan.world_size,
+            local_rank=local_rank,
+            run_dir=spec.run_dir,
+            attempt=at.index,
+            data_parallel_override=at.plan.data_parallel if at.plan.data_parallel != mesh_dp else None,
+        )
+        return RankLaunch(
+            entrypoint=c.entrypoint,
+            config=spec.rank_config(rank),
+            runtime=runtime,
+            master_addr=master_addr,
+            master_port=port,
+            local_world_size=local_world,
+            backend="nccl" if c.resources.gpus else "gloo",
+            cuda_visible_devices=visible,
+            init_timeout_s=spec.init_timeout_s,
+            heartbeat_interval_s=c.heartbeat_interval_s,
+            command_seq=self._mailbox.delivered,
+            transfer=transfer,
+        )
+
+    async def teardown(self, at: Attempt) -> None:
+        """Kill every rank (a survivor may be blocked in a collective that can never finish, so nobody is
+        asked to exit cleanly) and give the bundles back."""
+        for actor in at.actors:
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(actor, no_restart=True)
+        if at.actors:
+            names = [rank_name(self._spec.run_name, r) for r in range(len(at.actors))]
+            await asyncio.to_thread(wait_names_free, names, 30.0)
+        remove_placement_group(at.pg)
