@@ -46,7 +46,7 @@ from typing import Any, cast
 
 from throughput.common import MODEL_NAMES
 
-D9D_VARIANTS = ("compiled", "eager", "eager-legacy")
+D9D_VARIANTS = ("compiled", "compiled-kernels", "eager", "eager-legacy")
 D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
 HF_VARIANTS = ("plain", "liger", "compile")
 TITAN_VARIANTS = ("eager", "compile")

@@ -1,7 +1,9 @@
 """d9d rows: the real engine (`d9d.engine.Trainer`: data provider, task, gradient reducer, clipping off,
 fused AdamW) on the batches a run would feed it.
 
-Variants (the job's `compile:` section): `compiled` = `{enabled: true}`, `eager` = `{enabled: false}`,
+Variants (the job's `compile:` section): `compiled` = `{enabled: true}`, `compiled-kernels` = the same with
+the model's `kernel_backend: triton` (the fused Triton kernels inside the compiled regions instead of
+inductor's fusion of the reference ops), `eager` = `{enabled: false}`,
 `eager-legacy` = no section at all, for an engine that predates the field (a command-line choice; the
 script never probes which engine it has).
 
@@ -34,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from throughput import profile as gpu_profile
 from throughput.common import ARCHS, BATCH, COMMON, LR, SEQ, summary
 
-D9dVariant = Literal["compiled", "eager", "eager-legacy"]
+D9dVariant = Literal["compiled", "compiled-kernels", "eager", "eager-legacy"]
 D9dBatch = Literal["random", "collate", "padded", "ones-mask", "packed"]
 PROFILE_STEPS = 3
 MEAN_DOC = 512
@@ -127,7 +129,7 @@ def data_section(batch: D9dBatch, total_steps: int) -> dict[str, Any]:
 
 def compile_section(variant: D9dVariant) -> dict[str, Any]:
     match variant:
-        case "compiled":
+        case "compiled" | "compiled-kernels":
             return {"compile": {"enabled": True}}
         case "eager":
             return {"compile": {"enabled": False}}
@@ -158,7 +160,13 @@ def run(
             "model": {
                 "provider": "qwen3_moe" if moe else "qwen3",
                 "options": {
-                    "architecture": {**ARCHS[model], "max_position_embeddings": SEQ},
+                    "architecture": {
+                        **ARCHS[model],
+                        "max_position_embeddings": SEQ,
+                        # compiled regions take the Triton kernels instead of letting inductor fuse the
+                        # reference ops
+                        **({"kernel_backend": "triton"} if variant == "compiled-kernels" else {}),
+                    },
                     "dtype": "bfloat16",
                 },
             },
