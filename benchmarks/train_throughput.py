@@ -100,9 +100,9 @@ def plan(args: argparse.Namespace) -> list[Row]:
         if "d9d" in args.peers:
             rows += [Row(model, "d9d", v, b) for v in args.d9d_variants for b in args.d9d_batches]
         if "torchtitan" in args.peers:
-            rows += [Row(model, "torchtitan", v) for v in TITAN_VARIANTS]
+            rows += [Row(model, "torchtitan", v) for v in args.titan_variants]
         if "transformers" in args.peers:
-            rows += [Row(model, "transformers", v) for v in HF_VARIANTS]
+            rows += [Row(model, "transformers", v) for v in args.hf_variants]
     return rows
 
 
@@ -295,6 +295,8 @@ def main() -> None:
     )
     parser.add_argument("--d9d-variants", type=_csv(D9D_VARIANTS), default="compiled,eager")
     parser.add_argument("--d9d-batches", type=_csv(D9D_BATCHES), default="random,collate,padded,packed")
+    parser.add_argument("--hf-variants", type=_csv(HF_VARIANTS), default=",".join(HF_VARIANTS))
+    parser.add_argument("--titan-variants", type=_csv(TITAN_VARIANTS), default=",".join(TITAN_VARIANTS))
     parser.add_argument("--row-timeout", type=float, default=600.0)
     parser.add_argument("--budget-s", type=float, default=None, help="skip the rows that would start past it")
     parser.add_argument("--profile", action="store_true", help="GPU-time breakdown of the d9d step")
