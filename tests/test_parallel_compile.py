@@ -237,9 +237,9 @@ def test_check_compile_available(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _compiled_parallel_cases(env: RankEnv) -> None:
-    """FSDP2 (with activation checkpointing), TP and EP each wrapped around compiled blocks (aot_eager: the
-    traced graphs and the parallel hooks, without inductor's slow CPU code generation) against a
-    single-process eager run of the same global batches."""
+    """Replication, FSDP2 (with activation checkpointing), TP and EP each wrapped around compiled blocks
+    (aot_eager: the traced graphs and the parallel hooks, without inductor's slow CPU code generation)
+    against a single-process eager run of the same global batches."""
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
     from d9d.parallel.expert import AllToAllBackendConfig
@@ -248,6 +248,7 @@ def _compiled_parallel_cases(env: RankEnv) -> None:
 
     data = _batches(2, 4)
     for name, params in (
+        ("qwen3", DeviceMeshParameters(data_parallel_replicate=2)),
         ("qwen3", DeviceMeshParameters(data_parallel_shard=2)),
         ("qwen3", DeviceMeshParameters(tensor_parallel=2)),
         ("qwen3_moe", DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2)),
@@ -266,6 +267,10 @@ def _compiled_parallel_cases(env: RankEnv) -> None:
         got = distributed_run(model, sync, local, _task_loss, max_norm=0.5)
         assert_runs_close(got, reference, f"compiled {name} {params}")
         assert report.stats.failure is None, (name, params, report.stats.failure)
+        if params.data_parallel_replicate > 1:
+            # replicated parameters are swapped to local tensors around each block, not inside it: the
+            # blocks share one graph (per-submodule hooks recompiled every block)
+            assert report.stats.graphs == 1, report.stats.graphs
         sync.close()
 
 

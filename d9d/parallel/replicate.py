@@ -7,6 +7,8 @@ which also serves FSDP shards and experts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -15,7 +17,7 @@ from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_mesh
 from d9d.parallel.local_params import compute_with_local_parameters, forward_triggers
 
 
-def parallelize_replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+def parallelize_replicate(module: nn.Module, mesh: DeviceMesh, *, units: Sequence[nn.Module] = ()) -> None:
     """Replicate every parameter of `module` (recursively) over all ranks of `mesh`.
 
     - A plain parameter becomes a DTensor replicated on `mesh`; its module's forward sees the local tensor.
@@ -25,9 +27,17 @@ def parallelize_replicate(module: nn.Module, mesh: DeviceMesh) -> None:
       is left alone, so the whole model can be replicated after the experts were sharded.
 
     Ranks must hold identical values (same seed, or weights loaded afterwards): nothing is broadcast.
+
+    `units` (e.g. the decoder blocks) swap the local views of every parameter below them once, around
+    their own forward, instead of around each submodule's: fewer hooks per step, and a compiled block
+    (d9d.parallel.compile runs a block's own hooks eagerly) then traces plain tensors, not per-module
+    hooks whose guards differ from block to block and would recompile every block.
     """
     replaced: dict[int, nn.Parameter] = {}  # keeps parameters shared between modules shared
     triggers = forward_triggers(module)
+    for unit in units:
+        for sub in unit.modules():
+            triggers[id(sub)] = [unit]
     for sub in module.modules():
         converted: set[str] = set()
         for name, param in list(sub.named_parameters(recurse=False)):

@@ -20,6 +20,7 @@ def parallelize_expert_parallel(
     device: torch.device,
     dtype: torch.dtype,
     backend: ExpertCommunicationConfig | None = None,
+    unit: nn.Module | None = None,
 ) -> None:
     """Keep 1/ep of the experts on each rank and route tokens to them.
 
@@ -32,6 +33,9 @@ def parallelize_expert_parallel(
     `device` and `dtype` are those of the activations at run time (the rank's device, the compute dtype),
     given by the caller: the layer's parameters may still be on `meta` here, and their dtype need not be
     the activations' under mixed precision. The communication backend is chosen from them.
+
+    `unit` (the decoder block holding the layer) swaps in the experts' local views around its own forward
+    instead of the experts' (see `parallelize_replicate`'s `units`: a compiled block then shares one graph).
     """
     names = expert_mesh.mesh_dim_names or ()
     if expert_mesh.ndim == 1:
@@ -53,7 +57,11 @@ def parallelize_expert_parallel(
         sharded = distribute_tensor(param.detach(), expert_mesh, placements, src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         mark_grad_reduce_mesh(experts, name, replicate_mesh)
-    compute_with_local_parameters(experts, {name for name, _ in experts.named_parameters(recurse=False)})
+    compute_with_local_parameters(
+        experts,
+        {name for name, _ in experts.named_parameters(recurse=False)},
+        triggers=[unit] if unit is not None else None,
+    )
     if ep == 1:
         return  # every expert is local: the layer's own (local) communication is exact and free
     moe_layer.communication = build_moe_communication(

@@ -69,7 +69,12 @@ def parallelize_qwen3(
         for layer in layers:
             if isinstance(layer.mlp, MoELayer):
                 parallelize_expert_parallel(
-                    layer.mlp, expert_mesh, device=ctx.device, dtype=dtype, backend=config.expert_backend
+                    layer.mlp,
+                    expert_mesh,
+                    device=ctx.device,
+                    dtype=dtype,
+                    backend=config.expert_backend,
+                    unit=layer,
                 )
     dense = ctx.mesh_for(MeshDomain.DENSE)
     if dense["tp"].size() > 1:
@@ -93,7 +98,7 @@ def parallelize_qwen3(
                 mp_policy=mp_policy,
             )
     else:
-        parallelize_replicate(model, dense["dp_cp_replicate"])
+        parallelize_replicate(model, dense["dp_cp_replicate"], units=layers)
 
 
 parallelize_qwen3_moe = parallelize_qwen3  # one plan: MoE layers are found by type
