@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -15,9 +14,13 @@ import torch
 KernelBackend = Literal["auto", "triton", "torch"]
 
 
-@functools.cache
+# Looked up once at import (without importing triton): compiled blocks call `resolve_backend` while dynamo
+# traces them, and a module constant traces as a constant where an import-system query would not.
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _HAS_TRITON
 
 
 def resolve_backend(backend: KernelBackend, device: torch.device) -> Literal["triton", "torch"]:

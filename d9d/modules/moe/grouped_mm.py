@@ -48,12 +48,14 @@ class GroupedGemmMM:
 
 def torch_grouped_mm_preferred(x: torch.Tensor) -> bool:
     """`torch._grouped_mm` is the fast path on Hopper and newer with bf16 inputs."""
-    return (
-        hasattr(torch, "_grouped_mm")
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    )
+    return x.is_cuda and x.dtype == torch.bfloat16 and _hopper_or_newer(x.device.index or 0)
+
+
+# A compiled MoE block asks this on every trace: dynamo takes the answer as a constant instead of tracing
+# the device query (which it cannot put in a graph: a break per block, and later blocks run eager).
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # untyped in torch
+def _hopper_or_newer(device_index: int) -> bool:
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def grouped_gemm_usable(x: torch.Tensor) -> bool:
