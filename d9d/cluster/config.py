@@ -9,6 +9,9 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The built-in engine; a custom entrypoint reads the provider sections its own way.
+ENGINE_ENTRYPOINT = "d9d.engine.launch:run_rank"
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -44,7 +47,7 @@ StorageConfig = Annotated[SharedStorage | CoordinatorStorage, Field(discriminato
 
 class ClusterConfig(_Section):
     # Callable `entrypoint(config: dict, runtime: RankRuntime, reporter: RunReporter) -> RankResult`.
-    entrypoint: str = Field("d9d.engine.launch:run_rank", pattern=r"^[\w.]+:[\w.]+$")
+    entrypoint: str = Field(ENGINE_ENTRYPOINT, pattern=r"^[\w.]+:[\w.]+$")
     # Rank actors (the world size). Default: the mesh's world size. A different value changes only the
     # data-parallel degree; min/max bound elastic restarts (default: no elasticity).
     num_workers: int | None = Field(None, ge=1)

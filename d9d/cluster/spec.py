@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from d9d.cluster.config import ClusterConfig, CoordinatorStorage
+from d9d.cluster.config import ENGINE_ENTRYPOINT, ClusterConfig, CoordinatorStorage
 from d9d.cluster.elastic import WorldPlan, plan_for, valid_plans
 from d9d.engine.config import (
     ConfigError,
@@ -118,7 +118,9 @@ def build_job(data: dict[str, Any], *, num_workers: int | None = None, cpu: bool
         cluster = ClusterConfig.model_validate(cluster_data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, prefix="cluster")) from None
-    train = parse_config(data)
+    # The engine's provider protocols are checked for the built-in engine; a custom entrypoint defines
+    # what its provider sections mean.
+    train = parse_config(data, check_components=cluster.entrypoint == ENGINE_ENTRYPOINT)
     absolute = train.model_dump(mode="json")
     absolute["run"]["dir"] = str(train.run_dir.resolve())
     absolute["checkpointing"]["dir"] = str(train.checkpoint_dir.resolve())
