@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, TypedDict, Unpack
 
 import torch
 from torch import nn
@@ -14,6 +14,17 @@ from d9d.modules.attention import PaddingSide
 from d9d.modules.base import ModuleLateInit
 from d9d.modules.heads import CausalLMHead, EmbeddingHead, Pooling, SequenceClassificationHead
 from d9d.pipeline.api import PipelineStageInfo, TensorMeta
+
+
+class BackboneInputs(TypedDict, total=False):
+    """What a stage's backbone reads (`Qwen3Model.forward`); the task models add their labels."""
+
+    input_ids: torch.Tensor | None
+    hidden_states: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    segment_ids: torch.Tensor | None
+    padding_side: PaddingSide | None
 
 
 class Qwen3StageModel(nn.Module):
@@ -50,21 +61,12 @@ class Qwen3StageModel(nn.Module):
             head.reset_parameters()
 
     def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        padding_side: PaddingSide | None = None,
+        self, *, labels: torch.Tensor | None = None, **inputs: Unpack[BackboneInputs]
     ) -> dict[str, torch.Tensor]:
-        hidden = self.backbone(
-            input_ids, hidden_states, position_ids, attention_mask, segment_ids, padding_side
-        )
+        hidden: torch.Tensor = self.model(**inputs)
         if self.head() is None:
             return {"hidden_states": hidden}
-        return self.head_outputs(hidden, attention_mask, labels)
+        return self.head_outputs(hidden, inputs.get("attention_mask"), labels)
 
     def stage_output_meta(self, microbatch_inputs: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
         if self.stage.is_last:
@@ -72,25 +74,6 @@ class Qwen3StageModel(nn.Module):
         batch, seq = microbatch_inputs["input_ids"].shape[:2]
         dtype = self.activation_dtype or next(self.model.parameters()).dtype
         return {"hidden_states": TensorMeta((batch, seq, self.config.hidden_size), dtype)}
-
-    def backbone(
-        self,
-        input_ids: torch.Tensor | None,
-        hidden_states: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        segment_ids: torch.Tensor | None,
-        padding_side: PaddingSide | None = None,
-    ) -> torch.Tensor:
-        hidden: torch.Tensor = self.model(
-            input_ids=input_ids,
-            hidden_states=hidden_states,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            segment_ids=segment_ids,
-            padding_side=padding_side,
-        )
-        return hidden
 
 
 class Qwen3ForCausalLM(Qwen3StageModel):
