@@ -67,3 +67,41 @@ def test_stages_value_checks_infos_against_modules() -> None:
         Stages((PipelineStageInfo(),), (nn.Linear(1, 1), nn.Linear(1, 1)))
     with pytest.raises(ValueError, match="0 stage infos for 0 stage modules"):
         Stages((), ())
+
+
+def test_a_compile_config_that_cannot_work_here_fails_before_any_stage_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`compile.enabled: true` where compilation cannot work (here: no C++ compiler for inductor on CPU)
+    is a config error naming the reason, raised before the provider builds anything."""
+    import d9d.engine.stages as stages_module
+    from d9d.core import DistributedContext
+    from d9d.engine.errors import ConfigError
+    from d9d.parallel.compile import CompileConfig
+    from tests.engine_fixtures import TinyLMProvider
+
+    class NoCompiler(RuntimeError):
+        pass
+
+    def no_compiler() -> str:
+        raise NoCompiler("no working C++ compiler found")
+
+    monkeypatch.setattr("torch._inductor.cpp_builder.get_cpp_compiler", no_compiler)
+    built: list[PipelineStageInfo] = []
+
+    class Recording(TinyLMProvider):
+        def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
+            built.append(stage)
+            return super().build_stage(stage)
+
+    ctx = DistributedContext.local("cpu")
+    with pytest.raises(ConfigError, match=r"compile\.enabled on cpu needs a C\+\+ compiler"):
+        stages_module.build_stages(
+            Recording(TinyLMProvider.Config(width=4)),
+            [PipelineStageInfo()],
+            ctx,
+            parameter_seed=0,
+            compile_config=CompileConfig(enabled=True),
+            training=True,
+        )
+    assert not built
