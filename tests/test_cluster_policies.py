@@ -490,3 +490,48 @@ def test_of_ranks_failing_together_a_dead_process_then_a_fatal_error_names_the_f
         return [failure_precedence(f) for f in futs]
 
     assert asyncio.run(futures()) == [2, 1, 2, 0]
+
+
+def test_a_grow_decided_at_a_commit_waits_for_rank_0_to_report_that_step(tmp_path: Path) -> None:
+    """The resize that a commit allows is asked for only once rank 0's boundary for the committed step
+    arrived: tearing the ranks down earlier lost that step's loss (still queued on rank 0), and the new
+    ranks resume after it."""
+    import asyncio
+
+    from d9d.cluster.checkpoints import CheckpointStore
+    from d9d.cluster.control.controller import Controller
+    from d9d.cluster.control.signal import Changes
+
+    mailbox = CommandMailbox()
+    asked: list[int | None] = []
+
+    class _Roomy(_FakeWorkers):
+        def free(self) -> int:
+            return 2  # room for two more ranks
+
+    class _CommitsThenReports(_FakeRunner):
+        async def run(self, at: Any) -> Outcome:
+            outcome = await super().run(at)
+            ctl.step_seen(5)
+            ctl.committed(at, 6)  # the commit's RPC overtook rank 0's boundary for step 6
+            asked.append(mailbox.take_resize())
+            ctl.step_seen(6)
+            asked.append(mailbox.take_resize())
+            return outcome
+
+    job = toy_job("grow", tmp_path / "run", world=2, cluster={"min_workers": 1, "max_workers": 4})
+    spec = build_job(job)
+    runner = _CommitsThenReports([Finished()])
+    hub = MetricsHub(MetricsWriter(lambda: _Sink(), min_interval_s=0.0))
+    ctl = Controller(
+        spec,
+        CheckpointStore(spec.checkpoint_dir, 2),
+        mailbox,
+        hub,
+        Changes(),
+        workers=_Roomy(ScalingPolicy.for_job(spec), [2]),
+        runner=runner,
+    )
+    runner.machine = ctl.machine
+    asyncio.run(ctl.run())
+    assert asked == [None, 4]

@@ -148,6 +148,9 @@ class Controller:
         self.attempts = 0  # started so far
         self.latest_step: int | None = None  # of the latest committed checkpoint
         self._failure_time: float | None = None  # when the last failure was seen, until a step completes
+        # A grow decided at a commit, held until rank 0 has reported that step: the teardown would otherwise
+        # drop the step's metric points still queued on the ranks (the new ranks resume after it).
+        self._grow_after: tuple[int, int] | None = None  # (workers, committed step)
 
     # == the loop ========================================================================================
 
@@ -229,6 +232,7 @@ class Controller:
         # The attempt stays current until its ranks are gone: points and step boundaries still in flight
         # from them (a rank 0 that just committed before a resize) are accepted meanwhile.
         at = self.attempt
+        self._grow_after = None  # a grow belongs to the attempt it was decided in
         if at is not None:
             await self._workers.teardown(at)
             self.attempt = None
@@ -258,6 +262,7 @@ class Controller:
     def step_seen(self, step: int) -> None:
         """A step completed; the first one past the checkpoint after a failure ends the recovery."""
         self._metrics.step_seen(step)
+        self._grow_when_reported()
         at = self.attempt
         if at is None or at.live.step_done or step <= at.resumed_from:
             return
@@ -277,7 +282,13 @@ class Controller:
             return  # without asking Ray
         workers = self._scaling.grow_to(at.plan.world_size, self._workers.free(), self._workers.alive())
         if workers is not None:
-            self._mailbox.request_resize(workers)
+            self._grow_after = (workers, step)
+            self._grow_when_reported()
+
+    def _grow_when_reported(self) -> None:
+        if self._grow_after is not None and self._metrics.last_step >= self._grow_after[1]:
+            self._mailbox.request_resize(self._grow_after[0])
+            self._grow_after = None
 
     def resumed(self) -> None:
         if self.machine.state is JobState.PAUSED:
