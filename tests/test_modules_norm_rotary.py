@@ -8,6 +8,7 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from d9d.modules.mlp import SwiGLU
 from d9d.modules.norm import RMSNorm
 from d9d.modules.rotary import (
     DynamicNTKRopeScaling,
@@ -243,3 +244,13 @@ _TRAINING_CHECK = textwrap.dedent(
 
 def test_training_with_triton_kernels_tracks_the_reference_in_the_interpreter() -> None:
     run_in_interpreter(_TRAINING_CHECK)
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_every_fused_block_of_a_qwen3_layer_takes_the_configured_backend(kernel_backend: str) -> None:
+    """The config's `kernel_backend` reaches every norm (the q/k norms included) and the MLP."""
+    layer = _tiny_layer(kernel_backend)[0]
+    assert isinstance(layer, torch.nn.Module)
+    blocks = [m for m in layer.modules() if isinstance(m, RMSNorm | SwiGLU)]
+    assert len(blocks) == 5  # input, post-attention, q and k norms; the MLP
+    assert {m.backend for m in blocks} == {kernel_backend}

@@ -26,6 +26,7 @@ def qwen3_attention(config: Qwen3Config, layer: int, backend: SdpaBackend) -> Gr
         backend=backend,
         init_std=config.initializer_range,
         output_init_std=config.output_init_std,
+        norm_backend=config.kernel_backend,
     )
 
 
@@ -49,14 +50,13 @@ class Qwen3DecoderLayer(nn.Module):
 
     def __init__(self, config: Qwen3Config, layer: int, backend: SdpaBackend, mlp: SwiGLU | MoELayer) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=config.kernel_backend)
         self.self_attn = qwen3_attention(config, layer, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, backend=config.kernel_backend
+        )
         self.mlp = mlp
         self.kernel_backend = config.kernel_backend
-        for module in self.modules():
-            if isinstance(module, RMSNorm | SwiGLU):
-                module.backend = config.kernel_backend
 
     def reset_parameters(self) -> None:
         self.input_layernorm.reset_parameters()

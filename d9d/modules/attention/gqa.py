@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from d9d.kernels.backend import KernelBackend
 from d9d.modules.attention.backends import SdpaBackend, SdpaCall, TorchSdpa
 from d9d.modules.attention.mask import AttentionMask
 from d9d.modules.norm import RMSNorm
@@ -33,6 +34,7 @@ class GroupedQueryAttention(nn.Module):
         backend: SdpaBackend | None = None,
         init_std: float = 0.02,
         output_init_std: float | None = None,
+        norm_backend: KernelBackend = "auto",
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -47,8 +49,8 @@ class GroupedQueryAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, norm_eps, backend=norm_backend) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps, backend=norm_backend) if qk_norm else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
