@@ -18,8 +18,8 @@ Batches:
   provider passed the mask unconditionally).
 - `packed`: documents of mean 512 tokens (uniform 1..1023) packed into 2048-token rows by
   `CausalLMCollator(pack_length=2048)`; the row's last document is cut to fill the window (a stream cut
-  into windows). Its `document_ids` go to the model as `segment_ids`, the name the model's document mask
-  takes.
+  into windows). The collator's `segment_ids` (packed rows carry them) keep attention inside each
+  document.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class BenchBatches:
                     "input_ids": batch["input_ids"],
                     "labels": batch["labels"],
                     "position_ids": batch["position_ids"],
-                    "segment_ids": batch["document_ids"],
+                    "segment_ids": batch["segment_ids"],
                 }
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
