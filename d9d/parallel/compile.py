@@ -18,7 +18,6 @@ reduce-scatter, TP's redistributions on the block itself) stay outside the compi
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 import warnings
@@ -32,6 +31,7 @@ from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 from torch._dynamo.utils import counters
 
+from d9d.kernels.backend import has_triton
 from d9d.modules.heads import CausalLMHead
 
 CompileRegion = Literal["decoder_blocks", "loss_head"]
@@ -120,7 +120,7 @@ def check_compile_available(config: CompileConfig, device: torch.device) -> None
         return  # no code generation: nothing machine-specific to check
     match device.type:
         case "cuda":
-            if importlib.util.find_spec("triton") is None:
+            if not has_triton():
                 raise ValueError(
                     "compile.enabled on cuda needs triton (inductor's GPU code generator), which is not "
                     "installed: install it or set compile.enabled: false"
