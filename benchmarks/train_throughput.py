@@ -126,7 +126,16 @@ def run_row(row: Row, args: argparse.Namespace) -> dict[str, Any]:
             )
             variant = cast(d9d_peer.D9dVariant, row.variant)
             batch = cast(d9d_peer.D9dBatch, row.batch)
-            return d9d_peer.run(row.model, variant, batch, args.steps, args.warmup, args.profile)
+            return d9d_peer.run(
+                row.model,
+                variant,
+                batch,
+                args.steps,
+                args.warmup,
+                args.profile,
+                args.profile_ops,
+                json.loads(args.d9d_arch),
+            )
         case "transformers":
             from throughput import hf_peer
 
@@ -156,6 +165,7 @@ def spawn(row: Row, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, __file__, "--one-row", row.spec(), "--row-out", str(out)]
         cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] * args.profile)
+        cmd += ["--profile-ops"] * args.profile_ops + ["--d9d-arch", args.d9d_arch]
         start = time.perf_counter()
         # Own session, so a timeout also ends the row's compile workers.
         proc = subprocess.Popen(cmd, start_new_session=True)
@@ -300,6 +310,17 @@ def main() -> None:
     parser.add_argument("--row-timeout", type=float, default=600.0)
     parser.add_argument("--budget-s", type=float, default=None, help="skip the rows that would start past it")
     parser.add_argument("--profile", action="store_true", help="GPU-time breakdown of the d9d step")
+    parser.add_argument(
+        "--profile-ops",
+        action="store_true",
+        help="with --profile: also record host ops and print the ATen ops by GPU time with input shapes "
+        "(diagnosis only: host recording inflates the idle gaps)",
+    )
+    parser.add_argument(
+        "--d9d-arch",
+        default="{}",
+        help="JSON merged into the d9d rows' model architecture, e.g. '{\"loss_chunk_size\": 4096}'",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--merge", nargs="+", default=None, help="--out files to print as one table")
     parser.add_argument("--one-row", default=None, help=argparse.SUPPRESS)

@@ -184,3 +184,17 @@ def test_classification_and_embedding_heads() -> None:
     torch.testing.assert_close(out.norm(dim=-1), torch.ones(3))
     mean = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
     torch.testing.assert_close(out, F.normalize(mean @ emb.projection.weight.t(), dim=-1))  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_head_weight_gradient_accumulates_products_unrounded(device: str) -> None:
+    """Each chunk's bf16 product enters the float32 weight-gradient accumulator unrounded: 4 · 1.0078125²
+    = 4.0627441… is 4.0625 in bf16, so ten rounded chunks would be off by 2.4e-3."""
+    from d9d.modules.heads.linear_cross_entropy import _accumulate_product
+
+    acc = torch.zeros(1, 1, device=device)
+    a = torch.full((4, 1), 1.0078125, dtype=torch.bfloat16, device=device).t()  # transposed, as the head's
+    b = torch.full((4, 1), 1.0078125, dtype=torch.bfloat16, device=device)
+    for _ in range(10):
+        _accumulate_product(acc, a, b)
+    assert abs(float(acc) - 10 * 4 * 1.0078125**2) < 1e-4

@@ -138,7 +138,14 @@ def compile_section(variant: D9dVariant) -> dict[str, Any]:
 
 
 def run(
-    model: str, variant: D9dVariant, batch: D9dBatch, steps: int, warmup: int, profile: bool
+    model: str,
+    variant: D9dVariant,
+    batch: D9dBatch,
+    steps: int,
+    warmup: int,
+    profile: bool,
+    profile_ops: bool = False,
+    arch_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.engine.checkpoint import LocalRunReporter
@@ -166,6 +173,7 @@ def run(
                         # compiled regions take the Triton kernels instead of letting inductor fuse the
                         # reference ops
                         **({"kernel_backend": "triton"} if variant == "compiled-kernels" else {}),
+                        **(arch_overrides or {}),
                     },
                     "dtype": "bfloat16",
                 },
@@ -181,7 +189,11 @@ def run(
     times: list[float] = []
     durations: dict[int, float] = {}
     # GPU activity only: host-side op recording would slow the launches and inflate the idle gaps.
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    # (`profile_ops` records host ops too, to name the ATen op and shapes behind each kernel.)
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if profile_ops:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    prof = torch.profiler.profile(activities=activities, record_shapes=profile_ops, with_stack=profile_ops)
     first_profiled = warmup + steps + 1
 
     def on_start(event: StepStarted) -> None:
@@ -212,4 +224,16 @@ def run(
         report = gpu_profile.breakdown(prof, wall, profiled)
         result["profile"] = report
         print(gpu_profile.render(report), flush=True)
+        if profile_ops:
+            table = prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_device_time_total",
+                row_limit=30,
+                max_name_column_width=50,
+                max_shapes_column_width=70,
+            )
+            print(table, flush=True)
+            stacks = prof.key_averages(group_by_stack_n=6).table(
+                sort_by="self_device_time_total", row_limit=12, max_name_column_width=40
+            )
+            print(stacks, flush=True)
     return result

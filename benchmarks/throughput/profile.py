@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # d9d's MoE permute (scatter_rows), combine (gather_sum) and routing-weight gradient (slot_dot) kernels
+    ("moe token movement", ("_scatter_rows_kernel", "_gather_sum_kernel", "_slot_dot_kernel")),
     ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "alltoall")),
     ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
     ("attention", ("flash", "fmha", "attention", "attn", "cudnn", "flex")),
@@ -49,6 +51,7 @@ def breakdown(prof: torch.profiler.profile, wall_s: float, steps: int) -> dict[s
     """GPU time per category per step (ms) and share of the step, plus the ten heaviest kernels."""
     per_category = {name: 0.0 for name, _ in CATEGORIES} | {OTHER: 0.0}  # zeros shown too: a stable table
     per_kernel: dict[str, float] = {}
+    calls: dict[str, int] = {}
     intervals: list[tuple[float, float]] = []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -57,15 +60,18 @@ def breakdown(prof: torch.profiler.profile, wall_s: float, steps: int) -> dict[s
         intervals.append((start, end))
         per_category[categorize(event.name)] = per_category.get(categorize(event.name), 0.0) + end - start
         per_kernel[event.name] = per_kernel.get(event.name, 0.0) + end - start
+        calls[event.name] = calls.get(event.name, 0) + 1
     busy_us = _busy_union(intervals)
     step_ms = wall_s * 1e3 / steps
     rows = {k: v / 1e3 / steps for k, v in per_category.items()}
     rows[IDLE] = max(step_ms - busy_us / 1e3 / steps, 0.0)
-    heaviest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
+    heaviest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
     return {
         "step_ms": step_ms,
         "ms_per_step": dict(sorted(rows.items(), key=lambda kv: -kv[1])),
-        "top_kernels_ms_per_step": [(name[:120], us / 1e3 / steps) for name, us in heaviest],
+        "top_kernels_ms_per_step": [
+            (name[:120], us / 1e3 / steps, calls[name] // steps) for name, us in heaviest
+        ],
     }
 
 
@@ -75,6 +81,7 @@ def render(report: dict[str, Any]) -> str:
     for category, ms in report["ms_per_step"].items():
         lines.append(f"    {category:<20} {ms:8.2f} ms  {100 * ms / step:5.1f}%")
     lines.append("  heaviest kernels:")
-    for name, ms in report["top_kernels_ms_per_step"]:
-        lines.append(f"    {ms:8.2f} ms  {name}")
+    for name, ms, *count in report["top_kernels_ms_per_step"]:  # older result files have no call counts
+        calls = f"{count[0]:5d}x" if count else "      "
+        lines.append(f"    {ms:8.2f} ms {calls}  {name}")
     return "\n".join(lines)
