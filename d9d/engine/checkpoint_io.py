@@ -220,7 +220,8 @@ class SafeReader(FileSystemReader):
     """DCP's file reader with `.metadata` read through the allow-list."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        rank = kwargs.get("rank")  # set only when ranks saved without collectives (own metadata files)
+        path = Path(self.path) / (METADATA if rank is None else f"__{rank}{METADATA}")
         metadata = read_dcp_metadata(path)
         if metadata.storage_meta is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
