@@ -62,16 +62,16 @@ from d9d.core.dist_ops import all_gather_object, gather_object
 from d9d.core.files import atomic_write_bytes, atomic_write_text
 from d9d.engine.checkpoint_io import (
     METADATA,
-    CheckpointError,
     HashingWriter,
     SafeLoadPlanner,
     SafeReader,
-    UnsafeCheckpointError,
     WrittenFile,
     hashed_bytes,
     load_state_file,
     read_dcp_metadata,
 )
+from d9d.engine.checkpoint_io import CheckpointError as CheckpointError  # re-exported: the engine's error
+from d9d.engine.checkpoint_io import UnsafeCheckpointError as UnsafeCheckpointError
 from d9d.engine.identity import IDENTITY_FILE, RunIdentity
 from d9d.engine.runtime import CheckpointFile, RankCheckpointReport, RunReporter
 from d9d.peft import trainable_state_dict
@@ -82,8 +82,6 @@ ENGINE_STATE = "engine.pt"
 DAMAGED = "damaged"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 OnDamaged = Literal["fallback", "fail"]
-
-__all__ = ["CheckpointError", "UnsafeCheckpointError"]
 
 _log = logging.getLogger(__name__)
 
