@@ -297,3 +297,21 @@ def test_commit_without_identity_still_names_the_mismatching_key(run_dir: Path, 
         r"saved torch.Size\(\[32, 16\]\) and current: torch.Size\(\[32, 8\]\) for model key embed\.weight",
     ):
         run_distributed(train, 1, narrow, "x.pt", tmp_dir=tmp_path)
+
+
+def test_coordinator_store_skips_and_moves_damaged_commits_and_never_writes_a_commit(run_dir: Path) -> None:
+    from d9d.cluster.checkpoints import CheckpointStore
+
+    root = run_dir / "checkpoints"
+    _flip_byte(root / STEP10 / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=rf"{STEP10} is damaged: .*__0_0\.distcp does not match"):
+        CheckpointStore(root, 3, on_damaged="fail").latest()
+    store = CheckpointStore(root, 3)
+    latest = store.latest()
+    assert latest is not None and latest.step == 5
+    step5 = snapshot(root / STEP5)
+    store.clear_uncommitted()  # what the coordinator does before each attempt
+    assert not (root / STEP10).exists() and len(list((root / "damaged").iterdir())) == 1
+    with pytest.raises(CheckpointError, match=rf"{STEP5} is committed; a committed step is never written"):
+        store.write_chunk(5, "__0_0.distcp", 0, b"overwrite")
+    assert snapshot(root / STEP5) == step5
