@@ -204,7 +204,9 @@ def test_commit_requires_every_rank_and_intact_files(tmp_path: Path) -> None:
     second = [_write_rank(tmp_path, 4, r, b"step4-%d" % r) for r in range(2)]
     with pytest.raises(CheckpointError, match=r"no checkpoint report from rank\(s\) \[1\]"):
         store.commit(4, second[:1], world_size=2)
-    (tmp_path / step_dir_name(4) / "r1.bin").write_bytes(b"step4-X")  # same size, other bytes
+    # Same size, other bytes, arriving through the coordinator (hashed on arrival; a file changed on shared
+    # storage after its rank hashed it is caught by the manifest check at resume instead).
+    store.write_chunk(4, "r1.bin", 0, b"step4-X")
     with pytest.raises(CheckpointError, match="does not match its sha256"):
         store.commit(4, second, world_size=2)
     (tmp_path / step_dir_name(4) / "r1.bin").write_bytes(b"short")

@@ -1,28 +1,38 @@
 """The coordinator's side of the checkpoint commit protocol, on top of the engine's on-disk layout.
 
 A step becomes `latest` only after every rank of the attempt reported its files and every file checks out
-against its report (size and sha256, read back from the store). In coordinator-storage mode the files
-arrive here chunk by chunk through the Ray object store and are served back the same way.
+against its report (size, and sha256 as the bytes arrived in coordinator-storage mode). In that mode the
+files arrive here chunk by chunk through the Ray object store and are served back the same way. `latest`
+is the newest commit whose files verify against its manifest (`d9d.engine.checkpoint.select_commit`).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import logging
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from d9d.engine.checkpoint import (
-    MANIFEST,
     CheckpointError,
+    OnDamaged,
     commit,
     is_committed,
-    read_latest,
-    sha256_of,
+    quarantine,
+    read_manifest,
+    select_commit,
     step_dir_name,
 )
+from d9d.engine.resume import ResumeDecision, ResumeError, check_resume
 from d9d.engine.runtime import CheckpointFile, RankCheckpointReport
+
+if TYPE_CHECKING:
+    from d9d.cluster.spec import JobSpec
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,16 +42,28 @@ class CommittedStep:
     files: tuple[CheckpointFile, ...]
 
 
+class _Incoming:
+    """sha256 of a file arriving chunk by chunk, in order (the uploader sends them so)."""
+
+    def __init__(self) -> None:
+        self.digest: Any = hashlib.sha256()
+        self.size = 0
+        self.in_order = True
+
+
 class CheckpointStore:
-    def __init__(self, root: Path, keep_last: int) -> None:
+    def __init__(self, root: Path, keep_last: int, on_damaged: OnDamaged = "fallback") -> None:
         self.root = root
         self.keep_last = keep_last
+        self.on_damaged: OnDamaged = on_damaged
+        self._incoming: dict[tuple[int, str], _Incoming] = {}
 
     def latest(self) -> CommittedStep | None:
-        step_dir = read_latest(self.root)
+        """The newest commit whose files verify (hashed once per coordinator process)."""
+        step_dir = select_commit(self.root, self.on_damaged).step_dir
         if step_dir is None:
             return None
-        manifest = json.loads((step_dir / MANIFEST).read_text())
+        manifest = read_manifest(step_dir)
         files = tuple(
             CheckpointFile(rel, int(info["size"]), str(info["sha256"]))
             for rel, info in sorted(manifest["files"].items())
@@ -49,7 +71,11 @@ class CheckpointStore:
         return CommittedStep(int(manifest["step"]), step_dir, files)
 
     def commit(self, step: int, reports: Sequence[RankCheckpointReport], world_size: int) -> Path:
-        """Verify every rank's report against the stored files, then write the manifest and move `latest`."""
+        """Check every rank's report against the stored files, then write the manifest and move `latest`.
+
+        Files uploaded through the coordinator were hashed as their chunks arrived; files the ranks wrote
+        to shared storage were hashed by the ranks as they wrote them. Nothing is read back.
+        """
         ranks = sorted(r.rank for r in reports)
         if ranks != list(range(world_size)):
             missing = sorted(set(range(world_size)) - set(ranks))
@@ -64,15 +90,24 @@ class CheckpointStore:
                     raise CheckpointError(
                         f"rank {report.rank}: {path} is missing or not {f.size_bytes} bytes"
                     )
-                if sha256_of(path) != f.sha256:
+                incoming = self._incoming.pop((step, f.relative_path), None)
+                arrived = incoming is not None and incoming.in_order and incoming.size == f.size_bytes
+                if arrived and incoming is not None and incoming.digest.hexdigest() != f.sha256:
                     raise CheckpointError(f"rank {report.rank}: {path} does not match its sha256")
+        self._incoming = {k: v for k, v in self._incoming.items() if k[0] != step}
         return commit(self.root, step, reports, self.keep_last)
 
     def clear_uncommitted(self) -> None:
-        """Drop step directories newer than `latest` that never committed (an interrupted attempt's)."""
-        latest = read_latest(self.root)
+        """Before an attempt: move damaged commits newer than the newest verified one to `damaged/` (they
+        are never written into; their steps will be saved afresh) and drop never-committed step
+        directories newer than it (an interrupted attempt's)."""
+        selection = select_commit(self.root, self.on_damaged)
+        for path, why in selection.skipped:
+            moved = quarantine(path)
+            _log.warning("moved the damaged commit %s to %s (%s)", path, moved, why)
+        newest = selection.step_dir
         for path in self.root.glob("step-*"):
-            if path.is_dir() and not is_committed(path) and (latest is None or path.name > latest.name):
+            if path.is_dir() and not is_committed(path) and (newest is None or path.name > newest.name):
                 shutil.rmtree(path, ignore_errors=True)
 
     # -- coordinator-storage mode ----------------------------------------------------------------------
@@ -85,12 +120,37 @@ class CheckpointStore:
 
     def write_chunk(self, step: int, relative_path: str, offset: int, data: bytes) -> None:
         path = self._file(step, relative_path)
+        if is_committed(path.parent):
+            raise CheckpointError(f"{path.parent} is committed; a committed step is never written again")
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("r+b" if offset > 0 else "wb") as f:
             f.seek(offset)
             f.write(data)
+        key = (step, relative_path)
+        incoming = self._incoming.setdefault(key, _Incoming()) if offset > 0 else _Incoming()
+        self._incoming[key] = incoming
+        if offset != incoming.size:
+            incoming.in_order = False  # then the commit checks the size only, as for shared storage
+        else:
+            incoming.digest.update(data)
+            incoming.size += len(data)
 
     def read_chunk(self, step: int, relative_path: str, offset: int, size: int) -> bytes:
         with self._file(step, relative_path).open("rb") as f:
             f.seek(offset)
             return f.read(size)
+
+
+class RunFinished(ResumeError):
+    """The run's newest commit is at or past its last step: launching it would do nothing."""
+
+
+def check_launch(spec: JobSpec) -> ResumeDecision:
+    """The driver's resume decision for a new launch of `spec`, before any actor starts: raises
+    `ResumeError` / `IdentityError` with the reason, `RunFinished` when there is nothing left to train."""
+    decision = check_resume(spec.train)
+    for message in decision.warnings:
+        _log.warning("run %s: %s", spec.run_name, message)
+    if decision.action == "finished":
+        raise RunFinished(f"run {spec.run_name} {decision.message}")
+    return decision

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from d9d.cluster.checkpoints import check_launch
 from d9d.cluster.coordinator import Coordinator
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
 from d9d.cluster.sink import build_sink
@@ -85,6 +86,7 @@ class TrainingJob:
         if self._handle is not None:
             raise RuntimeError(f"run {self.run_name} was already started")
         spec = self.spec
+        check_launch(spec)  # identity, run.resume, damaged commits, finished runs: before Ray is touched
         connect(address, local_cpus=int(spec.max_workers * spec.cluster.resources.cpus + 0.999))
         name = coordinator_name(spec.run_name)
         _release_finished(name)

@@ -42,7 +42,8 @@ class Coordinator:
 
     def __init__(self, spec: JobSpec, sink_factory: Callable[[], MetricSink]) -> None:
         self._spec = spec
-        self._store = CheckpointStore(spec.checkpoint_dir, spec.train.checkpointing.keep_last)
+        ckpt = spec.train.checkpointing
+        self._store = CheckpointStore(spec.checkpoint_dir, ckpt.keep_last, ckpt.on_damaged)
         self._changes = Changes()
         self._mailbox = CommandMailbox()
         self._metrics = MetricsHub(MetricsWriter(sink_factory))

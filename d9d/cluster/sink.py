@@ -108,14 +108,14 @@ class ReplayFilter:
 def build_sink(spec: JobSpec) -> MetricSink:
     """The tracker the engine config names (`logging.tracker`); MLflow with a SQLite store in the run
     directory when it names none."""
-    from d9d.cluster.checkpoints import CheckpointStore
     from d9d.cluster.spec import tracker_config
+    from d9d.engine.checkpoint import committed_steps
 
     config = tracker_config(spec)
     from d9d.engine.launch import run_params
 
     params = {**run_params(spec.train), "cluster": spec.cluster.model_dump(mode="json")}
     run = RunSpec(name=spec.run_name, params=params, tags={"d9d.launcher": "ray"})
-    resume = CheckpointStore(spec.checkpoint_dir, spec.train.checkpointing.keep_last).latest() is not None
+    resume = bool(committed_steps(spec.checkpoint_dir))  # no hashing here: the store verifies
     tracker = build_tracker(config, spec.run_dir)
     return TrackerSink(tracker, run, spec.run_dir / STATE_FILE, resume=resume, report_lag=True)

@@ -124,6 +124,8 @@ def build_job(data: dict[str, Any], *, num_workers: int | None = None, cpu: bool
     absolute = train.model_dump(mode="json")
     absolute["run"]["dir"] = str(train.run_dir.resolve())
     absolute["checkpointing"]["dir"] = str(train.checkpoint_dir.resolve())
+    if train.run.resume_from is not None:
+        absolute["run"]["resume_from"] = str(train.run.resume_from.resolve())
     if train.checkpointing.export_hf_dir is not None:
         absolute["checkpointing"]["export_hf_dir"] = str(train.checkpointing.export_hf_dir.resolve())
     spec = JobSpec(cluster=cluster, train=parse_config(absolute, check_components=False))

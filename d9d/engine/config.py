@@ -43,6 +43,12 @@ class RunConfig(_Section):
     hparams: dict[str, Any] = Field(default_factory=dict)
     # Where checkpoints, traces, the MLflow store and run_summary.json go. Default: runs/<name>.
     dir: Path | None = None
+    # auto: continue from the newest verified commit if there is one; never: refuse to start when the
+    # checkpoint directory holds committed work; required: refuse to start without a commit to continue.
+    resume: Literal["auto", "never", "required"] = "auto"
+    # A committed step directory (of a run with the same identity) to start from while this run's own
+    # checkpoint directory holds no commit (`--resume-from`); once the run commits, its own commits win.
+    resume_from: Path | None = None
 
     @property
     def resolved_dir(self) -> Path:
@@ -95,6 +101,9 @@ class CheckpointingConfig(_Section):
     # Save only what training changes (trainable parameters, buffers, optimizer state). Frozen weights are
     # re-created on resume by the model provider's `initialize` (source checkpoint or seeded init).
     trainable_only: bool = False
+    # A newest commit whose files do not match its manifest: resume from the previous verified commit
+    # (fallback, with a warning naming the file) or stop with that error (fail).
+    on_damaged: Literal["fallback", "fail"] = "fallback"
 
 
 class GradientClippingConfig(_Section):

@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 from d9d.core.context import DistributedContext, init_process_group
 from d9d.core.mesh_params import DeviceMeshParameters
-from d9d.engine.checkpoint import LocalRunReporter
+from d9d.engine.checkpoint import CheckpointError, LocalRunReporter
 from d9d.engine.config import TrainConfig, load_config, parse_config
+from d9d.engine.identity import IdentityError
+from d9d.engine.resume import check_resume
 from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
 from d9d.engine.tracking_sink import STATE_FILE, TrackerSink
 from d9d.engine.trainer import Trainer
@@ -53,7 +55,7 @@ def run_rank(
     if runtime.data_parallel_override is not None:
         params = with_data_parallel(params, runtime.data_parallel_override)
     ctx = DistributedContext.create(params)
-    trainer = Trainer(cfg, ctx, reporter)
+    trainer = Trainer(cfg, ctx, reporter, attempt=runtime.attempt)
     trainer.setup()
     return trainer.train()
 
@@ -73,6 +75,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides, ignore_sections=["cluster"])
     rank = int(os.environ.get("RANK", "0"))
+    # Before anything touches the run directory (the tracker opens files there).
+    try:
+        decision = check_resume(config)
+    except (CheckpointError, IdentityError) as e:
+        print(f"d9d: {e}", file=sys.stderr)
+        return 2
+    if decision.action == "finished":
+        if rank == 0:
+            print(f"d9d: run {config.run.name} {decision.message}", file=sys.stderr)
+        return 0
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" not in os.environ:
         # One process: a one-rank gloo group on an in-memory store, so meshes and DTensors still exist.
@@ -94,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             config.run_dir / STATE_FILE,
             resume=True,
         )
-    reporter = LocalRunReporter(config.checkpoint_dir, config.checkpointing.keep_last, sink)
+    reporter = LocalRunReporter(
+        config.checkpoint_dir, config.checkpointing.keep_last, sink, config.checkpointing.on_damaged
+    )
     result = run_rank(config, runtime, reporter)
     if sink is not None:
         sink.close("finished" if result.status == "finished" else "killed")

@@ -109,5 +109,6 @@ class RunReporter(Protocol):
         ...
 
     def latest_checkpoint(self) -> Path | None:
-        """The committed step directory to resume from, if any (every rank calls it at start-up)."""
+        """The committed step directory to resume from, if any (every rank calls it at start-up): the newest
+        commit whose files verify against its manifest (`d9d.engine.checkpoint.select_commit`)."""
         ...

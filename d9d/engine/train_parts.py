@@ -18,6 +18,7 @@ from d9d.engine.checkpoint import Checkpointer
 from d9d.engine.components import build_data, build_lr_scheduler, build_optimizer, build_task
 from d9d.engine.config import TrainConfig
 from d9d.engine.events import EventBus
+from d9d.engine.identity import run_identity
 from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTask
 from d9d.engine.registry import build_model
 from d9d.engine.reporting import StepReporter
@@ -139,7 +140,11 @@ def build_train_parts(
             step_metrics=step_metrics,
         ),
         checkpointer=Checkpointer(
-            ctx, c.checkpoint_dir, reporter, trainable_only=c.checkpointing.trainable_only
+            ctx,
+            c.checkpoint_dir,
+            reporter,
+            trainable_only=c.checkpointing.trainable_only,
+            identity=run_identity(c),
         ),
         state=EngineState(
             progress,

@@ -30,6 +30,7 @@ from d9d.engine.events import (
     TrainingFinished,
 )
 from d9d.engine.progress import StepProgress
+from d9d.engine.resume import decide_resume
 from d9d.engine.runtime import RankResult, RunReporter
 from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
@@ -45,8 +46,10 @@ class Trainer:
         ctx: DistributedContext,
         reporter: RunReporter,
         events: EventBus | None = None,
+        attempt: int = 0,
     ) -> None:
         self.config = config
+        self.attempt = attempt  # 0: a new launch; restarts continue from their own commits
         self.ctx = ctx
         self.reporter = reporter
         self.events = events or EventBus()
@@ -55,6 +58,7 @@ class Trainer:
         self._parts: TrainParts | None = None
         self._checkpoint_requested = False
         self._last_saved: int | None = None
+        self._finished_at_start = False
 
     @property
     def parts(self) -> TrainParts:
@@ -73,9 +77,19 @@ class Trainer:
         self._resume()
 
     def _resume(self) -> None:
+        """Decide again what the driver decided (`d9d.engine.resume`): torchrun has no driver, and a
+        restarted attempt resumes from what its predecessor committed."""
         parts = self.parts
-        latest = parts.checkpointer.latest()
+        decision = decide_resume(self.config, parts.checkpointer.latest(), new_launch=self.attempt == 0)
+        latest = decision.step_dir
         if latest is None:
+            return
+        if decision.action == "finished":
+            # Nothing to train and nothing to write: only the progress is read, for the result.
+            self.progress.load_state_dict(parts.checkpointer.load_engine_state(latest))
+            self._finished_at_start = True
+            self._last_saved = self.progress.step
+            self.ctx.logger.warning("run %s %s", self.config.run.name, decision.message)
             return
         engine_state, rank_state = parts.checkpointer.load(
             latest, parts.optimizer.pair_with(parts.stages.by_index)
@@ -83,6 +97,7 @@ class Trainer:
         parts.state.load_state_dict(engine_state)
         if rank_state is not None:
             parts.state.load_rank_state_dict(rank_state)
+        self._last_saved = self.progress.step  # that step is committed: never written again
         self.ctx.logger.info("resumed from %s at step %d", latest, self.progress.step)
 
     # -- loop ---------------------------------------------------------------------------------------
@@ -161,7 +176,7 @@ class Trainer:
         wanted = not finished or c.checkpointing.save_at_end
         if wanted and self.progress.step > 0 and self._last_saved != self.progress.step:
             self.save_checkpoint()
-        if finished and c.checkpointing.export_hf_dir is not None:
+        if finished and c.checkpointing.export_hf_dir is not None and not self._finished_at_start:
             self.parts.model.export(self.modules, self.ctx, c.checkpointing.export_hf_dir)
             self.ctx.logger.info("exported the model to %s", c.checkpointing.export_hf_dir)
         self.parts.reports.finish()
@@ -239,6 +254,8 @@ class Trainer:
     def save_checkpoint(self) -> None:
         step = self.progress.step
         self._checkpoint_requested = False
+        if self._last_saved == step:
+            return  # committed already (a request right after a periodic save, or the resumed step)
         parts = self.parts
         path = parts.checkpointer.save(
             step,

@@ -12,11 +12,14 @@ def _run(args: argparse.Namespace) -> int:
     from d9d.cluster.submit import dashboard_address, submit
     from d9d.engine.config import ConfigError
 
+    overrides = list(args.overrides)
+    if args.resume_from is not None:  # travels as an override: the cluster-side `d9d train` checks it
+        overrides.append(f"run.resume_from={args.resume_from}")
     try:
         sub = submit(
             args.config,
             dashboard_address(args.address),
-            overrides=args.overrides,
+            overrides=overrides,
             working_dir=args.working_dir,
             num_workers=args.num_workers,
             cpu=args.cpu,
@@ -36,4 +39,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--num-workers", type=int)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument(
+        "--resume-from", type=Path, metavar="PATH", help="committed step directory to start the run from"
+    )
     parser.set_defaults(handler=_run)

@@ -24,17 +24,29 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from d9d.cluster import TrainingJob, load_job
+    from d9d.cluster.checkpoints import RunFinished
     from d9d.cluster.follow import follow
+    from d9d.engine.checkpoint import CheckpointError
     from d9d.engine.config import ConfigError
 
+    overrides = list(args.overrides)
+    if args.resume_from is not None:
+        overrides.append(f"run.resume_from={args.resume_from}")
     try:
-        spec = load_job(args.config, args.overrides, num_workers=args.num_workers, cpu=args.cpu)
+        spec = load_job(args.config, overrides, num_workers=args.num_workers, cpu=args.cpu)
     except (ConfigError, ValueError) as e:
         print(f"d9d train: {e}", file=sys.stderr)
         return 2
     if args.detach:
         spec = type(spec)(cluster=spec.cluster.model_copy(update={"detach": True}), train=spec.train)
-    job = TrainingJob(spec).start(address=args.address)
+    try:
+        job = TrainingJob(spec).start(address=args.address)
+    except RunFinished as e:
+        print(f"d9d train: {e}", file=sys.stderr)
+        return 0
+    except (CheckpointError, ValueError) as e:  # resume refused: identity, run.resume, damaged commits
+        print(f"d9d train: {e}", file=sys.stderr)
+        return 2
     if spec.cluster.detach:
         print(f"run {spec.run_name} started (detached); follow it with TrainingJob.attach({spec.run_name!r})")
         return 0
@@ -60,5 +72,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--detach", action="store_true", help="return once started; the run outlives this process"
+    )
+    parser.add_argument(
+        "--resume-from",
+        type=Path,
+        metavar="PATH",
+        help="a committed step directory to start this run from (same run identity; see docs/engine.md)",
     )
     parser.set_defaults(handler=run)
