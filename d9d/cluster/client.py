@@ -6,6 +6,7 @@ losing it (or the whole driver, with `cluster.detach: true`) does not stop train
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -108,6 +109,9 @@ class TrainingJob:
         connect(address, local_cpus=int(spec.max_workers * spec.cluster.resources.cpus + 0.999))
         name = coordinator_name(spec.run_name)
         _release_finished(spec.run_name)
+        # Ranks of an earlier launch whose coordinator died go with it, asynchronously; their names must be
+        # free before this launch's ranks take them.
+        wait_names_free([rank_name(spec.run_name, r) for r in range(spec.max_workers)], 30.0)
         options: dict[str, Any] = {
             "name": name,
             "namespace": NAMESPACE,
@@ -340,6 +344,7 @@ def _release_finished(run_name: str) -> None:
         ended = True
     if not ended:
         return
-    ray.kill(old, no_restart=True)
+    with contextlib.suppress(Exception):  # already dead
+        ray.kill(old, no_restart=True)
     wait_names_free([name], 30.0)
     remove_run_placement_groups(run_name)

@@ -198,7 +198,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
             node = child
-        node[parts[-1]] = _parse_scalar(raw, item)
+        node[parts[-1]] = _parse_scalar(raw, f"--set {key} value {raw!r}")
     return out
 
 
@@ -212,11 +212,11 @@ def _yaml_error(error: yaml.YAMLError, source: str) -> ConfigError:
     return ConfigError(f"{where}: malformed YAML: {problem}" + (f" ({context})" if context else ""))
 
 
-def _parse_scalar(raw: str, item: str) -> Any:
+def _parse_scalar(raw: str, source: str) -> Any:
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise _yaml_error(e, f"--set {item!r}") from None
+        raise _yaml_error(e, source) from None
     if isinstance(value, str):
         # YAML 1.1 reads "1e-4" (no dot) as a string; users mean a number.
         try:
