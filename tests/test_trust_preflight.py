@@ -57,7 +57,7 @@ def _refused(job: dict[str, Any]) -> str:
     return str(info.value)
 
 
-# -- the driver's preflight -----------------------------------------------------------------------------------
+# -- the driver's preflight ----------------------------------------------------------------------------------
 
 
 def test_a_sane_engine_job_passes_preflight(tmp_path: Path) -> None:
@@ -148,7 +148,7 @@ def test_heartbeat_timeout_must_be_well_above_the_interval(tmp_path: Path) -> No
         build_job(job)
 
 
-# -- errors a retry cannot fix --------------------------------------------------------------------------------
+# -- errors a retry cannot fix -------------------------------------------------------------------------------
 
 
 def _read_shard(path: Path) -> bytes:
@@ -182,7 +182,7 @@ def test_setup_errors_before_the_first_step_are_not_retried_and_keep_the_chain(t
     assert "direct cause" in decision.error and "_read_shard" in decision.error
 
 
-# -- YAML errors ------------------------------------------------------------------------------------------------
+# -- YAML errors ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("command", ["train", "submit"])
@@ -216,7 +216,7 @@ def test_malformed_json_job_names_line_and_column(tmp_path: Path) -> None:
         read_config_file(path)
 
 
-# -- data parallelism without gradient sync ---------------------------------------------------------------------
+# -- data parallelism without gradient sync ------------------------------------------------------------------
 
 
 class _Unsynced(nn.Module):
@@ -272,7 +272,8 @@ def _build_unsynced(env: RankEnv) -> None:
     with pytest.raises(ConfigError) as info:
         build(True)
     message = str(info.value)
-    assert "2 trainable parameter(s) of stage 0 have no gradient sync: forgotten.weight, forgotten.bias." in message
+    listing = "2 trainable parameter(s) of stage 0 have no gradient sync: forgotten.weight, forgotten.bias."
+    assert listing in message
     assert "synced." not in message and "frozen" not in message  # covered, and not trained
 
 

@@ -58,7 +58,7 @@ def test_an_unreadable_summary_is_moved_aside_not_overwritten(tmp_path: Path) ->
     assert json.loads((tmp_path / SUMMARY_FILE).read_text())["status"] == "failed"
 
 
-# -- the controller, with fake workers ---------------------------------------------------------------------------
+# -- the controller, with fake workers -----------------------------------------------------------------------
 
 
 class _Workers:

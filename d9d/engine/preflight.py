@@ -112,9 +112,13 @@ def check_model_mesh(model: Qwen3Config, mesh: DeviceMeshParameters, field: str)
             if size % tp:
                 problems.append(f"{arch}.{name}={size} is not divisible by mesh.tensor_parallel={tp}")
     if isinstance(model, Qwen3MoEConfig) and model.num_experts % ep:
-        problems.append(f"{arch}.num_experts={model.num_experts} is not divisible by mesh.expert_parallel={ep}")
+        problems.append(
+            f"{arch}.num_experts={model.num_experts} is not divisible by mesh.expert_parallel={ep}"
+        )
     if model.num_layers < pp:
-        problems.append(f"{arch}.num_layers={model.num_layers} is fewer than mesh.pipeline_parallel={pp} stages")
+        problems.append(
+            f"{arch}.num_layers={model.num_layers} is fewer than mesh.pipeline_parallel={pp} stages"
+        )
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -148,7 +152,9 @@ def check_source_checkpoint(model: Qwen3Config, source: Path, field: str) -> Non
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in build_causal_lm(model).state_dict().items()}
     for group in mapper.groups():
-        inputs = {k: torch.empty(entries[k].shape, dtype=entries[k].dtype, device="meta") for k in group.inputs}
+        inputs = {
+            k: torch.empty(entries[k].shape, dtype=entries[k].dtype, device="meta") for k in group.inputs
+        }
         try:
             outputs = apply_group(mapper, group, inputs)
         except (RuntimeError, ValueError) as e:  # tensors that cannot be stacked or split as mapped
