@@ -73,6 +73,19 @@ def test_missing_data_file_is_refused_naming_field_and_file(tmp_path: Path) -> N
     assert "data.options.dataset.paths[0]" in message and str(missing) in message
 
 
+def test_d9d_train_refuses_a_missing_data_file_with_status_2_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = _engine_job(tmp_path)
+    job["data"]["options"]["dataset"]["paths"] = ["missing/corpus.txt"]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "d9d train: data.options.dataset.paths[0]: missing/corpus.txt does not exist" in err
+    assert "Traceback" not in err and not ray.is_initialized()
+
+
 def test_tokenizer_that_does_not_load_is_refused(tmp_path: Path) -> None:
     broken = tmp_path / "tokenizer.json"
     broken.write_text("{not json")

@@ -86,7 +86,9 @@ class AttemptRunner:
         try:
             launches = await self.workers.start(at)
         except Exception as e:
-            return failed("starting ranks", e, before_first_step=True)
+            # Starting actors fails for transient reasons (a rank name the last attempt still holds, a node
+            # going away): only an explicit NonRetryableError ends the run here.
+            return failed("starting ranks", e, before_first_step=False)
         # Opening a tracker (an MLflow store) can take longer than starting the ranks; training begins
         # only once metric points can be written as they arrive.
         await asyncio.to_thread(self.metrics.wait_ready, self.spec.init_timeout_s)
