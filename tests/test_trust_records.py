@@ -222,6 +222,8 @@ def test_coordinator_death_is_recorded_frees_the_run_and_a_rerun_in_the_same_dri
     first = TrainingJob(build_job(job)).start()
     _wait_for_step(first, 2)
     assert _run_pgs("lost") != []
+    started = json.loads((tmp_path / SUMMARY_FILE).read_text())
+    assert [r["status"] for r in started["launches"]] == ["starting"]  # a launch is on record from its start
     ray.kill(ray.get_actor(coordinator_name("lost"), namespace=NAMESPACE), no_restart=True)
 
     lost = first.result(timeout=60)

@@ -171,6 +171,7 @@ class Coordinator:
     async def _run_job(self) -> None:
         state = JobState.FAILED
         try:
+            await asyncio.to_thread(self._control.record_start)
             state = await self._control.run()
         except Exception:
             self._control.summary.error = traceback.format_exc()

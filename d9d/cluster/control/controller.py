@@ -245,6 +245,12 @@ class Controller:
             finally:
                 self.attempt = None
 
+    def record_start(self) -> None:
+        """Record the launch before anything runs: if the driver and this coordinator die together (the
+        driver is killed), the run directory still tells that the launch happened and never ended."""
+        self.summary.status = JobState.STARTING.value
+        record_launch(self._spec.run_dir, self.summary)
+
     def finish(self, state: JobState) -> RunSummary:
         """Enter the terminal state and write `run_summary.json`."""
         if not self.machine.state.terminal:
