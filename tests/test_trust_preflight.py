@@ -119,11 +119,18 @@ def test_model_sizes_the_mesh_cannot_split_are_refused(
     assert wanted in _refused(job)
 
 
-def test_entrypoint_module_that_does_not_import_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("entrypoint", "wanted"),
+    [
+        ("tests.no_such_module:run", "does not import"),
+        ("tests.cluster_fixtures:no_such_run", "names nothing"),
+    ],
+)
+def test_entrypoint_that_does_not_import_is_refused(tmp_path: Path, entrypoint: str, wanted: str) -> None:
     job = toy_job("entry", tmp_path)
-    job["cluster"] = {**job["cluster"], "entrypoint": "tests.no_such_module:run"}
+    job["cluster"] = {**job["cluster"], "entrypoint": entrypoint}
     message = _refused(job)
-    assert "cluster.entrypoint" in message and "tests.no_such_module" in message
+    assert message.startswith(f"cluster.entrypoint: {entrypoint!r} {wanted}")
 
 
 def test_incomplete_or_misshapen_hf_source_checkpoint_is_refused(tmp_path: Path) -> None:

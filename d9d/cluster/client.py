@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
 import os
 import time
@@ -26,6 +25,7 @@ from d9d.cluster.config import ENGINE_ENTRYPOINT
 from d9d.cluster.coordinator import Coordinator
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
 from d9d.cluster.placement import run_placement_groups
+from d9d.cluster.rank import resolve_entrypoint
 from d9d.cluster.sink import build_sink
 from d9d.cluster.spec import JobSpec, build_job, load_job
 from d9d.cluster.state import JobState, JobStatus, RunSummary, launch_record, record_launch
@@ -300,13 +300,12 @@ def preflight_job(spec: JobSpec) -> None:
     imports; with the built-in engine, the engine's own preflight (data files, tokenizer, model and mesh
     sizes, plug-in modules, the source checkpoint). Raises `ConfigError` naming the field or file."""
     entrypoint = spec.cluster.entrypoint
-    module_name, _, attr = entrypoint.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ConfigError(f"cluster.entrypoint: module {module_name!r} does not import: {e!r}") from e
-    if attr.split(".")[0] not in vars(module):
-        raise ConfigError(f"cluster.entrypoint: module {module_name!r} has no {attr!r}")
+        resolve_entrypoint(entrypoint)  # exactly what each rank does first
+    except AttributeError as e:
+        raise ConfigError(f"cluster.entrypoint: {entrypoint!r} names nothing in its module: {e}") from e
+    except Exception as e:  # the module, or one it imports, fails to import
+        raise ConfigError(f"cluster.entrypoint: {entrypoint!r} does not import: {e!r}") from e
     if entrypoint == ENGINE_ENTRYPOINT:
         preflight(spec.train)
 
