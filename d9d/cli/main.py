@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import d9d
 import d9d.cli.commands as commands
+from d9d.engine.errors import ConfigError
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -31,7 +32,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0
-    return handler(args)
+    try:
+        return handler(args)
+    except ConfigError as e:
+        # A configuration problem found after the command's own validation (the driver's preflight): the
+        # message names the field or file; a traceback would only bury it.
+        print(f"d9d {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,23 +6,36 @@ losing it (or the whole driver, with `cluster.detach: true`) does not stop train
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from d9d.cluster.checkpoints import check_launch
+from d9d.cluster.config import ENGINE_ENTRYPOINT
 from d9d.cluster.coordinator import Coordinator
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
+from d9d.cluster.placement import run_placement_groups
+from d9d.cluster.rank import resolve_entrypoint
 from d9d.cluster.sink import build_sink
 from d9d.cluster.spec import JobSpec, build_job, load_job
-from d9d.cluster.state import JobStatus, RunSummary
+from d9d.cluster.state import JobState, JobStatus, RunSummary, launch_record, record_launch
+from d9d.engine.config import ConfigError
+from d9d.engine.preflight import preflight
 from d9d.engine.runtime import Command, CommandKind, MetricPoint
+
+_log = logging.getLogger(__name__)
+COORDINATOR_LOST = "coordinator lost"
 
 _CALL_S = 10.0  # server-side wait per long-poll call; clients loop around it
 
@@ -63,6 +76,8 @@ class TrainingJob:
             self.spec = load_job(config, overrides, num_workers=num_workers, cpu=cpu)
         self._handle: Any = None
         self._seq = 0
+        self._launch_id = ""
+        self._lost: RunSummary | None = None  # what this driver recorded when the coordinator died
 
     @classmethod
     def attach(cls, run_name: str, address: str | None = None) -> TrainingJob:
@@ -74,6 +89,8 @@ class TrainingJob:
         job.spec = spec
         job._handle = handle
         job._seq = 0
+        job._launch_id = ""  # another driver's launch: it records its own end
+        job._lost = None
         return job
 
     @property
@@ -82,14 +99,21 @@ class TrainingJob:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
-    def start(self, address: str | None = None) -> TrainingJob:
+    def start(self, address: str | None = None, *, check: bool = True) -> TrainingJob:
+        """Start the run's coordinator. With `check` (the default) the job is first checked here, before
+        Ray is touched (`preflight_job`): pass False from a client that does not see the cluster's files."""
         if self._handle is not None:
             raise RuntimeError(f"run {self.run_name} was already started")
         spec = self.spec
+        if check:
+            preflight_job(spec)
         check_launch(spec)  # identity, run.resume, damaged commits, finished runs: before Ray is touched
         connect(address, local_cpus=int(spec.max_workers * spec.cluster.resources.cpus + 0.999))
         name = coordinator_name(spec.run_name)
-        _release_finished(name)
+        _release_finished(spec.run_name)
+        # Ranks of an earlier launch whose coordinator died go with it, asynchronously; their names must be
+        # free before this launch's ranks take them.
+        wait_names_free([rank_name(spec.run_name, r) for r in range(spec.max_workers)], 30.0)
         options: dict[str, Any] = {
             "name": name,
             "namespace": NAMESPACE,
@@ -102,9 +126,12 @@ class TrainingJob:
             # The head outlives worker nodes (in coordinator-storage mode it also holds the checkpoints);
             # a hard affinity, since a busy head would otherwise see the coordinator spill to a worker.
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
+        self._launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
         try:
             self._handle = (
-                ray.remote(Coordinator).options(**options).remote(spec, functools.partial(build_sink, spec))
+                ray.remote(Coordinator)
+                .options(**options)
+                .remote(spec, functools.partial(build_sink, spec), self._launch_id)
             )
         except ValueError as e:
             raise RuntimeError(
@@ -115,7 +142,13 @@ class TrainingJob:
         return self
 
     def status(self) -> JobStatus:
-        status: JobStatus = ray.get(self._coordinator.status.remote())
+        if self._lost is not None:
+            return self._lost_status()
+        try:
+            status: JobStatus = ray.get(self._coordinator.status.remote())
+        except RayActorError as e:
+            self._coordinator_lost(e)
+            return self._lost_status()
         return status
 
     def metrics(self, timeout: float | None = None) -> Iterator[MetricPoint]:
@@ -131,7 +164,13 @@ class TrainingJob:
 
     def poll_metrics(self, wait_s: float) -> tuple[list[MetricPoint], bool]:
         """Points not seen yet by this handle (waiting up to `wait_s` for one), and whether the job ended."""
-        seq, points, ended = ray.get(self._coordinator.metrics_since.remote(self._seq, wait_s))
+        if self._lost is not None:
+            return [], True
+        try:
+            seq, points, ended = ray.get(self._coordinator.metrics_since.remote(self._seq, wait_s))
+        except RayActorError as e:
+            self._coordinator_lost(e)
+            return [], True
         self._seq = seq
         return points, ended
 
@@ -140,7 +179,7 @@ class TrainingJob:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = _CALL_S if deadline is None else max(0.0, min(_CALL_S, deadline - time.monotonic()))
-            status: JobStatus = ray.get(self._coordinator.wait.remote(step, wait))
+            status = self.status() if self._lost is not None else self._wait_call(step, wait)
             if status.state.terminal or (step is not None and status.step >= step):
                 return status
             if deadline is not None and time.monotonic() >= deadline:
@@ -150,7 +189,7 @@ class TrainingJob:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = _CALL_S if deadline is None else max(0.0, min(_CALL_S, deadline - time.monotonic()))
-            summary: RunSummary | None = ray.get(self._coordinator.result.remote(wait))
+            summary = self._lost if self._lost is not None else self._result_call(wait)
             if summary is not None:
                 return summary
             if deadline is not None and time.monotonic() >= deadline:
@@ -198,6 +237,88 @@ class TrainingJob:
     def _send(self, command: Command) -> None:
         ray.get(self._coordinator.send.remote(command))
 
+    def _wait_call(self, step: int | None, wait_s: float) -> JobStatus:
+        try:
+            status: JobStatus = ray.get(self._coordinator.wait.remote(step, wait_s))
+        except RayActorError as e:
+            self._coordinator_lost(e)
+            return self._lost_status()
+        return status
+
+    def _result_call(self, wait_s: float) -> RunSummary | None:
+        try:
+            summary: RunSummary | None = ray.get(self._coordinator.result.remote(wait_s))
+        except RayActorError as e:
+            self._coordinator_lost(e)
+            return self._lost
+        return summary
+
+    def _coordinator_lost(self, error: RayActorError) -> None:
+        """The coordinator died under this driver: give the run's placement groups back (they belong to
+        the driver's job, not to the dead actor) and, unless the coordinator recorded the launch's end
+        before it went, record it as failed."""
+        spec = self.spec
+        removed = remove_run_placement_groups(spec.run_name)
+        summary = RunSummary(
+            run_name=spec.run_name,
+            status=JobState.FAILED.value,
+            steps=0,
+            restarts=0,
+            error=f"{COORDINATOR_LOST}: {error}".strip(),
+            launch_id=self._launch_id,
+            ended_at=time.time(),
+        )
+        recorded = launch_record(spec.run_dir, self._launch_id) if self._launch_id else None
+        if recorded is not None and JobState(recorded.status).terminal:
+            # It ended and wrote its summary first (a detached coordinator lets itself go after linger_s).
+            self._lost = recorded
+            return
+        if self._launch_id:
+            record_launch(spec.run_dir, summary)
+        _log.error("run %s: %s (%d placement groups removed)", spec.run_name, COORDINATOR_LOST, removed)
+        self._lost = summary
+
+    def _lost_status(self) -> JobStatus:
+        lost = self._lost
+        assert lost is not None
+        return JobStatus(
+            run_name=self.run_name,
+            state=JobState(lost.status),
+            step=lost.steps,
+            total_steps=self.spec.train.trainer.total_steps,
+            attempt=lost.restarts,
+            world_size=0,
+            data_parallel=0,
+            restarts=lost.restarts,
+            latest_checkpoint_step=None,
+            last_loss=lost.final_loss,
+            last_failure=lost.failures[-1] if lost.failures else None,
+            error=lost.error,
+        )
+
+
+def preflight_job(spec: JobSpec) -> None:
+    """Checks on the driver that a rank would otherwise fail on, on every attempt: the entrypoint
+    imports; with the built-in engine, the engine's own preflight (data files, tokenizer, model and mesh
+    sizes, plug-in modules, the source checkpoint). Raises `ConfigError` naming the field or file."""
+    entrypoint = spec.cluster.entrypoint
+    try:
+        resolve_entrypoint(entrypoint)  # exactly what each rank does first
+    except AttributeError as e:
+        raise ConfigError(f"cluster.entrypoint: {entrypoint!r} names nothing in its module: {e}") from e
+    except Exception as e:  # the module, or one it imports, fails to import
+        raise ConfigError(f"cluster.entrypoint: {entrypoint!r} does not import: {e!r}") from e
+    if entrypoint == ENGINE_ENTRYPOINT:
+        preflight(spec.train)
+
+
+def remove_run_placement_groups(run_name: str) -> int:
+    """Remove every placement group of `run_name` still in the cluster; how many there were."""
+    ids = run_placement_groups(placement_group_table(), run_name)
+    for pg_id in ids:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+    return len(ids)
+
 
 def _head_node_id() -> str | None:
     for node in ray.nodes():
@@ -207,14 +328,24 @@ def _head_node_id() -> str | None:
     return None
 
 
-def _release_finished(name: str) -> None:
-    """A detached coordinator of an earlier run with this name that already ended is let go."""
+def _release_finished(run_name: str) -> None:
+    """What an earlier launch of this run left is let go: a detached coordinator that already ended, one
+    that died (its name may linger while Ray notices), and the placement groups of a coordinator that is
+    gone. A coordinator still running stays (starting a second one then fails with a clear error)."""
+    name = coordinator_name(run_name)
     try:
         old: Any = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
+        remove_run_placement_groups(run_name)
         return
-    old_status: JobStatus = ray.get(old.status.remote())
-    if not old_status.state.terminal:
+    try:
+        old_status: JobStatus = ray.get(old.status.remote())
+        ended = old_status.state.terminal
+    except RayActorError:
+        ended = True
+    if not ended:
         return
-    ray.kill(old, no_restart=True)
+    with contextlib.suppress(Exception):  # already dead
+        ray.kill(old, no_restart=True)
     wait_names_free([name], 30.0)
+    remove_run_placement_groups(run_name)

@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # The built-in engine; a custom entrypoint reads the provider sections its own way.
 ENGINE_ENTRYPOINT = "d9d.engine.launch:run_rank"
+# A rank is declared dead after this many heartbeat intervals at the least: one late beat (a GC pause, a
+# busy node) must not look like a dead process.
+MIN_HEARTBEATS_PER_TIMEOUT = 3
 
 
 class _Section(BaseModel):
@@ -85,4 +88,15 @@ class ClusterConfig(_Section):
             raise ValueError(f"cluster.num_workers={n} is smaller than cluster.min_workers={lo}")
         if n is not None and hi is not None and n > hi:
             raise ValueError(f"cluster.num_workers={n} is larger than cluster.max_workers={hi}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_heartbeats(self) -> Self:
+        interval, timeout = self.heartbeat_interval_s, self.heartbeat_timeout_s
+        if timeout < MIN_HEARTBEATS_PER_TIMEOUT * interval:
+            raise ValueError(
+                f"cluster.heartbeat_timeout_s={timeout} must be at least {MIN_HEARTBEATS_PER_TIMEOUT} × "
+                f"cluster.heartbeat_interval_s={interval}: a rank would be declared dead after one late "
+                "heartbeat"
+            )
         return self

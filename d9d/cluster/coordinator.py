@@ -40,14 +40,16 @@ _log = logging.getLogger(__name__)
 class Coordinator:
     """Async actor; every method runs on one event loop, blocking work goes to threads."""
 
-    def __init__(self, spec: JobSpec, sink_factory: Callable[[], MetricSink]) -> None:
+    def __init__(self, spec: JobSpec, sink_factory: Callable[[], MetricSink], launch_id: str = "") -> None:
         self._spec = spec
         ckpt = spec.train.checkpointing
         self._store = CheckpointStore(spec.checkpoint_dir, ckpt.keep_last, ckpt.on_damaged)
         self._changes = Changes()
         self._mailbox = CommandMailbox()
         self._metrics = MetricsHub(MetricsWriter(sink_factory))
-        self._control = Controller(spec, self._store, self._mailbox, self._metrics, self._changes)
+        self._control = Controller(
+            spec, self._store, self._mailbox, self._metrics, self._changes, launch_id=launch_id
+        )
         self._main: asyncio.Task[None] | None = None
         self._done = False  # terminal, summary written, tracker closed
 
@@ -170,6 +172,7 @@ class Coordinator:
     async def _run_job(self) -> None:
         state = JobState.FAILED
         try:
+            await asyncio.to_thread(self._control.record_start)
             state = await self._control.run()
         except Exception:
             self._control.summary.error = traceback.format_exc()

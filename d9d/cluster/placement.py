@@ -18,6 +18,23 @@ if TYPE_CHECKING:
     from d9d.cluster.rank import RankNode
 
 
+def placement_group_name(run_name: str, token: str) -> str:
+    """Every placement group of a run carries the run's name, so one whose coordinator died can still be
+    found (`ray.util.placement_group_table()`) and removed; `token` keeps the names of a run's groups
+    apart."""
+    return f"d9d/{run_name}/{token}"
+
+
+def run_placement_groups(table: Mapping[str, Mapping[str, Any]], run_name: str) -> list[str]:
+    """Ids of the run's placement groups in `placement_group_table()` that are not removed yet."""
+    prefix = placement_group_name(run_name, "")
+    return [
+        pg_id
+        for pg_id, info in table.items()
+        if str(info.get("name", "")).startswith(prefix) and info.get("state") != "REMOVED"
+    ]
+
+
 def bundle_for(resources: RankResources) -> dict[str, float]:
     bundle = {"CPU": float(resources.cpus)}
     if resources.gpus:

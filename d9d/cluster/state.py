@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import enum
+import json
+import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from d9d.core.files import atomic_write_text
+
+SUMMARY_FILE = "run_summary.json"
+_log = logging.getLogger(__name__)
 
 
 class JobState(enum.StrEnum):
@@ -89,6 +97,9 @@ class RunSummary:
     failures: list[str] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)  # per step, as finally trained
     error: str | None = None
+    # Which launch of the run this is (`TrainingJob.start` picks it): a file holds one record per launch.
+    launch_id: str = ""
+    ended_at: float | None = None  # wall clock
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
@@ -97,6 +108,56 @@ class RunSummary:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSummary:
-        values = dict(data)
+        """A record (or a whole `run_summary.json`, whose top level is its latest launch)."""
+        values = {k: v for k, v in data.items() if k != "launches"}
         values["losses"] = {int(k): float(v) for k, v in values.get("losses", {}).items()}
         return cls(**values)
+
+
+def read_launches(path: Path) -> list[dict[str, Any]] | None:
+    """The launch records of a `run_summary.json` (an older file without `launches` is one record); None
+    when the file exists but cannot be read."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    launches = data.get("launches")
+    if isinstance(launches, list):
+        return [r for r in launches if isinstance(r, dict)]
+    return [data]
+
+
+def record_launch(run_dir: Path, summary: RunSummary) -> None:
+    """Add (or update) this launch's record in `run_dir/run_summary.json`.
+
+    Every launch keeps its own record under `launches`, so a failed relaunch never erases what an earlier
+    launch finished; the top level repeats the latest record's fields for readers of the one-record
+    format. An unreadable file is moved aside, not overwritten: it may be the only record of a launch."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / SUMMARY_FILE
+    record = summary.to_json()
+    launches = read_launches(path)
+    if launches is None:
+        aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
+        _log.warning("%s cannot be read; moved to %s", path, aside.name)
+        path.replace(aside)
+        launches = []
+    for i, old in enumerate(launches):
+        if summary.launch_id and old.get("launch_id") == summary.launch_id:
+            launches[i] = record
+            break
+    else:
+        launches.append(record)
+    atomic_write_text(path, json.dumps({**record, "launches": launches}, indent=1))
+
+
+def launch_record(run_dir: Path, launch_id: str) -> RunSummary | None:
+    """This launch's record in `run_summary.json`, if it has one."""
+    for record in read_launches(run_dir / SUMMARY_FILE) or []:
+        if record.get("launch_id") == launch_id:
+            return RunSummary.from_json(record)
+    return None

@@ -19,6 +19,10 @@ from d9d.cluster.spec import load_job
 
 RUN_KEY = "d9d_run"
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
+# How long Ray's job supervisor waits after the SIGTERM of `ray job stop` / `d9d stop` before its SIGKILL.
+# Ray's default (3 s) kills `d9d train` before the coordinator has torn the ranks down, written the
+# `stopped` summary and ended the tracker run as killed; the supervisor reads it from the job's env.
+STOP_WAIT_S = 120
 
 
 def dashboard_address(address: str | None) -> str:
@@ -68,7 +72,7 @@ def submit(
     client = JobSubmissionClient(address)
     submission_id = client.submit_job(
         entrypoint=shlex.join(command),
-        runtime_env={"working_dir": str(root)},
+        runtime_env={"working_dir": str(root), "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}},
         metadata={RUN_KEY: spec.run_name},
         submission_id=f"d9d-{spec.run_name}-{int(time.time() * 1000)}",
     )
@@ -103,8 +107,9 @@ def logs(submission_id: str, address: str) -> str:
     return text
 
 
-def stop(submission_id: str, address: str, timeout_s: float = 60.0) -> str:
-    """Ask Ray to stop the job (SIGTERM to `d9d train`, which stops the run) and wait until it ended."""
+def stop(submission_id: str, address: str, timeout_s: float = STOP_WAIT_S + 30.0) -> str:
+    """Ask Ray to stop the job (SIGTERM to `d9d train`, which stops the run) and wait until it ended:
+    `d9d train` returns once the coordinator acknowledged the stop and wrote the run's summary."""
     client = JobSubmissionClient(address)
     client.stop_job(submission_id)
     deadline = time.monotonic() + timeout_s

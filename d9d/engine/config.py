@@ -207,12 +207,25 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
             node = child
-        node[parts[-1]] = _parse_scalar(raw)
+        node[parts[-1]] = _parse_scalar(raw, f"--set {key} value {raw!r}")
     return out
 
 
-def _parse_scalar(raw: str) -> Any:
-    value = yaml.safe_load(raw)
+def _yaml_error(error: yaml.YAMLError, source: str) -> ConfigError:
+    """`error` as `source:line:column: problem` (1-based, as editors count); PyYAML itself names the
+    text `<unicode string>` and prints a context block."""
+    mark = error.problem_mark if isinstance(error, yaml.MarkedYAMLError) else None
+    where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+    problem = (error.problem if isinstance(error, yaml.MarkedYAMLError) else None) or str(error)
+    context = error.context if isinstance(error, yaml.MarkedYAMLError) else None
+    return ConfigError(f"{where}: malformed YAML: {problem}" + (f" ({context})" if context else ""))
+
+
+def _parse_scalar(raw: str, source: str) -> Any:
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise _yaml_error(e, source) from None
     if isinstance(value, str):
         # YAML 1.1 reads "1e-4" (no dot) as a string; users mean a number.
         try:
@@ -226,8 +239,20 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
-    text = p.read_text()
-    data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p} cannot be read: {e}") from None
+    if p.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}") from None
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise _yaml_error(e, str(p)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must contain a mapping at the top level")
     return data

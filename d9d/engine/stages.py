@@ -20,6 +20,7 @@ from d9d.determinism import parameter_init_rng
 from d9d.engine.errors import ConfigError
 from d9d.engine.providers import ModelProvider
 from d9d.parallel.compile import CompileConfig, CompileReport, check_compile_available, compile_stage
+from d9d.parallel.grad_sync import unsynced_params
 from d9d.pipeline.api import PipelineStageInfo
 
 
@@ -70,6 +71,8 @@ def build_stages(
         with torch.device("meta"):
             module = provider.build_stage(info)
         provider.parallelize(module, ctx)
+        if training:
+            check_gradient_sync(module, ctx, info)
         module.to_empty(device=ctx.device)
         with torch.no_grad(), parameter_init_rng(parameter_seed, stage_mesh(ctx)):
             provider.initialize(module, ctx)
@@ -78,6 +81,25 @@ def build_stages(
         modules.append(module)
     _log_compile(ctx, reports)
     return Stages(tuple(infos), tuple(modules), tuple(reports))
+
+
+def check_gradient_sync(module: nn.Module, ctx: DistributedContext, info: PipelineStageInfo) -> None:
+    """With data parallelism, every trainable parameter must be covered by a gradient sync (replicate,
+    FSDP/HSDP, expert parallelism record it on the module); one that is not would train on this replica's
+    data alone and the replicas would silently drift apart. An error rather than a replicate applied here:
+    the provider alone knows the layout it meant (it may have forgotten FSDP, not replication)."""
+    dp = ctx.params.data_parallel
+    if dp == 1:
+        return
+    missing = unsynced_params(module)
+    if missing:
+        listing = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ConfigError(
+            f"model: with data parallelism {dp} (mesh.data_parallel_replicate × data_parallel_shard), "
+            f"{len(missing)} trainable parameter(s) of stage {info.current_stage} have no gradient sync: "
+            f"{listing}. The model provider's parallelize() must apply parallelize_replicate, "
+            "parallelize_fsdp or parallelize_hsdp (d9d.parallel) to them, or freeze them"
+        )
 
 
 def _log_compile(ctx: DistributedContext, reports: list[CompileReport]) -> None:

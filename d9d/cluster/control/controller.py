@@ -12,7 +12,6 @@ Restart: restarting; End: terminal), through the `StateMachine`, whose table say
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -30,8 +29,7 @@ from d9d.cluster.control.signal import Changes
 from d9d.cluster.control.workers import Attempt, WorkerGroup
 from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.spec import JobSpec
-from d9d.cluster.state import JobState, RunSummary, StateMachine
-from d9d.core.files import atomic_write_text
+from d9d.cluster.state import JobState, RunSummary, StateMachine, record_launch
 from d9d.engine.runtime import MetricPoint, RankResult
 
 _log = logging.getLogger(__name__)
@@ -128,6 +126,7 @@ class Controller:
         *,
         workers: Workers | None = None,
         runner: Runs | None = None,
+        launch_id: str = "",
     ) -> None:
         self._spec = spec
         self._store = store
@@ -135,7 +134,9 @@ class Controller:
         self._metrics = metrics
         self._changes = changes
         self.machine = StateMachine()
-        self.summary = RunSummary(run_name=spec.run_name, status=JobState.PENDING.value, steps=0, restarts=0)
+        self.summary = RunSummary(
+            run_name=spec.run_name, status=JobState.PENDING.value, steps=0, restarts=0, launch_id=launch_id
+        )
         c = spec.cluster
         self.failures = FailurePolicy(c.max_failures, c.restart_backoff_s, c.max_backoff_s)
         self._scaling = ScalingPolicy.for_job(spec)
@@ -147,7 +148,8 @@ class Controller:
         self.attempt: Attempt | None = None
         self.attempts = 0  # started so far
         self.latest_step: int | None = None  # of the latest committed checkpoint
-        self._failure_time: float | None = None  # when the last failure was seen, until a step completes
+        # When the first failure of the current chain was seen, until a step past the checkpoint completes.
+        self._failure_time: float | None = None
         # A grow decided at a commit, held until rank 0 has reported that step: the teardown would otherwise
         # drop the step's metric points still queued on the ranks (the new ranks resume after it).
         self._grow_after: tuple[int, int] | None = None  # (workers, committed step)
@@ -181,8 +183,10 @@ class Controller:
                 outcome = await self._runner.run(attempt)
                 if isinstance(outcome, Failed):
                     # Say so before the teardown, which waits for Ray to release the dead actors (seconds
-                    # after a node loss).
-                    self._failure_time = time.monotonic()
+                    # after a node loss). A failure while recovering from another one continues the same
+                    # recovery: it is measured from the first failure of the chain.
+                    if self._failure_time is None:
+                        self._failure_time = time.monotonic()
                     _log.warning("run %s attempt failed: %s", self._spec.run_name, outcome.reason)
                 return after_attempt(outcome, self.failures, self._spec.initial_workers)
             case Restart():
@@ -195,11 +199,13 @@ class Controller:
         if reserved is None:
             return End(JobState.STOPPED)
         plan, pg = reserved
+        # Current from here on, so that every way out (the store failing to prepare included) tears it down
+        # and gives the placement group back.
+        at = self.attempt = Attempt(self.attempts, plan, pg, 0, Liveness(plan.world_size))
         if state.growing:
             self._scaling.resize_reserved(state.target, plan.world_size, self._workers.alive())
-        resumed_from = await asyncio.to_thread(self._prepare_store)
-        self.attempt = Attempt(self.attempts, plan, pg, resumed_from, Liveness(plan.world_size))
-        await self._started(self.attempt)
+        at.resumed_from = await asyncio.to_thread(self._prepare_store)
+        await self._started(at)
         return Run(self.attempt)
 
     async def _restart(self, state: Restart) -> Reserve | End:
@@ -234,8 +240,16 @@ class Controller:
         at = self.attempt
         self._grow_after = None  # a grow belongs to the attempt it was decided in
         if at is not None:
-            await self._workers.teardown(at)
-            self.attempt = None
+            try:
+                await self._workers.teardown(at)
+            finally:
+                self.attempt = None
+
+    def record_start(self) -> None:
+        """Record the launch before anything runs: if the driver and this coordinator die together (the
+        driver is killed), the run directory still tells that the launch happened and never ended."""
+        self.summary.status = JobState.STARTING.value
+        record_launch(self._spec.run_dir, self.summary)
 
     def finish(self, state: JobState) -> RunSummary:
         """Enter the terminal state and write `run_summary.json`."""
@@ -248,9 +262,8 @@ class Controller:
         s.failures = list(self.failures.failures)
         s.losses = dict(sorted(self._metrics.losses.items()))
         s.final_loss = s.losses[max(s.losses)] if s.losses else None
-        run_dir = self._spec.run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "run_summary.json", json.dumps(s.to_json(), indent=1))
+        s.ended_at = time.time()
+        record_launch(self._spec.run_dir, s)
         return s
 
     # == what the ranks report ===========================================================================

@@ -17,12 +17,35 @@ class NonRetryableError(RuntimeError):
     ends as failed at once instead of spending its restart budget."""
 
 
-def is_retryable(error: BaseException) -> bool:
+# Errors that a rank raising them before its first step would raise again on every attempt: a config or
+# shape problem (ValueError, which ConfigError and the state mapping errors are), a missing or unreadable
+# file, a module or name that does not import, a provider of the wrong type. A process that died, a broken
+# collective or a timeout (RuntimeError, OSError in general, Ray's own errors) stays retryable.
+SETUP_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    LookupError,
+    TypeError,
+    AttributeError,
+    ImportError,
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
+
+
+def is_retryable(error: BaseException, *, before_first_step: bool = False) -> bool:
     """Whether an attempt that ended with `error` on a rank may succeed when run again.
+
+    `NonRetryableError` never is. Before the attempt's first step completed, a `SETUP_ERRORS` error is
+    not either: setup is deterministic, so the next attempt would fail the same way (after a step, the
+    same error may come from a transient state and the restart budget decides).
 
     Ray re-raises a rank's exception as a subclass of both its own error type and the original class, so
     the check sees the rank's type."""
-    return not isinstance(error, NonRetryableError)
+    if isinstance(error, NonRetryableError):
+        return False
+    return not (before_first_step and isinstance(error, SETUP_ERRORS))
 
 
 @dataclass(frozen=True)
@@ -54,10 +77,17 @@ class FailurePolicy:
         self.failures.append(failure.reason)
         count = len(self.failures)
         if not failure.retryable:
-            return GiveUp(f"not retryable: {failure.reason}")
+            return GiveUp(_with_detail(f"not retryable: {failure.reason}", failure.detail))
         if count > self.max_failures:
             return GiveUp(
-                f"gave up after {count} failures (cluster.max_failures={self.max_failures}); "
-                f"last: {failure.reason}"
+                _with_detail(
+                    f"gave up after {count} failures (cluster.max_failures={self.max_failures}); "
+                    f"last: {failure.reason}",
+                    failure.detail,
+                )
             )
         return Retry(min(self.backoff_s * 2 ** (count - 1), self.max_backoff_s))
+
+
+def _with_detail(line: str, detail: str) -> str:
+    return f"{line}\n{detail}" if detail else line

@@ -20,10 +20,12 @@ class Stopped:
 @dataclass(frozen=True)
 class Failed:
     """A rank died, raised, hung or missed its heartbeats; `retryable` is False when trying again cannot
-    help (see `failure.is_retryable`)."""
+    help (see `failure.is_retryable`). `reason` is one line (logged per attempt, kept in the summary's
+    failure list); `detail` the whole exception chain with its files and lines, for the final error."""
 
     reason: str
     retryable: bool = True
+    detail: str = ""
 
 
 @dataclass(frozen=True)

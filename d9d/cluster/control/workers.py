@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,14 @@ from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.scaling import ScalingPolicy
 from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.names import NAMESPACE, rank_name, wait_names_free
-from d9d.cluster.placement import assign_bundles, bundle_for, device_placement, free_capacity, node_capacity
+from d9d.cluster.placement import (
+    assign_bundles,
+    bundle_for,
+    device_placement,
+    free_capacity,
+    node_capacity,
+    placement_group_name,
+)
 from d9d.cluster.rank import RankActor, RankLaunch, RankNode
 from d9d.cluster.reporter import CoordinatorTransfer
 from d9d.cluster.spec import JobSpec
@@ -68,9 +76,16 @@ class WorkerGroup:
         bundle = bundle_for(c.resources)
         for plan in candidates:
             pg = placement_group(
-                [dict(bundle) for _ in range(plan.world_size)], strategy=c.placement_strategy
+                [dict(bundle) for _ in range(plan.world_size)],
+                strategy=c.placement_strategy,
+                name=placement_group_name(self._spec.run_name, uuid.uuid4().hex[:12]),
             )
-            if await self._placed(pg, plan, smaller_exists=plan is not candidates[-1]):
+            try:
+                placed = await self._placed(pg, plan, smaller_exists=plan is not candidates[-1])
+            except BaseException:  # cancelled, or Ray failed: the group must not outlive this call
+                remove_placement_group(pg)
+                raise
+            if placed:
                 return plan, pg
             remove_placement_group(pg)
             if self._mailbox.stop:
@@ -164,10 +179,12 @@ class WorkerGroup:
     async def teardown(self, at: Attempt) -> None:
         """Kill every rank (a survivor may be blocked in a collective that can never finish, so nobody is
         asked to exit cleanly) and give the bundles back."""
-        for actor in at.actors:
-            with contextlib.suppress(Exception):  # already dead
-                ray.kill(actor, no_restart=True)
-        if at.actors:
-            names = [rank_name(self._spec.run_name, r) for r in range(len(at.actors))]
-            await asyncio.to_thread(wait_names_free, names, 30.0)
-        remove_placement_group(at.pg)
+        try:
+            for actor in at.actors:
+                with contextlib.suppress(Exception):  # already dead
+                    ray.kill(actor, no_restart=True)
+            if at.actors:
+                names = [rank_name(self._spec.run_name, r) for r in range(len(at.actors))]
+                await asyncio.to_thread(wait_names_free, names, 30.0)
+        finally:
+            remove_placement_group(at.pg)

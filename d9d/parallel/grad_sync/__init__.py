@@ -9,6 +9,7 @@ from d9d.parallel.grad_sync.reduce_mesh import (
     grad_reduce_mesh,
     is_grad_reduce_marked,
     mark_grad_reduce_mesh,
+    unsynced_params,
 )
 from d9d.parallel.grad_sync.synchronizer import GradientSynchronizer, mesh_group
 
@@ -24,4 +25,5 @@ __all__ = [
     "mark_grad_reduce_mesh",
     "mesh_group",
     "pipeline_group",
+    "unsynced_params",
 ]

@@ -83,3 +83,18 @@ def collect_synced_params(
             group = group_of[id(param)] if group_of is not None else 0
             out.append(SyncedParam(full_name, param, grad_reduce_mesh(module, name), group))
     return out
+
+
+def unsynced_params(model: nn.Module) -> list[str]:
+    """Trainable parameters of `model` whose gradient reduction no strategy decided (neither a mesh nor
+    "needs none" recorded): under data parallelism each replica would keep its own gradient and drift."""
+    out = []
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if not is_grad_reduce_marked(module, name):
+                out.append(f"{module_name}.{name}" if module_name else name)
+    return out

@@ -1,0 +1,170 @@
+"""Checks on the launching process, before any process group, actor or rank exists, for the errors every
+rank would otherwise hit during setup (and a restart would only repeat): data files that are missing or
+unreadable, a tokenizer that does not load, model sizes the mesh cannot split, a Hugging Face source
+checkpoint that is incomplete or holds tensors of other shapes.
+
+Plug-in modules are imported (and checked against their protocols) when the config is parsed
+(`d9d.engine.registry.validate_components`); what a plug-in reads is its own business and is not checked
+here. Every error is a `ConfigError` naming the config field and, where there is one, the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.data.sources.config import TextDatasetConfig
+from d9d.data.tokenizers.config import build_tokenizer
+from d9d.engine.builtin.models import CausalLMProvider, Qwen3MoEProvider, Qwen3Provider
+from d9d.engine.components import DataPlugin, ModelPlugin, Qwen3Model, Qwen3MoEModel, TextData
+from d9d.engine.config import TrainConfig
+from d9d.engine.errors import ConfigError
+from d9d.engine.registry import PeftModel
+from d9d.models.hf.io import build_causal_lm
+from d9d.models.hf.mapping import detect_expert_layout, has_expert_bias, hf_to_d9d_mapper
+from d9d.models.qwen3.config import Qwen3Config
+from d9d.models.qwen3_moe.config import Qwen3MoEConfig
+from d9d.state import read_header, resolve_checkpoint
+from d9d.state.mapper.base import apply_group
+
+
+def preflight(config: TrainConfig) -> None:
+    """Run every check; raise `ConfigError` on the first problem found."""
+    check_data(config)
+    check_model(config)
+
+
+# -- data ----------------------------------------------------------------------------------------------
+
+
+def check_data(config: TrainConfig) -> None:
+    match config.data:
+        case TextData():
+            check_text_dataset(config.data.options.dataset, "data.options.dataset")
+        case DataPlugin():
+            pass
+
+
+def check_text_dataset(dataset: TextDatasetConfig, field: str) -> None:
+    for i, path in enumerate(dataset.paths):
+        _check_readable(path, f"{field}.paths[{i}]")
+    try:
+        tokenizer = build_tokenizer(dataset.tokenizer)
+    except Exception as e:  # whatever the tokenizer library raises for a file it cannot use
+        raise ConfigError(f"{field}.tokenizer: does not load: {type(e).__name__}: {e}") from e
+    if tokenizer.pad_id is None:
+        raise ConfigError(f"{field}.tokenizer: has no padding token; the collator needs one")
+
+
+def _check_readable(path: Path, field: str) -> None:
+    if not path.exists():
+        raise ConfigError(f"{field}: {path} does not exist (relative paths start at {Path.cwd()})")
+    if not path.is_file():
+        raise ConfigError(f"{field}: {path} is not a file")
+    try:
+        with path.open("rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise ConfigError(f"{field}: {path} cannot be read: {e}") from e
+
+
+# -- model ---------------------------------------------------------------------------------------------
+
+
+def check_model(config: TrainConfig) -> None:
+    for field, provider in _causal_lms(config):
+        check_model_mesh(provider.model_config, config.mesh, field)
+        source = provider.options.source_checkpoint
+        if source is not None:
+            check_source_checkpoint(provider.model_config, source, f"{field}.options.source_checkpoint")
+
+
+def _causal_lms(config: TrainConfig) -> Iterator[tuple[str, CausalLMProvider]]:
+    model = config.model
+    field = "model"
+    if isinstance(model, PeftModel):
+        model, field = model.options.base, "model.options.base"
+    try:
+        match model:
+            case Qwen3Model():
+                yield field, Qwen3Provider(model.options)
+            case Qwen3MoEModel():
+                yield field, Qwen3MoEProvider(model.options)
+            case ModelPlugin():
+                pass
+    except (OSError, ValueError) as e:  # the source checkpoint's config.json
+        raise ConfigError(f"{field}.options: {e}") from e
+
+
+def check_model_mesh(model: Qwen3Config, mesh: DeviceMeshParameters, field: str) -> None:
+    """The sizes tensor, expert and pipeline parallelism split must divide evenly."""
+    arch = f"{field}.options.architecture"
+    tp, ep, pp = mesh.tensor_parallel, mesh.expert_parallel, mesh.pipeline_parallel
+    problems = []
+    if tp > 1:
+        sizes = [("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.num_kv_heads)]
+        if not isinstance(model, Qwen3MoEConfig):  # an MoE model's dense MLPs may be none at all
+            sizes.append(("intermediate_size", model.intermediate_size))
+        for name, size in sizes:
+            if size % tp:
+                problems.append(f"{arch}.{name}={size} is not divisible by mesh.tensor_parallel={tp}")
+    if isinstance(model, Qwen3MoEConfig) and model.num_experts % ep:
+        problems.append(
+            f"{arch}.num_experts={model.num_experts} is not divisible by mesh.expert_parallel={ep}"
+        )
+    if model.num_layers < pp:
+        problems.append(
+            f"{arch}.num_layers={model.num_layers} is fewer than mesh.pipeline_parallel={pp} stages"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def check_source_checkpoint(model: Qwen3Config, source: Path, field: str) -> None:
+    """Every tensor the model loads is in the checkpoint, in a file that exists, with the shape the model
+    expects: the checkpoint's headers (no tensor data) are mapped to model keys on the meta device and
+    compared with the whole model built on meta."""
+    try:
+        key_to_file, layout = resolve_checkpoint(source)
+        headers = {path: read_header(path) for path in set(key_to_file.values())}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{field}: {e}") from e
+    entries = {}
+    for key, path in key_to_file.items():
+        entry = headers[path].entries.get(key)
+        if entry is None:
+            raise ConfigError(f"{field}: {layout} lists {key!r} in {path.name}, which does not hold it")
+        entries[key] = entry
+    keys = set(entries)
+    mapper = hf_to_d9d_mapper(
+        model,
+        expert_layout=detect_expert_layout(keys),
+        checkpoint_has_lm_head="lm_head.weight" in keys,
+        checkpoint_has_expert_bias=has_expert_bias(keys),
+    )
+    missing = sorted(mapper.inputs() - keys)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ConfigError(f"{field}: {layout} lacks {', '.join(missing[:5])}{more}")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in build_causal_lm(model).state_dict().items()}
+    for group in mapper.groups():
+        inputs = {
+            k: torch.empty(entries[k].shape, dtype=entries[k].dtype, device="meta") for k in group.inputs
+        }
+        try:
+            outputs = apply_group(mapper, group, inputs)
+        except (RuntimeError, ValueError) as e:  # tensors that cannot be stacked or split as mapped
+            shapes = ", ".join(f"{k} {tuple(entries[k].shape)}" for k in sorted(group.inputs))
+            raise ConfigError(f"{field}: {shapes} in {layout} do not fit the model: {e}") from e
+        for key, tensor in outputs.items():
+            want = expected.get(key)
+            if want is not None and tuple(tensor.shape) != want:
+                origin = ", ".join(f"{k} {tuple(entries[k].shape)}" for k in sorted(group.inputs))
+                raise ConfigError(
+                    f"{field}: {origin} in {layout} maps to {key} of shape {tuple(tensor.shape)}, but the "
+                    f"model's is {want}"
+                )
