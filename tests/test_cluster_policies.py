@@ -338,7 +338,9 @@ def test_tracker_sink_merges_a_step_and_names_health_and_cluster_points(
         "system/rank1/mem": 3.0,
         "system/cluster/world_size": 2.0,
     }
-    assert ("system/cluster/metrics_lag_s" in first) is report_lag and first.get("system/cluster/metrics_lag_s", 0.0) >= 0.0
+    assert ("system/cluster/metrics_lag_s" in first) is report_lag and first.get(
+        "system/cluster/metrics_lag_s", 0.0
+    ) >= 0.0
     assert second == {
         "train/loss": 1.0,
         **({"system/cluster/metrics_lag_s": second["system/cluster/metrics_lag_s"]} if report_lag else {}),

@@ -215,12 +215,16 @@ def test_tracker_errors_name_the_kind_and_the_store(tmp_path: Path) -> None:
     class Logging(BaseModel):
         tracker: TrackerConfig
 
-    with pytest.raises(ValidationError, match="'aim'.*expected tags: 'mlflow', 'log', 'tensorboard', 'wandb'"):
+    with pytest.raises(
+        ValidationError, match=r"'aim'.*expected tags: 'mlflow', 'log', 'tensorboard', 'wandb'"
+    ):
         Logging.model_validate({"tracker": {"kind": "aim"}})
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "tensorboard").write_text("a file where the event folder should be")
-    with pytest.raises(TrackerError, match=r"logging.tracker: tracker 'tensorboard' cannot open its store .*is a file"):
+    with pytest.raises(
+        TrackerError, match=r"logging.tracker: tracker 'tensorboard' cannot open its store .*is a file"
+    ):
         check_tracker(MultiTrackerConfig(trackers=(LogTrackerConfig(), TensorBoardTrackerConfig())), run_dir)
     (tmp_path / "blocked").write_text("")
     with pytest.raises(TrackerError, match="tracker 'log' cannot open its store"):
@@ -229,7 +233,9 @@ def test_tracker_errors_name_the_kind_and_the_store(tmp_path: Path) -> None:
     assert not (tmp_path / "new-run").exists()
 
 
-def test_tracker_locations_give_the_command_that_opens_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tracker_locations_give_the_command_that_opens_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     config = MultiTrackerConfig.model_validate(

@@ -44,7 +44,8 @@ def metric_names(point: MetricPoint) -> dict[str, float]:
     else:
         prefix = "train/"
     return {
-        (key if key.startswith(GROUPS) else f"{prefix}{key}"): float(value) for key, value in point.values.items()
+        (key if key.startswith(GROUPS) else f"{prefix}{key}"): float(value)
+        for key, value in point.values.items()
     }
 
 

@@ -141,7 +141,11 @@ def check_tracker(config: TrackerConfig, run_dir: str | Path, field: str = "logg
         existing = store
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
-        near = existing in (store, store.parent) or existing == run_dir.parent or run_dir.parent in existing.parents
+        near = (
+            existing in (store, store.parent)
+            or existing == run_dir.parent
+            or run_dir.parent in existing.parents
+        )
         if not near:
             continue  # only the machine that runs the job can tell
         if not existing.is_dir():
@@ -149,7 +153,9 @@ def check_tracker(config: TrackerConfig, run_dir: str | Path, field: str = "logg
                 f"{field}: tracker {kind!r} cannot open its store {store}: {existing} is a file, not a folder"
             )
         if not os.access(existing, os.W_OK | os.X_OK):
-            raise TrackerError(f"{field}: tracker {kind!r} cannot write its store {store}: {existing} is read-only")
+            raise TrackerError(
+                f"{field}: tracker {kind!r} cannot write its store {store}: {existing} is read-only"
+            )
 
 
 def tracker_locations(config: TrackerConfig, run_dir: str | Path) -> list[TrackerLocation]:

@@ -56,7 +56,11 @@ class NullTrackerConfig(_Config):
 
 
 SingleTrackerConfig = Annotated[
-    MlflowTrackerConfig | LogTrackerConfig | TensorBoardTrackerConfig | WandbTrackerConfig | NullTrackerConfig,
+    MlflowTrackerConfig
+    | LogTrackerConfig
+    | TensorBoardTrackerConfig
+    | WandbTrackerConfig
+    | NullTrackerConfig,
     Field(discriminator="kind"),
 ]
 

@@ -34,7 +34,13 @@ def plot_history(history: Mapping[str, Mapping[int, float]], path: Path, title: 
             if not series:
                 continue
             steps = sorted(series)
-            axes.plot(steps, [series[s] for s in steps], label=name, linewidth=1.3, marker="." if len(steps) < 50 else None)
+            axes.plot(
+                steps,
+                [series[s] for s in steps],
+                label=name,
+                linewidth=1.3,
+                marker="." if len(steps) < 50 else None,
+            )
             drawn = True
         if drawn:
             if len(names) > 1:

@@ -34,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.detach:
         spec = type(spec)(cluster=spec.cluster.model_copy(update={"detach": True}), train=spec.train)
+    if args.verbose:
+        spec = type(spec)(
+            cluster=spec.cluster.model_copy(update={"rank_output": "forward"}), train=spec.train
+        )
     job = TrainingJob(spec).start(address=args.address)
     if spec.cluster.detach:
         print(f"run {spec.run_name} started (detached); follow it with TrainingJob.attach({spec.run_name!r})")
@@ -60,5 +64,10 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--detach", action="store_true", help="return once started; the run outlives this process"
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="forward every rank's output to this console (default: <run dir>/logs/rank<r>.log)",
     )
     parser.set_defaults(handler=run)
