@@ -28,9 +28,10 @@ from d9d.tracking.history import HISTORY_FILE
 from d9d.tracking.plot import PLOT_FILE
 
 PREFIX = "[d9d]"
-# Health values that measure a rank's memory high-water mark: device memory when there is a device.
-DEVICE_MEMORY = "cuda_max_allocated_bytes"
-HOST_MEMORY = "peak_rss_bytes"
+# Health values a rank's memory high-water mark is taken from: device memory when there is a device, else
+# the host's resident memory (its peak, or the largest sample seen).
+DEVICE_MEMORY = ("cuda_max_allocated_bytes",)
+HOST_MEMORY = ("peak_rss_bytes", "rss_bytes")
 
 
 def format_duration(seconds: float) -> str:
@@ -103,9 +104,10 @@ class ConsoleProgress:
     def observe(self, point: MetricPoint) -> ProgressLine | None:
         """Take any point; return the line to show when it is rank 0's train point."""
         if point.kind == "health" and point.rank >= 0:
-            for key, peaks in ((DEVICE_MEMORY, self._device_peak), (HOST_MEMORY, self._host_peak)):
-                if key in point.values:
-                    peaks[point.rank] = max(peaks.get(point.rank, 0.0), point.values[key])
+            for keys, peaks in ((DEVICE_MEMORY, self._device_peak), (HOST_MEMORY, self._host_peak)):
+                for key in keys:
+                    if key in point.values:
+                        peaks[point.rank] = max(peaks.get(point.rank, 0.0), point.values[key])
             return None
         if point.kind != "train" or point.rank != 0 or "loss" not in point.values:
             return None
@@ -201,7 +203,8 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
     try:
         while True:
             points, ended = job.poll_metrics(1.0)
-            for point in points:
+            # A step's health points update the memory shown on that step's line.
+            for point in sorted(points, key=lambda p: p.kind != "health"):
                 line = progress.observe(point)
                 if line is not None:
                     display.step(line)
