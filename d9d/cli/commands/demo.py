@@ -18,7 +18,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"d9d demo: {CONFIG} not found; run it from the d9d repository root", file=sys.stderr)
         return 2
     train_args = argparse.Namespace(
-        config=CONFIG, overrides=args.overrides, address=None, num_workers=None, cpu=True, detach=False
+        config=CONFIG,
+        overrides=args.overrides,
+        address=None,
+        num_workers=None,
+        cpu=True,
+        detach=False,
+        verbose=False,
     )
     return train(train_args)
 
