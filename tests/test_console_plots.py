@@ -282,3 +282,29 @@ def test_train_console_and_rank_logs_under_ray(tmp_path: Path) -> None:
     assert (run_dir / "plots" / "training.png").stat().st_size > 0
     losses = json.loads((run_dir / "run_summary.json").read_text())["losses"]
     assert read_history(run_dir / "history.jsonl")["train/loss"] == {int(k): v for k, v in losses.items()}
+
+
+def test_verbose_and_tracker_preflight_on_a_job(tmp_path: Path) -> None:
+    from d9d.cli.main import build_parser
+    from d9d.engine.config import ConfigError
+
+    parser = build_parser()
+    assert parser.parse_args(["train", "job.yaml", "--verbose"]).verbose is True
+    assert parser.parse_args(["train", "job.yaml"]).verbose is False
+    assert build_job(
+        toy_job("v", tmp_path / "a", cluster={"rank_output": "forward"})
+    ).cluster.rank_output == ("forward")
+    # A tracker that cannot open its store fails when the job is loaded, before Ray, naming both.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "tb").write_text("")
+    job = toy_job(
+        "pre", run_dir, logging={"tracker": [{"kind": "mlflow"}, {"kind": "tensorboard", "log_dir": "tb"}]}
+    )
+    with pytest.raises(
+        ConfigError, match=r"logging.tracker: tracker 'tensorboard' cannot open its store .*/run/tb"
+    ):
+        build_job(job)
+    job["logging"]["tracker"] = {"kind": "aim"}
+    with pytest.raises(ConfigError, match=r"logging.tracker.*'aim'"):
+        build_job(job)
