@@ -98,9 +98,9 @@ def _stores(config: TrackerConfig, run_dir: Path) -> list[tuple[str, Path]]:
         case MlflowTrackerConfig():
             uri, _ = mlflow_store(config, run_dir)
             if uri.startswith("sqlite:///"):
-                return [("mlflow", Path(uri.removeprefix("sqlite:///")).parent)]
+                return [("mlflow", Path(uri.removeprefix("sqlite:///")).resolve().parent)]
             if uri.startswith("file:") or "://" not in uri:
-                return [("mlflow", Path(uri.removeprefix("file://").removeprefix("file:")))]
+                return [("mlflow", Path(uri.removeprefix("file://").removeprefix("file:")).resolve())]
             return []
         case LogTrackerConfig():
             return [] if config.jsonl is None else [("log", _resolve(run_dir, config.jsonl).parent)]
