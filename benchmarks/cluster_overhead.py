@@ -12,8 +12,8 @@ and prints, after warm-up:
   - both against the bare run (target <= 1.03x) and against the bare run beside an idle Ray (the actor
     layer alone),
   - start-up (start() -> ranks running, -> first step), tracker lag (rank report -> tracker write, the
-    coordinator's `cluster/metrics_lag_s`), failure detection (kill -> the coordinator leaves `running`,
-    target < 3 s) and recovery (kill -> first step completed by the restarted ranks).
+    coordinator's `system/cluster/metrics_lag_s`), failure detection (kill -> the coordinator leaves
+    `running`, target < 3 s) and recovery (kill -> first step completed by the restarted ranks).
 Both launchers log to the same tracker (`--tracker`, default the cheap `log` JSON-lines tracker).
 
     .venv/bin/python benchmarks/cluster_overhead.py                      # built-in tiny LM, dp2
@@ -93,17 +93,18 @@ def medians(steps: dict[int, tuple[float, float]], warmup: int) -> tuple[float, 
 
 
 def read_log_tracker(run_dir: Path) -> tuple[dict[int, tuple[float, float]], list[float]]:
-    """Step -> (step_time_s, wall time) and the `cluster/metrics_lag_s` values from a log tracker's file."""
+    """Step -> (step_time_s, wall time) and the `system/cluster/metrics_lag_s` values from a log tracker's
+    file."""
     steps, lag = {}, []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if record.get("event") != "scalars":
             continue
         values = record["values"]
-        if "step_time_s" in values and "loss" in values:
-            steps[int(record["step"])] = (float(values["step_time_s"]), float(record["time"]))
-        if "cluster/metrics_lag_s" in values:
-            lag.append(float(values["cluster/metrics_lag_s"]))
+        if "train/step_time_s" in values and "train/loss" in values:
+            steps[int(record["step"])] = (float(values["train/step_time_s"]), float(record["time"]))
+        if "system/cluster/metrics_lag_s" in values:
+            lag.append(float(values["system/cluster/metrics_lag_s"]))
     return steps, lag
 
 

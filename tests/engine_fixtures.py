@@ -208,4 +208,6 @@ def jsonl_losses(run_dir) -> list[float]:
     import json
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["values"]["loss"] for r in records if r["event"] == "scalars" and "loss" in r["values"]]
+    return [
+        r["values"]["train/loss"] for r in records if r["event"] == "scalars" and "train/loss" in r["values"]
+    ]

@@ -81,7 +81,11 @@ def test_demo_trains_tiny_qwen3_moe_on_four_rank_actors_into_mlflow(tmp_path: Pa
     out = _d9d("demo", *[a for s in sets for a in ("--set", s)], cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[d9d] run tiny-qwen3-moe: running (attempt 0, 4 ranks, dp 4)" in out.stdout
-    assert f"[d9d] run tiny-qwen3-moe finished: {steps} steps" in out.stdout
+    assert f"[d9d] run tiny-qwen3-moe finished: {steps}/{steps} steps" in out.stdout
+    # The ranks' own output is in their log files, not on the console; the end says where to look.
+    assert "RankActor" not in out.stdout + out.stderr
+    assert f"mlflow ui --backend-store-uri sqlite:///{run_dir.resolve()}/mlflow.db" in out.stdout
+    assert all((run_dir / "logs" / f"rank{r}.log").is_file() for r in range(4))
 
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == steps and summary["restarts"] == 0
@@ -98,14 +102,14 @@ def test_demo_trains_tiny_qwen3_moe_on_four_rank_actors_into_mlflow(tmp_path: Pa
     assert run.info.status == "FINISHED"
     assert run.data.params["config.trainer.total_steps"] == str(steps)
     assert run.data.params["cluster.num_workers"] == "4"
-    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
     assert history == {int(k): v for k, v in summary["losses"].items()}
     assert sorted(history) == list(range(1, steps + 1))
     for rank in range(4):
-        assert len(client.get_metric_history(run.info.run_id, f"health/rank{rank}/step_time_s")) == steps
-    assert client.get_metric_history(run.info.run_id, "cluster/world_size")[0].value == 4
+        assert len(client.get_metric_history(run.info.run_id, f"system/rank{rank}/step_time_s")) == steps
+    assert client.get_metric_history(run.info.run_id, "system/cluster/world_size")[0].value == 4
     # The tracker lag is recorded (its size is a timing: benchmarks/cluster_overhead.py reports it).
-    assert client.get_metric_history(run.info.run_id, "cluster/metrics_lag_s")
+    assert client.get_metric_history(run.info.run_id, "system/cluster/metrics_lag_s")
 
 
 def _free_port() -> int:

@@ -333,15 +333,17 @@ def test_tracker_sink_merges_a_step_and_names_health_and_cluster_points(
     sink(_point(2, loss=1.0))
     (step1, first), (step2, second) = tracker.logged
     assert (step1, step2) == (1, 2)
-    assert {k: v for k, v in first.items() if k != "cluster/metrics_lag_s"} == {
-        "loss": 2.0,
-        "health/rank1/mem": 3.0,
-        "cluster/world_size": 2.0,
+    assert {k: v for k, v in first.items() if k != "system/cluster/metrics_lag_s"} == {
+        "train/loss": 2.0,
+        "system/rank1/mem": 3.0,
+        "system/cluster/world_size": 2.0,
     }
-    assert ("cluster/metrics_lag_s" in first) is report_lag and first.get("cluster/metrics_lag_s", 0.0) >= 0.0
+    assert ("system/cluster/metrics_lag_s" in first) is report_lag and first.get(
+        "system/cluster/metrics_lag_s", 0.0
+    ) >= 0.0
     assert second == {
-        "loss": 1.0,
-        **({"cluster/metrics_lag_s": second["cluster/metrics_lag_s"]} if report_lag else {}),
+        "train/loss": 1.0,
+        **({"system/cluster/metrics_lag_s": second["system/cluster/metrics_lag_s"]} if report_lag else {}),
     }
     TrackerSink(tracker, RunSpec("r"), state, resume=True)  # type: ignore[arg-type]
     assert tracker.opened == {"run_id": "r1"}

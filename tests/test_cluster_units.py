@@ -70,7 +70,7 @@ def test_coordinator_storage_gives_each_rank_its_own_scratch(tmp_path: Path) -> 
         (lambda d: d["cluster"].update(num_workers=3), "cluster.num_workers: cannot run on 3 ranks"),
         (lambda d: d["batching"].update(global_batch_size=7), "not divisible"),
         (lambda d: d["cluster"].update(entrypoint="no-colon"), "cluster.entrypoint"),
-        (lambda d: d["logging"].update(tracker={"kind": "wandb"}), "logging.tracker"),
+        (lambda d: d["logging"].update(tracker={"kind": "aim"}), "logging.tracker"),
     ],
 )
 def test_config_errors_name_the_field(tmp_path: Path, mutate, message: str) -> None:
@@ -160,14 +160,15 @@ def test_summary_json_round_trip() -> None:
 
 
 def test_metric_names() -> None:
-    assert metric_names(MetricPoint(1, 0, {"loss": 2.0})) == {"loss": 2.0}
+    assert metric_names(MetricPoint(1, 0, {"loss": 2.0})) == {"train/loss": 2.0}
     assert metric_names(MetricPoint(1, 3, {"step_time_s": 1.0}, "health")) == {
-        "health/rank3/step_time_s": 1.0
+        "system/rank3/step_time_s": 1.0
     }
     assert metric_names(MetricPoint(1, -1, {"recovery_time_s": 4.0}, "health")) == {
-        "cluster/recovery_time_s": 4.0
+        "system/cluster/recovery_time_s": 4.0
     }
     assert metric_names(MetricPoint(1, 0, {"eval/ppl": 9.0}, "eval")) == {"eval/ppl": 9.0}
+    assert metric_names(MetricPoint(1, 0, {"ppl": 9.0}, "eval")) == {"eval/ppl": 9.0}
 
 
 def test_replay_filter_drops_recomputed_steps_but_not_late_streams() -> None:

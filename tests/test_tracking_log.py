@@ -122,7 +122,7 @@ def test_configs_parse_by_kind_and_build(tmp_path: Path, capsys: pytest.CaptureF
     assert isinstance(build_tracker(adapter.validate_python({"kind": "null"}), tmp_path), NullTracker)
     assert isinstance(adapter.validate_python({"kind": "mlflow"}), MlflowTrackerConfig)
     with pytest.raises(ValidationError, match="does not match any of the expected tags"):
-        adapter.validate_python({"kind": "wandb"})
+        adapter.validate_python({"kind": "aim"})
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         adapter.validate_python({"kind": "log", "colour": True})
     with pytest.raises(ValidationError, match="greater than or equal to 1"):

@@ -74,6 +74,9 @@ class ClusterConfig(_Section):
     # first step completes, timeouts.step_s afterwards.
     init_timeout_s: float | None = Field(None, gt=0)
     step_timeout_s: float | None = Field(None, gt=0)
+    # Where each rank's stdout/stderr goes: "files" (<run dir>/logs/rank<r>.log; the console shows only the
+    # coordinator's progress) or "forward" (to the driver through Ray, as `d9d train --verbose` sets).
+    rank_output: Literal["files", "forward"] = "files"
     # Detach the coordinator from the driver: closing `d9d train` or the notebook does not stop training.
     detach: bool = False
     # A detached coordinator stays this long after the job ended so clients can fetch the result.

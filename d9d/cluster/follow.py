@@ -1,21 +1,144 @@
-"""What `d9d train` shows while it waits: a progress bar on a terminal, `[d9d] ...` lines otherwise (the
-lines `d9d status` picks the latest of from a Ray job's log)."""
+"""What `d9d train` shows while it waits, and where everything is when the run ends.
+
+One line per logging period, from the coordinator's stream of rank 0's train points: step/total, loss, lr,
+grad norm, tokens/s, MFU, peak memory over all ranks, elapsed time and ETA. On a terminal the line sits
+beside a rich progress bar; rank actors write their output to `<run dir>/logs/rank<r>.log` (see
+`d9d.cluster.rank`), so nothing else prints into the bar. Off a terminal each line is printed as
+`[d9d] step 12/100 | ...` (the lines `d9d status` picks the latest of from a Ray job's log).
+"""
 
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TextIO
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from d9d.cluster.client import TrainingJob
 from d9d.cluster.control.metrics import CLUSTER_RANK
+from d9d.cluster.rank import RANK_LOG_DIR
+from d9d.cluster.spec import JobSpec, tracker_config
 from d9d.cluster.state import JobState, JobStatus, RunSummary
 from d9d.engine.runtime import MetricPoint
+from d9d.tracking import tracker_locations
+from d9d.tracking.history import HISTORY_FILE
+from d9d.tracking.plot import PLOT_FILE
 
 PREFIX = "[d9d]"
-# What a progress line shows of a train point when it has them (every value goes to the tracker).
-SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s")
+# Health values a rank's memory high-water mark is taken from: device memory when there is a device, else
+# the host's resident memory (its peak, or the largest sample seen).
+DEVICE_MEMORY = ("cuda_max_allocated_bytes",)
+HOST_MEMORY = ("peak_rss_bytes", "rss_bytes")
+
+
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.0f} KiB"
+
+
+@dataclass(frozen=True)
+class ProgressLine:
+    """What the console shows of one logging period; `fields()` are its labelled parts, in order."""
+
+    step: int
+    total: int
+    elapsed_s: float
+    loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None  # a fraction of the devices' peak FLOP/s
+    peak_memory_bytes: float | None = None
+    memory_is_device: bool = True
+    eta_s: float | None = None
+
+    def fields(self) -> dict[str, str]:
+        out = {"step": f"{self.step}/{self.total}"}
+        if self.loss is not None:
+            out["loss"] = f"{self.loss:.4f}"
+        if self.lr is not None:
+            out["lr"] = f"{self.lr:.2e}"
+        if self.grad_norm is not None:
+            out["grad"] = f"{self.grad_norm:.3g}"
+        if self.tokens_per_s is not None:
+            out["tok/s"] = f"{self.tokens_per_s:,.0f}"
+        if self.mfu is not None:
+            out["MFU"] = f"{100 * self.mfu:.1f}%"
+        if self.peak_memory_bytes is not None:
+            out["mem" if self.memory_is_device else "rss"] = format_bytes(self.peak_memory_bytes)
+        out["elapsed"] = format_duration(self.elapsed_s)
+        out["ETA"] = "?" if self.eta_s is None else format_duration(self.eta_s)
+        return out
+
+    def text(self, with_step: bool = True) -> str:
+        return " | ".join(f"{k} {v}" for k, v in self.fields().items() if with_step or k != "step")
+
+
+class ConsoleProgress:
+    """Turns the metric stream into `ProgressLine`s: keeps every rank's memory high-water mark and the step
+    rate since the first step this console saw (start-up and compilation are not in the ETA)."""
+
+    def __init__(self, total: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total = total
+        self._clock = clock
+        self._start = clock()
+        self._first: tuple[float, int] | None = None  # (time, step) of the first train point seen
+        self._device_peak: dict[int, float] = {}
+        self._host_peak: dict[int, float] = {}
+
+    def observe(self, point: MetricPoint) -> ProgressLine | None:
+        """Take any point; return the line to show when it is rank 0's train point."""
+        if point.kind == "health" and point.rank >= 0:
+            for keys, peaks in ((DEVICE_MEMORY, self._device_peak), (HOST_MEMORY, self._host_peak)):
+                for key in keys:
+                    if key in point.values:
+                        peaks[point.rank] = max(peaks.get(point.rank, 0.0), point.values[key])
+            return None
+        if point.kind != "train" or point.rank != 0 or "loss" not in point.values:
+            return None
+        now = self._clock()
+        if self._first is None:
+            self._first = (now, point.step)
+        eta = None
+        first_time, first_step = self._first
+        if point.step > first_step and now > first_time:
+            per_step = (now - first_time) / (point.step - first_step)
+            eta = per_step * max(0, self.total - point.step)
+        values = point.values
+        device = bool(self._device_peak)
+        peaks = self._device_peak if device else self._host_peak
+        return ProgressLine(
+            step=point.step,
+            total=self.total,
+            elapsed_s=now - self._start,
+            loss=values.get("loss"),
+            lr=values.get("lr"),
+            grad_norm=values.get("grad_norm"),
+            tokens_per_s=values.get("tokens_per_s"),
+            mfu=values.get("mfu"),
+            peak_memory_bytes=max(peaks.values()) if peaks else None,
+            memory_is_device=device,
+            eta_s=eta,
+        )
+
+    @property
+    def elapsed_s(self) -> float:
+        return self._clock() - self._start
 
 
 class _Display:
@@ -28,40 +151,63 @@ class _Display:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
+                redirect_stdout=True,  # the driver's own prints (Ray's warnings) go above the bar
+                redirect_stderr=True,
             )
             self.task = self.bar.add_task("train", total=total, info="")
             self.bar.start()
 
     def line(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.console.print(f"{PREFIX} {text}")
+            self.bar.console.print(f"{PREFIX} {text}", markup=False, highlight=False)
         else:
             print(f"{PREFIX} {text}", file=self.out, flush=True)
 
-    def step(self, point: MetricPoint, total: int) -> None:
-        info = " ".join(f"{k} {point.values[k]:.4g}" for k in SHOWN if k in point.values)
+    def step(self, line: ProgressLine) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=point.step, info=info)
+            self.bar.update(self.task, completed=line.step, info=line.text(with_step=False))
         else:
-            self.line(f"step {point.step}/{total} {info}")
+            self.line(line.text())
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
 
 
+def where_everything_is(spec: JobSpec) -> list[str]:
+    """The lines printed at the end of a run: each tracker and the command that opens it, checkpoints,
+    summary, plot, history and rank logs (those that exist)."""
+    run_dir = spec.run_dir
+    lines = []
+    for loc in tracker_locations(tracker_config(spec), run_dir):
+        lines.append(f"{loc.kind + ':':13}{loc.command or loc.where}")
+    rows = (
+        ("checkpoints:", spec.checkpoint_dir),
+        ("summary:", run_dir / "run_summary.json"),
+        ("plot:", run_dir / PLOT_FILE),
+        ("history:", run_dir / HISTORY_FILE),
+    )
+    lines += [f"{label:13}{path}" for label, path in rows if path.exists()]
+    logs = run_dir / RANK_LOG_DIR
+    if any(logs.glob("rank*.log")):
+        lines.append(f"{'rank logs:':13}{logs}/rank<r>.log")
+    return lines
+
+
 def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None = None) -> RunSummary:
     """Stream a started job's progress until it ends; return its summary."""
     total = job.spec.train.trainer.total_steps
     display = _Display(total, out, out.isatty() if interactive is None else interactive)
+    progress = ConsoleProgress(total)
     last: JobStatus | None = None
     try:
         while True:
             points, ended = job.poll_metrics(1.0)
-            for point in points:
-                if point.kind == "train" and point.rank == 0:
-                    display.step(point, total)
+            # A step's health points update the memory shown on that step's line.
+            for point in sorted(points, key=lambda p: p.kind != "health"):
+                line = progress.observe(point)
+                if line is not None:
+                    display.step(line)
                 elif point.rank == CLUSTER_RANK:
                     display.line(", ".join(f"{k} {v:.4g}" for k, v in point.values.items()))
             status = job.status()
@@ -80,10 +226,13 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
     finally:
         display.close()
     summary = job.result()
+    loss = "n/a" if summary.final_loss is None else f"{summary.final_loss:.4f}"
     display.line(
-        f"run {summary.run_name} {summary.status}: {summary.steps} steps, {summary.restarts} restarts, "
-        f"final loss {summary.final_loss}, summary in {job.spec.run_dir / 'run_summary.json'}"
+        f"run {summary.run_name} {summary.status}: {summary.steps}/{total} steps, "
+        f"{summary.restarts} restarts, final loss {loss}, elapsed {format_duration(progress.elapsed_s)}"
     )
     if summary.error:
         display.line(summary.error)
+    for where in where_everything_is(job.spec):
+        display.line(f"  {where}")
     return summary

@@ -4,6 +4,11 @@ Rendezvous is race-free: rank 0 binds a TCPStore on port 0 before any other rank
 learns the real port from it and hands it to everyone else. The process group is initialized here (gloo on
 CPU, NCCL with gloo alongside on GPU) so the engine's `DistributedContext.create` finds it ready and only
 builds the meshes.
+
+A rank's stdout and stderr (its own prints, logging, warnings, native libraries writing to the file
+descriptors) go to `<run dir>/logs/rank<r>.log`, appended across restarts, so the driver's console shows
+only the coordinator's progress; `cluster.rank_output: forward` (`d9d train --verbose`) leaves them to Ray,
+which forwards them to the driver prefixed `(RankActor pid=...)`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ import contextlib
 import datetime
 import importlib
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
@@ -23,6 +31,41 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported
 from d9d.cluster.reporter import CoordinatorTransfer, RayRunReporter
 from d9d.core.context import init_process_group
 from d9d.engine.runtime import RankResult, RankRuntime
+
+RANK_LOG_DIR = "logs"
+
+
+def rank_log_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / RANK_LOG_DIR / f"rank{rank}.log"
+
+
+@contextlib.contextmanager
+def output_to_file(path: Path, header: str) -> Iterator[None]:
+    """Point this process's stdout and stderr file descriptors at `path` (appending) until the block ends.
+
+    At the descriptor level, not by swapping `sys.stdout`, so output of C++ (NCCL, gloo), of child processes
+    and of handlers that captured `sys.stderr` earlier lands in the file too.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    try:
+        with path.open("a") as log:
+            log.write(f"{header}\n")
+            log.flush()
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    finally:
+        os.close(saved[0])
+        os.close(saved[1])
 
 
 @dataclass(frozen=True)
@@ -50,6 +93,8 @@ class RankLaunch:
     heartbeat_interval_s: float
     command_seq: int
     transfer: CoordinatorTransfer | None
+    # "files": stdout/stderr to <run dir>/logs/rank<r>.log; "forward": left to Ray (to the driver).
+    rank_output: Literal["files", "forward"] = "files"
 
 
 def resolve_entrypoint(path: str) -> Any:
@@ -92,6 +137,14 @@ class RankActor:
         return port
 
     def run(self, launch: RankLaunch) -> RankResult:
+        rt = launch.runtime
+        if launch.rank_output == "forward":
+            return self._run(launch)
+        header = f"---- d9d rank {rt.rank} of {rt.world_size}, attempt {rt.attempt}, pid {os.getpid()} ----"
+        with output_to_file(rank_log_path(rt.run_dir, rt.rank), header):
+            return self._run(launch)
+
+    def _run(self, launch: RankLaunch) -> RankResult:
         rt = launch.runtime
         os.environ.update(
             RANK=str(rt.rank),

@@ -26,7 +26,7 @@ from d9d.engine.config import (
     parse_config,
     read_config_file,
 )
-from d9d.tracking import TrackerConfig
+from d9d.tracking import TrackerConfig, TrackerError, check_tracker
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,10 @@ def build_job(data: dict[str, Any], *, num_workers: int | None = None, cpu: bool
         absolute["checkpointing"]["export_hf_dir"] = str(train.checkpointing.export_hf_dir.resolve())
     spec = JobSpec(cluster=cluster, train=parse_config(absolute, check_components=False))
     _check_world_sizes(spec)
-    tracker_config(spec)
+    try:
+        check_tracker(tracker_config(spec), spec.run_dir)
+    except TrackerError as e:
+        raise ConfigError(str(e)) from None
     return spec
 
 

@@ -66,6 +66,17 @@ class ModelProvider(Protocol):
 
 
 @runtime_checkable
+class ModelFlops(Protocol):
+    """Optional trait of a model provider: its training FLOPs per token, which turn tokens/s into MFU
+    (the `train/mfu` metric and the console's MFU). A provider without it simply has no MFU."""
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward plus backward FLOPs per trained token at sequence length `seq_len` (for a transformer:
+        6 × active matmul parameters, plus the attention scores)."""
+        ...
+
+
+@runtime_checkable
 class DataProvider(Protocol):
     def setup(self, setup: DataSetup) -> None: ...
 

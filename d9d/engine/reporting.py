@@ -1,9 +1,18 @@
 """What a training rank reports per step: train metrics (rank 0), health (every rank), task metrics (the
-rank that holds them), and the paused marker launchers read (see `d9d.engine.runtime`)."""
+rank that holds them), and the paused marker launchers read (see `d9d.engine.runtime`).
+
+MFU (`mfu`, a fraction) is reported when the model provider has the `ModelFlops` trait and the device's
+peak is known: tokens/s × FLOPs per token ÷ (ranks × the device's dense bf16 peak). The sequence length the
+attention term needs is the step's mean: tokens ÷ sequences in the global batch.
+"""
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -11,8 +20,62 @@ import torch
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
+from d9d.engine.providers import ModelFlops
 from d9d.engine.runtime import MetricPoint, RunReporter
 from d9d.metrics import AsyncMetricCollector, to_scalars
+
+# Dense bf16 tensor-core peak FLOP/s by device name (the vendors' spec sheets, no sparsity); the first
+# name the device's contains wins, so more specific names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None (CPU, an unknown GPU): then no MFU is reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+@dataclass(frozen=True)
+class FlopsBudget:
+    """What MFU needs: the model's FLOPs per token, sequences per optimizer step, and the peak FLOP/s of
+    every device of the job together."""
+
+    flops_per_token: Callable[[int], float]
+    sequences_per_step: int
+    peak_flops: float
+
+    def mfu(self, tokens_per_s: float, step_time_s: float) -> float:
+        seq_len = max(1, round(tokens_per_s * step_time_s / self.sequences_per_step))
+        return tokens_per_s * self.flops_per_token(seq_len) / self.peak_flops
+
+
+def build_flops_budget(model: object, ctx: DistributedContext, global_batch_size: int) -> FlopsBudget | None:
+    if not isinstance(model, ModelFlops):
+        return None
+    peak = device_peak_flops(ctx.device)
+    if peak is None:
+        return None
+    return FlopsBudget(model.flops_per_token, global_batch_size, peak * ctx.world_size)
+
+
+def peak_rss_bytes() -> float:
+    """This process's resident-memory high-water mark (what the console shows as `rss` on CPU ranks)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
 
 
 class StepReporter:
@@ -26,12 +89,14 @@ class StepReporter:
         collector: AsyncMetricCollector[Any] | None,
         loss_pp_rank: int,
         step_metrics: dict[str, float],
+        flops: FlopsBudget | None = None,
     ) -> None:
         self.ctx = ctx
         self.reporter = reporter
         self.period = period
         self.total_steps = total_steps
         self.collector = collector
+        self.flops = flops
         # Values that event subscribers (e.g. MoE load balancing) record during a step, logged with it.
         self.step_metrics = step_metrics
         # Task metrics live where losses are computed: the data-rank-0 copy of the last stage writes them.
@@ -61,9 +126,15 @@ class StepReporter:
                 values["grad_norm"] = grad_norm
             if tokens_per_s is not None:
                 values["tokens_per_s"] = tokens_per_s
+                if self.flops is not None:
+                    values["mfu"] = self.flops.mfu(tokens_per_s, step_time)
             values.update(self.step_metrics)
             self.reporter.metrics(MetricPoint(step=step, rank=0, values=values, kind="train", wall_time=now))
-        health = {"step_time_s": step_time, "rss_bytes": float(psutil.Process().memory_info().rss)}
+        health = {
+            "step_time_s": step_time,
+            "rss_bytes": float(psutil.Process().memory_info().rss),
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
         if self.ctx.device.type == "cuda":
             health["cuda_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated(self.ctx.device))
         self.reporter.metrics(

@@ -1,14 +1,23 @@
 """Metric points → a tracker, on the writer side (the coordinator under Ray; rank 0 of a launcher without
-one). Tracker keys: train/eval values as they are, `health/rank<r>/…` per rank, `cluster/…` for the
-coordinator's own points (rank -1).
+one).
+
+Tracker keys are grouped so that every UI (MLflow, TensorBoard, W&B sort sections by name) shows three
+sections, whatever the world size, with the loss in the first one a reader looks for:
+- `train/…`: the step's values from rank 0 (loss, lr, grad norm, tokens/s, MFU) and task metrics;
+- `eval/…`: evaluation points;
+- `system/rank<r>/…`: each rank's health (step time, memory); `system/cluster/…`: the coordinator's own
+  points (rank -1: world size, restarts, metrics lag).
 
 The tracker's resume state lives in `<run dir>/tracker_state.json`, so a restarted run continues the same
-tracker run (the same MLflow run id) and the tracker skips steps it already holds.
+tracker run (the same MLflow run id) and the tracker skips steps it already holds. Beside the tracker, the
+`train/` and `eval/` values go to `<run dir>/history.jsonl`, and closing the sink draws them into
+`<run dir>/plots/training.png`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,26 +25,37 @@ from pathlib import Path
 from d9d.core.files import atomic_write_text
 from d9d.engine.runtime import MetricPoint
 from d9d.tracking import RunSpec, RunStatus, Tracker
+from d9d.tracking.history import HISTORY_FILE, HistoryWriter, read_history
+from d9d.tracking.plot import PLOT_FILE, plot_history
 
 STATE_FILE = "tracker_state.json"
+GROUPS = ("train/", "eval/", "system/")
+_log = logging.getLogger(__name__)
 
 
 def metric_names(point: MetricPoint) -> dict[str, float]:
+    """The tracker keys of a point's values (see the module docstring); a key already grouped is kept."""
     if point.rank < 0:
-        prefix = "cluster/"
+        prefix = "system/cluster/"
     elif point.kind == "health":
-        prefix = f"health/rank{point.rank}/"
+        prefix = f"system/rank{point.rank}/"
+    elif point.kind == "eval":
+        prefix = "eval/"
     else:
-        prefix = ""
-    return {f"{prefix}{key}": float(value) for key, value in point.values.items()}
+        prefix = "train/"
+    return {
+        (key if key.startswith(GROUPS) else f"{prefix}{key}"): float(value)
+        for key, value in point.values.items()
+    }
 
 
 class TrackerSink:
     """Feeds a `d9d.tracking` tracker: one `log_scalars` per step, merging the points of that step.
 
-    With `resume`, the tracker continues the run recorded in `state_file` (when there is one). With
-    `report_lag`, each write adds `cluster/metrics_lag_s`: how long its oldest point took from its rank to
-    here (the same clock on one node).
+    `state_file` lies in the run directory. With `resume`, the tracker continues the run recorded there (when
+    there is one). With
+    `report_lag`, each write adds `system/cluster/metrics_lag_s`: how long its oldest point took from its
+    rank to here (the same clock on one node).
     """
 
     def __init__(
@@ -43,10 +63,13 @@ class TrackerSink:
     ) -> None:
         self._tracker = tracker
         self._report_lag = report_lag
+        self._run_name = run.name
         previous = json.loads(state_file.read_text()) if resume and state_file.is_file() else None
         tracker.open(run, resume=previous)
         state_file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(state_file, json.dumps(tracker.resume_state()))
+        self.run_dir = state_file.parent
+        self._history = HistoryWriter(self.run_dir / HISTORY_FILE, resume=resume)
 
     def write(self, points: Sequence[MetricPoint]) -> None:
         by_step: dict[int, dict[str, float]] = {}
@@ -54,12 +77,28 @@ class TrackerSink:
             by_step.setdefault(p.step, {}).update(metric_names(p))
         reported = [p.wall_time for p in points if p.rank >= 0 and p.wall_time > 0]
         if self._report_lag and reported:
-            by_step[max(by_step)]["cluster/metrics_lag_s"] = max(0.0, time.time() - min(reported))
+            by_step[max(by_step)]["system/cluster/metrics_lag_s"] = max(0.0, time.time() - min(reported))
         for step, values in sorted(by_step.items()):
             self._tracker.log_scalars(step, values)
+            self._history.write(step, values)
 
     def __call__(self, point: MetricPoint) -> None:
         self.write([point])
 
     def close(self, status: RunStatus) -> None:
+        self._history.close()
+        try:
+            self.plot()
+        except Exception:  # a plot must never turn a finished run into a failed one
+            _log.exception("drawing %s failed", self.run_dir / PLOT_FILE)
         self._tracker.close(status)
+
+    def plot(self) -> Path | None:
+        """Draw the history into `<run dir>/plots/training.png` (None when nothing was recorded)."""
+        history_file = self.run_dir / HISTORY_FILE
+        if not history_file.is_file():
+            return None
+        history = read_history(history_file)
+        if not history:
+            return None
+        return plot_history(history, self.run_dir / PLOT_FILE, title=self._run_name)

@@ -21,7 +21,7 @@ from d9d.engine.events import EventBus
 from d9d.engine.identity import run_identity
 from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTask
 from d9d.engine.registry import build_model
-from d9d.engine.reporting import StepReporter
+from d9d.engine.reporting import StepReporter, build_flops_budget
 from d9d.engine.runtime import RunReporter
 from d9d.engine.stages import Stages, build_stages
 from d9d.engine.state import EngineState, TrainProgress
@@ -138,6 +138,7 @@ def build_train_parts(
             collector=collector,
             loss_pp_rank=runner.loss_pp_rank,
             step_metrics=step_metrics,
+            flops=build_flops_budget(model, ctx, c.batching.global_batch_size),
         ),
         checkpointer=Checkpointer(
             ctx,

@@ -50,6 +50,9 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow import MlflowClient  # deferred: importing mlflow takes about a second
 
+        # "Creating initial MLflow database tables..." on every new SQLite store: noise on a run's console.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self._artifact_location = artifact_location

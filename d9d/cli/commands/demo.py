@@ -25,6 +25,7 @@ def _run(args: argparse.Namespace) -> int:
         cpu=True,
         detach=False,
         resume_from=None,
+        verbose=False,
     )
     return train(train_args)
 

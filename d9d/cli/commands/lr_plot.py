@@ -1,4 +1,9 @@
-"""`d9d lr-plot CONFIG -o lr.png`: draw a piecewise LR schedule from a YAML/JSON file."""
+"""`d9d lr-plot FILE -o lr.png`: draw a piecewise LR schedule.
+
+FILE is a job file (its `lr_scheduler` section; the run length from `trainer.total_steps` and the base LR
+from `optimizer.options.lr` unless given), a `{provider: piecewise, options: ...}` section, or a bare
+piecewise scheduler config; `--key` picks a dotted path inside any of them.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,10 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
+
+
+class _Unplottable(ValueError):
+    pass
 
 
 def _select(document: Any, key: str | None, source: Path) -> Any:
@@ -24,30 +33,78 @@ def _select(document: Any, key: str | None, source: Path) -> Any:
     return node
 
 
+def _job_defaults(document: Any) -> tuple[int | None, float | None]:
+    """A job file's run length and the optimizer's base LR, when it states them."""
+    if not isinstance(document, dict):
+        return None, None
+    trainer = document.get("trainer")
+    total = trainer.get("total_steps") if isinstance(trainer, dict) else None
+    optimizer = document.get("optimizer")
+    options = optimizer.get("options") if isinstance(optimizer, dict) else None
+    lr = options.get("lr") if isinstance(options, dict) else None
+    return (
+        total if isinstance(total, int) else None,
+        float(lr) if isinstance(lr, int | float) else None,
+    )
+
+
+def _schedule_section(node: Any, where: str) -> tuple[Any, str]:
+    """The piecewise options inside `node` and the dotted key they came from (for error messages)."""
+    if isinstance(node, dict) and "lr_scheduler" in node:  # a whole job file
+        node, where = node["lr_scheduler"], "lr_scheduler"
+        if node is None:
+            raise _Unplottable("lr_scheduler: the job file has no LR schedule (a constant LR)")
+    if isinstance(node, dict) and "provider" in node:  # a component section
+        if node["provider"] != "piecewise":
+            raise _Unplottable(
+                f"{where}.provider: {node['provider']!r}; lr-plot draws the built-in 'piecewise' schedule"
+            )
+        return node.get("options") or {}, f"{where}.options" if where else "options"
+    return node, where
+
+
 def _run(args: argparse.Namespace) -> int:
+    from d9d.engine.errors import format_validation_error
     from d9d.optim.lr import PiecewiseScheduleConfig, plot_schedule
 
     source = Path(args.config)
     try:
         document = yaml.safe_load(source.read_text())
-        config = PiecewiseScheduleConfig.model_validate(_select(document, args.key, source))
-        schedule = config.resolve(args.total_steps)
-    except (OSError, yaml.YAMLError, KeyError, ValidationError, ValueError) as error:
-        print(f"d9d lr-plot: {error}", file=sys.stderr)
+        total_steps, base_lr = _job_defaults(document)
+        section, where = _schedule_section(_select(document, args.key, source), args.key or "")
+        try:
+            config = PiecewiseScheduleConfig.model_validate(section)
+        except ValidationError as e:
+            raise _Unplottable(format_validation_error(e, prefix=where)) from None
+        total = args.total_steps if args.total_steps is not None else total_steps
+        schedule = config.resolve(total)
+    except (OSError, yaml.YAMLError, KeyError, ValueError) as error:
+        print(f"d9d lr-plot: {source}: {error}", file=sys.stderr)
         return 2
-    plot_schedule(schedule, args.output, base_lr=args.base_lr, title=args.title or source.name)
+    lr = args.base_lr if args.base_lr is not None else base_lr
+    plot_schedule(schedule, args.output, base_lr=lr, title=args.title or source.name)
     print(f"wrote {args.output} ({schedule.end} steps, {len(schedule.segments)} phases)")
     return 0
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("lr-plot", help="draw a piecewise LR schedule to a PNG")
-    parser.add_argument("config", help="YAML or JSON file holding a piecewise scheduler config")
+    parser.add_argument(
+        "config", help="job file, or a YAML/JSON file holding a piecewise scheduler config or section"
+    )
     parser.add_argument("-o", "--output", default="lr.png", help="PNG to write (default: lr.png)")
     parser.add_argument(
-        "--total-steps", type=int, default=None, help="run length; needed by percentage and rest phases"
+        "--total-steps",
+        type=int,
+        default=None,
+        help="run length; needed by percentage and rest phases (default: a job file's trainer.total_steps)",
     )
     parser.add_argument("--key", default=None, help="dotted path to the scheduler config inside the file")
-    parser.add_argument("--base-lr", type=float, default=None, help="plot LR = base LR × multiplier")
+    parser.add_argument(
+        "--base-lr",
+        type=float,
+        default=None,
+        help="plot LR = base LR × multiplier (default: a job file's optimizer.options.lr)",
+    )
     parser.add_argument("--title", default=None, help="plot title (default: the config file name)")
     parser.set_defaults(handler=_run)

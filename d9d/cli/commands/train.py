@@ -39,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.detach:
         spec = type(spec)(cluster=spec.cluster.model_copy(update={"detach": True}), train=spec.train)
+    if args.verbose:
+        spec = type(spec)(
+            cluster=spec.cluster.model_copy(update={"rank_output": "forward"}), train=spec.train
+        )
     try:
         job = TrainingJob(spec).start(address=args.address)
     except RunFinished as e:
@@ -78,5 +82,10 @@ def register(subparsers: Any) -> None:
         type=Path,
         metavar="PATH",
         help="a committed step directory to start this run from (same run identity; see docs/engine.md)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="forward every rank's output to this console (default: <run dir>/logs/rank<r>.log)",
     )
     parser.set_defaults(handler=run)

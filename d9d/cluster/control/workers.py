@@ -174,6 +174,7 @@ class WorkerGroup:
             heartbeat_interval_s=c.heartbeat_interval_s,
             command_seq=self._mailbox.delivered,
             transfer=transfer,
+            rank_output=c.rank_output,
         )
 
     async def teardown(self, at: Attempt) -> None:

@@ -77,6 +77,11 @@ class CausalLMProvider:
     def dtype(self) -> torch.dtype:
         return getattr(torch, self.options.dtype)  # type: ignore[no-any-return]
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """The `ModelFlops` trait: 6 × the matmul parameters a token passes through (MoE: the routed experts
+        only) + the attention scores, 12 × query width × the mean number of keys per layer."""
+        return causal_lm_flops_per_token(self.model_config, seq_len)
+
     def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
         module = build_causal_lm(self.model_config, stage)
         for sub in module.modules():
@@ -132,6 +137,29 @@ class CausalLMProvider:
         if routers:
             balancer = ExpertLoadBalancer(routers, ctx, metrics, MoEMetrics(modules))
             events.subscribe(OptimizerStepFinished, lambda event: balancer.after_optimizer_step(event.step))
+
+
+def causal_lm_flops_per_token(config: Qwen3Config, seq_len: int) -> float:
+    """Training FLOPs per token of a Qwen3 / Qwen3-MoE causal LM (embedding lookups and norms are free)."""
+    h = config.hidden_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    projections = h * (q + 2 * kv) + q * h
+    active = config.vocab_size * h  # the LM head, tied or not
+    attention = 0.0
+    for layer in range(config.num_layers):
+        if isinstance(config, Qwen3MoEConfig) and config.is_moe_layer(layer):
+            ffn = 3 * h * config.moe_intermediate_size * config.num_experts_per_tok + h * config.num_experts
+        else:
+            ffn = 3 * h * config.intermediate_size
+        active += projections + ffn
+        # Keys a query sees, on average over the sequence: T/2 under the causal mask, about w (1 - w/2T)
+        # with a sliding window w < T.
+        window = config.layer_window(layer)
+        keys = seq_len / 2 if window is None or window >= seq_len else window * (1 - window / (2 * seq_len))
+        # QK^T and AV: 2 × 2 × q FLOPs per key forward; forward + backward: 3 times that.
+        attention += 12 * q * keys
+    return 6.0 * active + attention
 
 
 class ExpertLoadBalancer:
