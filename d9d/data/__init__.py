@@ -20,13 +20,28 @@ from d9d.data.collate import (
 )
 from d9d.data.protocols import EpochAware, SizedDataset, Stateful
 from d9d.data.sharding import ShardedDataset
-from d9d.data.sources import FileDocuments, TextDatasetConfig, TokenizedDataset, build_text_dataset
+from d9d.data.sources import (
+    DatasetConfig,
+    FileDocuments,
+    HFDatasetConfig,
+    HFDocuments,
+    TextDatasetConfig,
+    TokenizedDataset,
+    build_dataset,
+    build_text_dataset,
+    check_dataset,
+)
 from d9d.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig, build_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
     "BufferSortedDataset",
     "ByteTokenizer",
+    "DatasetConfig",
+    "HFDatasetConfig",
+    "HFDocuments",
+    "build_dataset",
+    "check_dataset",
     "CausalLMCollator",
     "EpochAware",
     "FileDocuments",
