@@ -70,9 +70,41 @@ class TrainerConfig(_Section):
 
 
 class DataLoadingConfig(_Section):
-    num_workers: int = Field(0, ge=0)
+    """`num_workers`: 0 makes each step's batches on the step thread; 1 makes them on a background thread
+    (`d9d.data.PrefetchingLoader`), `prefetch_factor` steps ahead (default 2), in the same order and with
+    the same resume position. More than one worker is refused: a data provider is called from one thread."""
+
+    num_workers: int = Field(0, ge=0, le=1)
     pin_memory: bool = False
     prefetch_factor: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_prefetch(self) -> Self:
+        if self.num_workers == 0 and self.prefetch_factor is not None:
+            raise ValueError(
+                "prefetch_factor only applies with a background loader; set num_workers: 1 or drop it"
+            )
+        return self
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Steps made ahead of training (0: on the step thread)."""
+        if self.num_workers == 0:
+            return 0
+        return self.prefetch_factor if self.prefetch_factor is not None else 2
+
+
+class EvalConfig(_Section):
+    """Evaluation during training (`d9d.engine.evaluation`). `data`: the eval set's provider, the same shape
+    as the top-level `data:`; `batch_size`: samples per eval batch over all data-parallel ranks; `batches`:
+    batches per evaluation (the eval set is the first `batches × batch_size` samples, the same every time);
+    `period`: evaluate every N steps (None: only at the end); `at_end`: evaluate after the last step."""
+
+    data: DataComponent
+    batch_size: int = Field(ge=1)
+    batches: int = Field(1, ge=1)
+    period: int | None = Field(None, ge=1)
+    at_end: bool = True
 
 
 class LoggingConfig(_Section):
@@ -148,6 +180,25 @@ class TrainConfig(_Section):
     task: TaskComponent = Field(default_factory=CausalLMTaskComponent)
     optimizer: OptimizerComponent = Field(default_factory=AdamW)
     lr_scheduler: LRSchedulerComponent | None = None
+    # Validation loss/perplexity during training (None: no evaluation).
+    eval: EvalConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> Self:
+        if self.eval is None:
+            return self
+        if self.mesh.pipeline_parallel > 1:
+            raise ValueError(
+                f"eval is not supported with mesh.pipeline_parallel={self.mesh.pipeline_parallel} > 1 "
+                "(no forward-only pipeline schedule is wired into training); remove the eval section or "
+                "set mesh.pipeline_parallel: 1"
+            )
+        if self.eval.batch_size % self.mesh.data_parallel != 0:
+            raise ValueError(
+                f"eval.batch_size={self.eval.batch_size} is not divisible by the data-parallel degree "
+                f"{self.mesh.data_parallel} (mesh)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_batching(self) -> Self:

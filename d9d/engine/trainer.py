@@ -3,8 +3,8 @@
 Lifecycle (see docs/engine.md): `setup()` builds the rank's parts (`d9d.engine.train_parts`: context →
 seeds → task → data → model stages → reducer → optimizers/LR → checkpointer) and resumes from the latest
 checkpoint; `train()` runs the loop (commands → microbatches → forward/backward → reduce + scale → clip →
-optimizer/LR step → report → checkpoint) and finishes. The loop itself knows nothing about which
-parallelism is in use.
+optimizer/LR step → report → evaluate (`eval.period`) → checkpoint) and finishes (evaluating once more).
+The loop itself knows nothing about which parallelism is in use.
 """
 
 from __future__ import annotations
@@ -152,12 +152,21 @@ class Trainer:
         c = self.config
         if c.gc.period is not None and step % c.gc.period == 0:
             gc.collect()
+        self._evaluate(step, final=False)
         period = c.checkpointing.period
         if self._checkpoint_requested or (period is not None and step % period == 0):
             self.save_checkpoint()
 
+    def _evaluate(self, step: int, *, final: bool) -> None:
+        evaluator = self.parts.evaluator
+        if evaluator is not None and evaluator.due(step, final=final):
+            evaluator.evaluate(step)
+
     def _finish(self, finished: bool) -> None:
         c = self.config
+        self.parts.data.close()
+        if finished and self.progress.step > 0:
+            self._evaluate(self.progress.step, final=True)
         wanted = not finished or c.checkpointing.save_at_end
         if wanted and self.progress.step > 0 and self._last_saved != self.progress.step:
             self.save_checkpoint()

@@ -15,17 +15,17 @@ from d9d.data.sources.tokenized import TokenizedDataset
 
 __all__ = [
     "DatasetConfig",
-    "HFDatasetConfig",
-    "HFDocuments",
-    "build_dataset",
-    "check_dataset",
-    "check_hf_source",
     "DocumentFormat",
     "FileDocuments",
+    "HFDatasetConfig",
+    "HFDocuments",
     "JsonlField",
     "TextDatasetConfig",
     "TextLines",
     "TextParagraphs",
     "TokenizedDataset",
+    "build_dataset",
     "build_text_dataset",
+    "check_dataset",
+    "check_hf_source",
 ]

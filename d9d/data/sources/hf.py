@@ -1,5 +1,5 @@
-"""Hugging Face `datasets` as a document source: a `save_to_disk` directory, parquet, arrow or json-lines files,
-read in memory-mapped random access or streamed.
+"""Hugging Face `datasets` as a document source: a `save_to_disk` directory, parquet, arrow or json-lines
+files, read in memory-mapped random access or streamed.
 
 The documents are the strings of one column, numbered in the dataset's row order; that number is the global
 sample index the sharding layer deals out and checkpoints, exactly as for `FileDocuments`.
@@ -46,7 +46,8 @@ def _datasets() -> Any:
 
 
 def resolve_format(paths: Sequence[Path], fmt: HFFormat) -> Literal["disk", "parquet", "arrow", "json"]:
-    """The concrete format of `paths`, checking that they exist; errors name the path and what was expected."""
+    """The concrete format of `paths`, checking that they exist; errors name the path and what was
+    expected."""
     if not paths:
         raise ValueError("no dataset paths given")
     for path in paths:
@@ -55,7 +56,8 @@ def resolve_format(paths: Sequence[Path], fmt: HFFormat) -> Literal["disk", "par
     if fmt == "disk" or (fmt == "auto" and len(paths) == 1 and paths[0].is_dir()):
         if len(paths) != 1 or not paths[0].is_dir():
             raise ValueError(
-                f"format 'disk' takes one directory written by Dataset.save_to_disk, got {list(map(str, paths))}"
+                "format 'disk' takes one directory written by Dataset.save_to_disk, got "
+                f"{list(map(str, paths))}"
             )
         if not any((paths[0] / marker).is_file() for marker in _DISK_MARKERS):
             raise ValueError(
@@ -202,7 +204,8 @@ class HFDocuments:
         value = row[self.column]
         if not isinstance(value, str):
             raise ValueError(
-                f"{self._where} row {index}: column {self.column!r} is {type(value).__name__}, expected a string"
+                f"{self._where} row {index}: column {self.column!r} is {type(value).__name__}, "
+                "expected a string"
             )
         return value
 
