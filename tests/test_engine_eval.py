@@ -101,6 +101,8 @@ def test_config_refuses_eval_it_cannot_run(tmp_path: Path) -> None:
     base = _eval_config(tmp_path, 4)
     with pytest.raises(ConfigError, match=r"mesh\.pipeline_parallel=2.*eval|eval.*mesh\.pipeline_parallel=2"):
         parse_config({**base, "mesh": {"pipeline_parallel": 2}}, check_components=False)
+    with pytest.raises(ConfigError, match=r"context parallelism \(mesh\.context_parallel_replicate"):
+        parse_config({**base, "mesh": {"context_parallel_shard": 2}}, check_components=False)
     uneven = {**base, "eval": {**base["eval"], "batch_size": 3}, "mesh": {"data_parallel_shard": 2}}
     with pytest.raises(ConfigError, match=r"eval\.batch_size=3 is not divisible"):
         parse_config(uneven, check_components=False)

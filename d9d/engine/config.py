@@ -193,6 +193,12 @@ class TrainConfig(_Section):
                 "(no forward-only pipeline schedule is wired into training); remove the eval section or "
                 "set mesh.pipeline_parallel: 1"
             )
+        if self.mesh.context_parallel > 1:
+            raise ValueError(
+                f"eval is not supported with context parallelism (mesh.context_parallel_replicate × "
+                f"mesh.context_parallel_shard = {self.mesh.context_parallel} > 1): eval batches are not "
+                "split over the sequence; remove the eval section or set both to 1"
+            )
         if self.eval.batch_size % self.mesh.data_parallel != 0:
             raise ValueError(
                 f"eval.batch_size={self.eval.batch_size} is not divisible by the data-parallel degree "
