@@ -18,6 +18,7 @@ backward passes, and no forward-only schedule is wired here yet.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Mapping
@@ -71,7 +72,8 @@ class Evaluator:
                 seed=seed,
             )
         )
-        self._start: Mapping[str, Any] = self.data.state_dict()
+        # a copy: the provider may hand out its live state objects
+        self._start: Mapping[str, Any] = copy.deepcopy(self.data.state_dict())
         self.last_step: int | None = None
 
     def due(self, step: int, *, final: bool) -> bool:

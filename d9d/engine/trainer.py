@@ -119,6 +119,7 @@ class Trainer:
                     self._after_step(self.progress.step)
             self._finish(finished)
         finally:
+            self.parts.data.close()  # also after an error: the prefetch thread must not outlive the run
             progress.close()
             if c.gc.period is not None:
                 gc.enable()
