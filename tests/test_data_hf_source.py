@@ -35,6 +35,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     datasets.DatasetDict({"train": ds, "validation": ds.select(range(5))}).save_to_disk(str(root / "dict"))
     ds.to_parquet(str(root / "rows.parquet"))
     (root / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    (arrow,) = (root / "disk").glob("*.arrow")  # save_to_disk's table: an Arrow stream file
+    (root / "rows.arrow").write_bytes(arrow.read_bytes())
     return root
 
 
@@ -82,7 +84,7 @@ def _same(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> bool:
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-@pytest.mark.parametrize("name", ["disk", "rows.parquet", "rows.jsonl"])
+@pytest.mark.parametrize("name", ["disk", "rows.parquet", "rows.jsonl", "rows.arrow"])
 def test_documents_are_the_column_in_row_order(corpus: Path, name: str, streaming: bool) -> None:
     docs = HFDocuments(corpus / name, streaming=streaming, cache_dir=corpus / "cache")
     assert len(docs) == len(ROWS)

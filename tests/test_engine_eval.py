@@ -109,3 +109,20 @@ def test_config_refuses_eval_it_cannot_run(tmp_path: Path) -> None:
     bad_plugin = {**base, "eval": {**base["eval"], "data": {"provider": "tests.engine_fixtures:Nope"}}}
     with pytest.raises(ConfigError, match=r"eval\.data"):
         parse_config(bad_plugin)
+
+
+def test_data_loading_config_says_what_the_background_loader_does(tmp_path: Path) -> None:
+    base = _eval_config(tmp_path, 4)
+    loading = {
+        "data_loading": {"num_workers": 1, "prefetch_factor": 3},
+    }
+    assert parse_config({**base, **loading}, check_components=False).data_loading.prefetch_depth == 3
+    assert parse_config(base, check_components=False).data_loading.prefetch_depth == 0
+    threaded = {**base, "data_loading": {"num_workers": 1}}
+    assert parse_config(threaded, check_components=False).data_loading.prefetch_depth == 2
+    with pytest.raises(
+        ConfigError, match=r"data_loading.*num_workers=4: data is made by one background thread"
+    ):
+        parse_config({**base, "data_loading": {"num_workers": 4}}, check_components=False)
+    with pytest.raises(ConfigError, match=r"data_loading.*prefetch_factor only applies"):
+        parse_config({**base, "data_loading": {"prefetch_factor": 2}}, check_components=False)

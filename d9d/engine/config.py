@@ -74,12 +74,18 @@ class DataLoadingConfig(_Section):
     (`d9d.data.PrefetchingLoader`), `prefetch_factor` steps ahead (default 2), in the same order and with
     the same resume position. More than one worker is refused: a data provider is called from one thread."""
 
-    num_workers: int = Field(0, ge=0, le=1)
+    num_workers: int = Field(0, ge=0)
     pin_memory: bool = False
     prefetch_factor: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check_prefetch(self) -> Self:
+        if self.num_workers > 1:
+            raise ValueError(
+                f"num_workers={self.num_workers}: data is made by one background thread (a data provider "
+                "is called from one thread, in order); use num_workers: 1 and raise prefetch_factor to "
+                "read further ahead"
+            )
         if self.num_workers == 0 and self.prefetch_factor is not None:
             raise ValueError(
                 "prefetch_factor only applies with a background loader; set num_workers: 1 or drop it"

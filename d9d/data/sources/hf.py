@@ -175,12 +175,12 @@ class HFDocuments:
         )
         check_column(dataset.features, column, where)
         self._where = where
+        # only the text column is read (a row of a wide table would otherwise decode every column)
+        self._dataset = dataset.select_columns([column])
         if streaming:
-            self._dataset = dataset.select_columns([column])
             self._length = _count_rows(self._dataset, self.paths, self.kind)
         else:
-            self._dataset = dataset
-            self._length = len(dataset)
+            self._length = len(self._dataset)
         if self._length == 0:
             raise ValueError(f"{where} has no rows")
         # Streaming reader: the next row index it will yield (forward-only access).
