@@ -323,3 +323,7 @@ def test_hf_tokenizer_reads_the_dataset(corpus: Path, tmp_path: Path) -> None:
     provider = _provider(_source(corpus, "rows.parquet", tokenizer=tokenizer), microbatch=3)
     row = provider.next_step()[0]["input_ids"][1]
     assert row.tolist()[: len(TEXTS[1].split()) + 2] == [1, *(vocab[w] for w in TEXTS[1].split()), 2]
+    no_pad = {**tokenizer, "pad_token": None}
+    config = TextDataProvider.Config.model_validate({"dataset": _source(corpus, "disk", tokenizer=no_pad)})
+    with pytest.raises(ValueError, match="tokenizer has no padding token"):
+        TextDataProvider(config).validate()

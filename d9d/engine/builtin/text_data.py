@@ -21,9 +21,12 @@ from d9d.data import (
     DatasetConfig,
     ShardedDataset,
     build_dataset,
+    build_tokenizer,
     check_dataset,
 )
 from d9d.engine.providers import DataSetup
+
+_NO_PAD = "dataset.tokenizer has no padding token (set pad_token); the collator needs one"
 
 
 class TextDataProvider:
@@ -56,14 +59,17 @@ class TextDataProvider:
                 )
             return self
 
-    def validate(self) -> None:
-        """What a preflight calls before any rank starts: the dataset's paths, split, column and tokenizer
-        (`d9d.data.check_dataset`; nothing is indexed or tokenized)."""
-        check_dataset(self.config.dataset)
-
     def __init__(self, config: Config) -> None:
         self.config = config
         self._stream: _Stream | None = None
+
+    def validate(self) -> None:
+        """What a preflight calls before any rank starts: the dataset's paths, split, column and tokenizer
+        (`d9d.data.check_dataset`; nothing is indexed or tokenized), and the padding token the collator
+        needs."""
+        check_dataset(self.config.dataset)
+        if build_tokenizer(self.config.dataset.tokenizer).pad_id is None:
+            raise ValueError(_NO_PAD)
 
     @property
     def stream(self) -> _Stream:
@@ -76,7 +82,7 @@ class TextDataProvider:
         dataset: Any = build_dataset(c.dataset)
         pad_id = dataset.tokenizer.pad_id
         if pad_id is None:
-            raise ValueError("data.options.dataset.tokenizer has no padding token; the collator needs one")
+            raise ValueError(_NO_PAD)
         if c.bucketing_buffer is not None:
             dataset = BufferSortedDataset(
                 dataset, buffer_size=c.bucketing_buffer, pack_size=setup.microbatch_size, seed=setup.seed
