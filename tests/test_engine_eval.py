@@ -71,6 +71,7 @@ def _straight_and_resumed(env: RankEnv, straight: Path, split: Path) -> None:
     _train(env, split, "b2.pt", 8, 1, 1)
 
 
+@pytest.mark.distributed
 def test_eval_points_are_exact_across_a_resume(tmp_path: Path) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_distributed(_straight_and_resumed, 1, straight, split, tmp_dir=tmp_path)
