@@ -15,7 +15,7 @@ from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import ConfigError, parse_config
 from d9d.engine.launch import run_rank
 from d9d.engine.runtime import MetricPoint, RankRuntime
-from tests.engine_fixtures import TinyLM, sample_tokens
+from tests.engine_fixtures import TinyLM, make_hf_qwen3, sample_tokens
 from tests.harness import RankEnv, run_distributed
 from tests.test_engine_loop import _config, _final_params
 
@@ -105,8 +105,9 @@ def test_eval_loss_is_reduced_over_data_parallel_ranks(tmp_path: Path) -> None:
 
 def test_config_refuses_eval_it_cannot_run(tmp_path: Path) -> None:
     base = _eval_config(tmp_path, 4)
-    with pytest.raises(ConfigError, match=r"mesh\.pipeline_parallel=2.*eval|eval.*mesh\.pipeline_parallel=2"):
-        parse_config({**base, "mesh": {"pipeline_parallel": 2}}, check_components=False)
+    v_shape = {**base, "mesh": {"pipeline_parallel": 2}, "pipelining": {"kind": "zbv"}}
+    with pytest.raises(ConfigError, match=r"eval with mesh\.pipeline_parallel=2.*pipelining\.kind=zbv"):
+        parse_config(v_shape, check_components=False)
     with pytest.raises(ConfigError, match=r"context parallelism \(mesh\.context_parallel_replicate"):
         parse_config({**base, "mesh": {"context_parallel_shard": 2}}, check_components=False)
     uneven = {**base, "eval": {**base["eval"], "batch_size": 3}, "mesh": {"data_parallel_shard": 2}}
@@ -132,3 +133,45 @@ def test_data_loading_config_says_what_the_background_loader_does(tmp_path: Path
         parse_config({**base, "data_loading": {"num_workers": 4}}, check_components=False)
     with pytest.raises(ConfigError, match=r"data_loading.*prefetch_factor only applies"):
         parse_config({**base, "data_loading": {"prefetch_factor": 2}}, check_components=False)
+
+
+def _pipelined(env: RankEnv) -> None:
+    run_dir = env.tmp_dir / "pp"
+    eval_data = {"provider": "tests.engine_fixtures:GlobalIndexData"}
+    config = {
+        "run": {"name": "pp-eval", "dir": str(run_dir)},
+        "mesh": {"pipeline_parallel": 2},
+        "batching": {"global_batch_size": 4, "microbatch_size": 2},
+        "trainer": {"total_steps": 1},
+        "logging": {"progress_bar": "off"},
+        "checkpointing": {"save_at_end": False},
+        "model": {"provider": "qwen3", "options": {"source_checkpoint": str(env.tmp_dir / "hf")}},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        # an update far below float32 resolution: the weights stay the source checkpoint's, so transformers
+        # gives the reference
+        "optimizer": {"provider": "sgd", "options": {"lr": 1e-30}},
+        "eval": {"data": eval_data, "batch_size": 2, "batches": 3},
+    }
+    points: list[MetricPoint] = []
+    reporter = LocalRunReporter(run_dir / "checkpoints", 1, points.append)
+    runtime = RankRuntime(rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=run_dir)
+    run_rank(parse_config(config), runtime, reporter)
+    if env.rank == 0:
+        torch.save([p.values for p in points if p.kind == "eval"], env.tmp_dir / "pp.pt")
+
+
+@pytest.mark.distributed
+def test_pipelined_eval_equals_transformers(tmp_path: Path) -> None:
+    """pp2 under 1f1b: the eval set goes through both stages under the forward-only schedule (3 microbatches
+    in flight), the loss is computed on the last stage and reduced: transformers' loss on the same tokens."""
+    reference = make_hf_qwen3(tmp_path / "hf", num_layers=2).double()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(2 * 3):
+            tokens = sample_tokens(i)
+            logits = reference(input_ids=tokens[None, :-1]).logits[0]
+            total += float(nn.functional.cross_entropy(logits, tokens[1:], reduction="sum"))
+    run_distributed(_pipelined, 2, tmp_dir=tmp_path, timeout=200)
+    (values,) = torch.load(tmp_path / "pp.pt")
+    assert values["eval/tokens"] == 2 * 3 * 8
+    assert values["eval/loss"] == pytest.approx(total / (2 * 3 * 8), rel=1e-5)

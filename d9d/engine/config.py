@@ -29,7 +29,12 @@ from d9d.engine.errors import ConfigError, format_validation_error
 from d9d.engine.registry import ModelComponent, validate_components
 from d9d.parallel.compile import CompileConfig
 from d9d.parallel.grad_sync import GradSyncConfig
-from d9d.pipeline.schedule.config import OneFOneBSchedule, ScheduleConfig, build_schedule
+from d9d.pipeline.schedule.config import (
+    InferenceSchedule,
+    OneFOneBSchedule,
+    ScheduleConfig,
+    build_schedule,
+)
 from d9d.tracking import TrackerConfig
 
 
@@ -193,12 +198,22 @@ class TrainConfig(_Section):
     def _check_eval(self) -> Self:
         if self.eval is None:
             return self
-        if self.mesh.pipeline_parallel > 1:
-            raise ValueError(
-                f"eval is not supported with mesh.pipeline_parallel={self.mesh.pipeline_parallel} > 1 "
-                "(no forward-only pipeline schedule is wired into training); remove the eval section or "
-                "set mesh.pipeline_parallel: 1"
-            )
+        pp = self.mesh.pipeline_parallel
+        if pp > 1:
+            # eval runs the training stages under a forward-only schedule: the same stages on each rank
+            forward_only = InferenceSchedule(stages_per_rank=self.schedule.stages_per_rank)
+            if forward_only.placement(pp) != self.schedule.placement(pp):
+                raise ValueError(
+                    f"eval with mesh.pipeline_parallel={pp} runs a forward-only schedule on the training "
+                    f"stages, which needs a looped stage placement; pipelining.kind={self.schedule.kind} "
+                    "places stages in a V (use 1f1b, gpipe, zb1p or interleaved_1f1b, or remove eval)"
+                )
+            try:
+                build_schedule(forward_only, pp, self.eval.batches)
+            except ValueError as e:
+                raise ValueError(
+                    f"eval (forward-only schedule, eval.batches={self.eval.batches}): {e}"
+                ) from e
         if self.mesh.context_parallel > 1:
             raise ValueError(
                 f"eval is not supported with context parallelism (mesh.context_parallel_replicate × "

@@ -2,18 +2,23 @@
 
 The `eval:` section names a data provider (the same shape as `data:`), how many batches of how many samples
 make up the eval set, and how often to run it. The set is the first `batches × batch_size` samples of that
-provider's global order, dealt over the data-parallel ranks like training data: every evaluation resets the
-provider to its initial state, so it reads the same samples, and the result at step k depends only on the
-weights at step k. That is what makes it exact across restarts (nothing eval-related is checkpointed: a
-resumed run evaluates the same set with the same weights) and independent of when it last ran.
+provider's global order, dealt over the data-parallel ranks like training data (the provider is set up with
+one microbatch of `batch_size / dp` samples per batch and `batches` microbatches per step, and one evaluation
+reads one step): every evaluation resets the provider to its initial state, so it reads the same samples,
+and the result at step k depends only on the weights at step k. That is what makes it exact across
+restarts (nothing eval-related is checkpointed: a resumed run evaluates the same set with the same weights)
+and independent of when it last ran.
 
 Loss = Σ token losses / Σ target tokens over the whole set (the training task's `compute_loss`), reduced
-over every rank that holds a distinct part (dp, and cp when the sequence is split), as the training loss is;
+over every rank that holds a distinct part (dp; pipeline ranks without the loss add zeros), as the training
+loss is;
 perplexity = exp(loss). Reported from global rank 0 as `eval/loss`, `eval/perplexity`, `eval/tokens`
 (a `MetricPoint` of kind "eval"), so they reach the tracker and the client stream.
 
-Pipeline parallelism is refused at config validation (`TrainConfig`): the training pipeline schedule runs
-backward passes, and no forward-only schedule is wired here yet.
+With pipeline parallelism the eval set runs through the training stages under a forward-only schedule
+(`InferenceSchedule`, all `batches` microbatches in flight) whose placement must be the training schedule's:
+looped schedules (1f1b, gpipe, zb1p, interleaved_1f1b) qualify, V schedules (zbv, dualpipev) are refused at
+config validation (`TrainConfig`), as is context parallelism (eval batches are not split over the sequence).
 """
 
 from __future__ import annotations
@@ -25,25 +30,32 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
+from d9d.core.types import PyTree
 from d9d.engine.components import build_data
 from d9d.engine.config import EvalConfig
 from d9d.engine.providers import DataProvider, DataSetup, TrainTask
 from d9d.engine.runtime import MetricPoint, RunReporter
+from d9d.engine.stages import Stages
 from d9d.engine.step import global_loss, to_device
+from d9d.pipeline.runtime.executor import PipelineExecutor
+from d9d.pipeline.schedule.config import InferenceSchedule
+from d9d.pipeline.setup import PipelineSetup
 
 
 class Evaluator:
+    """Built on every rank at the same point (with pipelining it creates the forward-only schedule's
+    communication groups, a collective)."""
+
     def __init__(
         self,
         config: EvalConfig,
         ctx: DistributedContext,
         reporter: RunReporter,
         task: TrainTask,
-        modules: tuple[nn.Module, ...],
+        stages: Stages,
         *,
         seed: int,
         pin_memory: bool,
@@ -53,22 +65,31 @@ class Evaluator:
             raise ValueError(
                 f"eval.batch_size={config.batch_size} is not divisible by the data-parallel degree {dp}"
             )
-        if len(modules) != 1:
-            raise ValueError("evaluation runs one local stage; pipeline-parallel eval is not supported")
         self.config = config
         self.ctx = ctx
         self.reporter = reporter
         self.task = task
-        self.module = modules[0]
+        self.stages = stages
         self.pin_memory = pin_memory
+        self.executor: PipelineExecutor | None = None
+        if ctx.params.pipeline_parallel > 1:
+            schedule = InferenceSchedule(stages_per_rank=len(stages.modules))
+            setup = PipelineSetup.create(ctx, schedule, config.batches)
+            if setup.local_stages != list(stages.infos):
+                placed = [i.current_stage for i in setup.local_stages]
+                trained = [i.current_stage for i in stages.infos]
+                raise ValueError(
+                    f"the forward-only eval schedule places stages {placed} on this rank, training {trained}"
+                )
+            self.executor = setup.executor(stages.by_index)
         self.data: DataProvider = build_data(config.data, "eval.data")
         self.data.setup(
             DataSetup(
                 dp_rank=ctx.coordinates(MeshDomain.BATCH)["dp"],
                 dp_size=dp,
                 microbatch_size=config.batch_size // dp,
-                gradient_accumulation=1,
-                global_batch_size=config.batch_size,
+                gradient_accumulation=config.batches,
+                global_batch_size=config.batch_size * config.batches,
                 seed=seed,
             )
         )
@@ -84,30 +105,47 @@ class Evaluator:
         period = self.config.period
         return period is not None and step % period == 0
 
+    def _microbatches(self) -> list[PyTree]:
+        self.data.load_state_dict(self._start)
+        microbatches = self.data.next_step()
+        if len(microbatches) != self.config.batches:
+            raise RuntimeError(
+                f"eval.data gave {len(microbatches)} of eval.batches={self.config.batches} batches (a finite "
+                "eval set ran out?); lower eval.batches or eval.batch_size, or use a larger eval set"
+            )
+        return [to_device(mb, self.ctx.device, self.pin_memory) for mb in microbatches]
+
+    def _local_loss(self, microbatches: list[PyTree]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss sum and weight of this rank's microbatches (zeros on pipeline ranks without the loss)."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        weight = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+
+        def add(outputs: Any, microbatch: int) -> None:
+            nonlocal loss_sum, weight
+            loss = self.task.compute_loss(outputs, microbatches[microbatch])
+            loss_sum = loss_sum + loss.loss_sum.detach().double()
+            weight = weight + loss.weight.detach().double()
+
+        inputs = [self.task.forward_inputs(mb) for mb in microbatches]
+        if self.executor is not None:
+            self.executor.forward_step(inputs, add)
+        else:
+            for microbatch, kwargs in enumerate(inputs):
+                add(self.stages.modules[0](**kwargs), microbatch)
+        return loss_sum, weight
+
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, float]:
         """Run the eval set through the model; report and return loss, perplexity and token count."""
-        self.data.load_state_dict(self._start)
-        was_training = self.module.training
-        self.module.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        weight = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        microbatches = self._microbatches()
+        modes = [m.training for m in self.stages.modules]
+        for module in self.stages.modules:
+            module.eval()
         try:
-            for batch_number in range(self.config.batches):
-                microbatches = self.data.next_step()
-                if not microbatches:
-                    raise RuntimeError(
-                        f"eval.data ran out after {batch_number} of eval.batches={self.config.batches} "
-                        "batches; lower eval.batches or eval.batch_size, or use a larger eval set"
-                    )
-                for microbatch in microbatches:
-                    microbatch = to_device(microbatch, self.ctx.device, self.pin_memory)
-                    outputs = self.module(**self.task.forward_inputs(microbatch))
-                    loss = self.task.compute_loss(outputs, microbatch)
-                    loss_sum += loss.loss_sum.detach().double()
-                    weight += loss.weight.detach().double()
+            loss_sum, weight = self._local_loss(microbatches)
         finally:
-            self.module.train(was_training)
+            for module, mode in zip(self.stages.modules, modes, strict=True):
+                module.train(mode)
         totals = global_loss(self.ctx, loss_sum, weight)
         total_loss, tokens = float(totals[0]), float(totals[1])
         if tokens <= 0:

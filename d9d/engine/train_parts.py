@@ -160,7 +160,7 @@ def build_train_parts(
             ctx,
             reporter,
             task,
-            stages.modules,
+            stages,
             seed=c.determinism.seed,
             pin_memory=c.data_loading.pin_memory,
         ),
