@@ -46,7 +46,10 @@ class Qwen3Config(BaseModel):
     tie_word_embeddings: bool = False
     initializer_range: float = Field(0.02, gt=0)
     attention_backend: SdpaBackendName = "auto"
-    loss_chunk_size: int = Field(1024, gt=0)
+    # Tokens per chunk of the fused LM head + loss: each chunk holds [chunk, vocab] logits (0.6 GB in bf16 at
+    # 2048 × 152k) and adds its weight gradient into a float32 [vocab, hidden] accumulator, so fewer chunks
+    # cost less; 2048 measured ~5% faster than 1024 for the benchmark MoE on an H100 for +0.3 GB.
+    loss_chunk_size: int = Field(2048, gt=0)
     kernel_backend: KernelBackend = "auto"
 
     @model_validator(mode="after")

@@ -102,6 +102,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_hidden, *none, *grad_weights)
 
 
+def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """`acc += a @ b` where `acc` may be wider than the operands, without rounding the product to the
+    operands' dtype first (which would round once per chunk, what the wide accumulator is there to avoid)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        # cuBLAS adds the half-precision product straight into the float32 accumulator (beta = 1): no
+        # rounded [vocab, hidden] intermediate and no separate pass over it per chunk (measured ~10 ms of
+        # a 185 ms MoE step on an H100 with the separate add)
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
 _WEIGHTS = 7  # position of the first weight among `_LinearCrossEntropy.forward`'s inputs
 
 
@@ -131,11 +145,12 @@ class _Gradients:
         parts = grad_logits.split(self._sizes, dim=1)
         for acc, g in zip(self.weights, parts, strict=True):
             if acc is not None:
-                acc += g.t() @ h
-        if self.hidden is not None:
-            self.hidden[start : start + h.shape[0]] = sum(
-                (g @ w for g, w in zip(parts, self._weights, strict=True)), torch.zeros_like(h)
-            )
+                _accumulate_product(acc, g.t(), h)
+        if self.hidden is not None:  # written in place: no zero-filled chunk and no extra add per chunk
+            out = self.hidden[start : start + h.shape[0]]
+            torch.mm(parts[0], self._weights[0], out=out)
+            for g, w in zip(parts[1:], self._weights[1:], strict=True):
+                out.addmm_(g, w)
 
     def result(
         self, scale: torch.Tensor | None = None
