@@ -222,6 +222,7 @@ def test_prefetch_raises_the_source_error_on_the_step_thread() -> None:
         ({"paths": ["rows.parquet"], "column": "n"}, ValueError, "column 'n' holds int64, expected strings"),
         ({"paths": ["rows.jsonl"], "column": "n"}, ValueError, r"column 'n' holds int\w*, expected strings"),
         ({"paths": ["disk"], "split": "validation"}, ValueError, "single split"),
+        ({"paths": ["rows.jsonl"], "column": "body", "streaming": True}, ValueError, "no column 'body'"),
     ],
 )
 def test_bad_input_is_named_by_validate_and_at_construction(

@@ -124,9 +124,20 @@ def open_hf_dataset(
     return _pick_split(loaded, split, where), where
 
 
-def check_column(features: Any, column: str, where: str) -> None:
-    """`column` exists and holds strings (when the features are known)."""
+def check_column(dataset: Any, column: str, where: str) -> None:
+    """`column` exists and holds strings: from the features, or from the first row when a streamed json
+    file has no schema before it is read."""
+    features = dataset.features
     if features is None:
+        first = next(iter(dataset), None)
+        if first is None:
+            raise ValueError(f"{where} has no rows")
+        if column not in first:
+            raise ValueError(f"{where} has no column {column!r} (columns: {sorted(first)})")
+        if not isinstance(first[column], str):
+            raise ValueError(
+                f"{where}: column {column!r} holds {type(first[column]).__name__}, expected strings"
+            )
         return
     if column not in features:
         raise ValueError(f"{where} has no column {column!r} (columns: {sorted(features)})")
@@ -173,7 +184,7 @@ class HFDocuments:
             streaming=streaming,
             cache_dir=None if cache_dir is None else Path(cache_dir),
         )
-        check_column(dataset.features, column, where)
+        check_column(dataset, column, where)
         self._where = where
         # only the text column is read (a row of a wide table would otherwise decode every column)
         self._dataset = dataset.select_columns([column])
@@ -238,14 +249,4 @@ def check_hf_source(
     the Arrow cache or counting rows (files are opened streamed and one row is read)."""
     resolved = [Path(p) for p in paths]
     dataset, where = open_hf_dataset(resolved, format, split, streaming=True)
-    if dataset.features is not None:
-        check_column(dataset.features, column, where)
-        return
-    # json-lines streamed: the schema is only known from the rows
-    first = next(iter(dataset), None)
-    if first is None:
-        raise ValueError(f"{where} has no rows")
-    if column not in first:
-        raise ValueError(f"{where} has no column {column!r} (columns: {sorted(first)})")
-    if not isinstance(first[column], str):
-        raise ValueError(f"{where}: column {column!r} holds {type(first[column]).__name__}, expected strings")
+    check_column(dataset, column, where)
