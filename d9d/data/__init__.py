@@ -20,7 +20,17 @@ from d9d.data.collate import (
 )
 from d9d.data.protocols import EpochAware, SizedDataset, Stateful
 from d9d.data.sharding import ShardedDataset
-from d9d.data.sources import FileDocuments, TextDatasetConfig, TokenizedDataset, build_text_dataset
+from d9d.data.sources import (
+    DatasetConfig,
+    FileDocuments,
+    HFDatasetConfig,
+    HFDocuments,
+    TextDatasetConfig,
+    TokenizedDataset,
+    build_dataset,
+    build_text_dataset,
+    check_dataset,
+)
 from d9d.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig, build_tokenizer
 
 __all__ = [
@@ -28,8 +38,11 @@ __all__ = [
     "BufferSortedDataset",
     "ByteTokenizer",
     "CausalLMCollator",
+    "DatasetConfig",
     "EpochAware",
     "FileDocuments",
+    "HFDatasetConfig",
+    "HFDocuments",
     "HFTokenizer",
     "ShardedDataset",
     "SizedDataset",
@@ -39,8 +52,10 @@ __all__ = [
     "Tokenizer",
     "TokenizerConfig",
     "block_causal_mask",
+    "build_dataset",
     "build_text_dataset",
     "build_tokenizer",
+    "check_dataset",
     "pack_sequences",
     "pad_stack",
     "plan_packs",

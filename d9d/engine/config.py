@@ -29,7 +29,12 @@ from d9d.engine.errors import ConfigError, format_validation_error
 from d9d.engine.registry import ModelComponent, validate_components
 from d9d.parallel.compile import CompileConfig
 from d9d.parallel.grad_sync import GradSyncConfig
-from d9d.pipeline.schedule.config import OneFOneBSchedule, ScheduleConfig, build_schedule
+from d9d.pipeline.schedule.config import (
+    InferenceSchedule,
+    OneFOneBSchedule,
+    ScheduleConfig,
+    build_schedule,
+)
 from d9d.tracking import TrackerConfig
 
 
@@ -76,9 +81,47 @@ class TrainerConfig(_Section):
 
 
 class DataLoadingConfig(_Section):
+    """`num_workers`: 0 makes each step's batches on the step thread; 1 makes them on a background thread
+    (`d9d.data.PrefetchingLoader`), `prefetch_factor` steps ahead (default 2), in the same order and with
+    the same resume position. More than one worker is refused: a data provider is called from one thread."""
+
     num_workers: int = Field(0, ge=0)
     pin_memory: bool = False
     prefetch_factor: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_prefetch(self) -> Self:
+        if self.num_workers > 1:
+            raise ValueError(
+                f"num_workers={self.num_workers}: data is made by one background thread (a data provider "
+                "is called from one thread, in order); use num_workers: 1 and raise prefetch_factor to "
+                "read further ahead"
+            )
+        if self.num_workers == 0 and self.prefetch_factor is not None:
+            raise ValueError(
+                "prefetch_factor only applies with a background loader; set num_workers: 1 or drop it"
+            )
+        return self
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Steps made ahead of training (0: on the step thread)."""
+        if self.num_workers == 0:
+            return 0
+        return self.prefetch_factor if self.prefetch_factor is not None else 2
+
+
+class EvalConfig(_Section):
+    """Evaluation during training (`d9d.engine.evaluation`). `data`: the eval set's provider, the same shape
+    as the top-level `data:`; `batch_size`: samples per eval batch over all data-parallel ranks; `batches`:
+    batches per evaluation (the eval set is the first `batches × batch_size` samples, the same every time);
+    `period`: evaluate every N steps (None: only at the end); `at_end`: evaluate after the last step."""
+
+    data: DataComponent
+    batch_size: int = Field(ge=1)
+    batches: int = Field(1, ge=1)
+    period: int | None = Field(None, ge=1)
+    at_end: bool = True
 
 
 class LoggingConfig(_Section):
@@ -157,6 +200,41 @@ class TrainConfig(_Section):
     task: TaskComponent = Field(default_factory=CausalLMTaskComponent)
     optimizer: OptimizerComponent = Field(default_factory=AdamW)
     lr_scheduler: LRSchedulerComponent | None = None
+    # Validation loss/perplexity during training (None: no evaluation).
+    eval: EvalConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> Self:
+        if self.eval is None:
+            return self
+        pp = self.mesh.pipeline_parallel
+        if pp > 1:
+            # eval runs the training stages under a forward-only schedule: the same stages on each rank
+            forward_only = InferenceSchedule(stages_per_rank=self.schedule.stages_per_rank)
+            if forward_only.placement(pp) != self.schedule.placement(pp):
+                raise ValueError(
+                    f"eval with mesh.pipeline_parallel={pp} runs a forward-only schedule on the training "
+                    f"stages, which needs a looped stage placement; pipelining.kind={self.schedule.kind} "
+                    "places stages in a V (use 1f1b, gpipe, zb1p or interleaved_1f1b, or remove eval)"
+                )
+            try:
+                build_schedule(forward_only, pp, self.eval.batches)
+            except ValueError as e:
+                raise ValueError(
+                    f"eval (forward-only schedule, eval.batches={self.eval.batches}): {e}"
+                ) from e
+        if self.mesh.context_parallel > 1:
+            raise ValueError(
+                f"eval is not supported with context parallelism (mesh.context_parallel_replicate × "
+                f"mesh.context_parallel_shard = {self.mesh.context_parallel} > 1): eval batches are not "
+                "split over the sequence; remove the eval section or set both to 1"
+            )
+        if self.eval.batch_size % self.mesh.data_parallel != 0:
+            raise ValueError(
+                f"eval.batch_size={self.eval.batch_size} is not divisible by the data-parallel degree "
+                f"{self.mesh.data_parallel} (mesh)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_batching(self) -> Self:

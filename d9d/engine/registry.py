@@ -66,6 +66,7 @@ def plugins(config: TrainConfig) -> list[tuple[str, PluginSpec]]:
         ("task", config.task),
         ("optimizer", config.optimizer),
         ("lr_scheduler", config.lr_scheduler),
+        ("eval.data", config.eval.data if config.eval is not None else None),
     ]
     if isinstance(config.model, PeftModel):
         sections.append(("model.options.base", config.model.options.base))

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from d9d.determinism import capture_rng_state, restore_rng_state
-from d9d.engine.providers import DataProvider
 from d9d.pipeline.optim import PipelinedLRScheduler
 
 
@@ -96,7 +95,7 @@ class EngineState:
         progress: TrainProgress,
         world_size: int,
         schedulers: PipelinedLRScheduler | None,
-        data: DataProvider,
+        data: Piece,
         metrics: Piece | None,
     ) -> None:
         self.progress = progress

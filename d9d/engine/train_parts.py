@@ -3,7 +3,8 @@
 The order matters for reproducibility (RNG draws) and for collectives (every rank creates the pipeline's
 process groups at the same point): seeds → task → data → model stages (`d9d.engine.stages`) → activation
 seed → event subscriptions → optimizers → gradient reducer → LR schedulers → task metrics → step runner →
-checkpointer. The loop (`d9d.engine.trainer`) only uses the result.
+checkpointer → evaluator. The training data is read through a `PrefetchingLoader` (on the step thread
+unless `data_loading.num_workers` is 1). The loop (`d9d.engine.trainer`) only uses the result.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Any
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
+from d9d.data.prefetch import PrefetchingLoader
 from d9d.determinism import RankSeeds, seed_everything
 from d9d.engine.checkpoint import Checkpointer
 from d9d.engine.components import build_data, build_lr_scheduler, build_optimizer, build_task
 from d9d.engine.config import TrainConfig
+from d9d.engine.evaluation import Evaluator
 from d9d.engine.events import EventBus
 from d9d.engine.identity import run_identity
 from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTask
@@ -45,7 +48,7 @@ class TrainParts:
     seeds: RankSeeds
     grad_accumulation: int
     task: TrainTask
-    data: DataProvider
+    data: PrefetchingLoader
     model: ModelProvider
     stages: Stages
     optimizer: PipelinedOptimizer
@@ -56,6 +59,7 @@ class TrainParts:
     reports: StepReporter
     checkpointer: Checkpointer
     state: EngineState
+    evaluator: Evaluator | None
 
 
 def build_train_parts(
@@ -69,8 +73,8 @@ def build_train_parts(
     seeds = RankSeeds.for_rank(ctx.params, ctx.rank, c.determinism.seed)
     task = build_task(c.task)
     grad_accumulation = c.batching.gradient_accumulation(ctx.params.data_parallel)
-    data = build_data(c.data)
-    data.setup(
+    provider: DataProvider = build_data(c.data)
+    provider.setup(
         DataSetup(
             dp_rank=ctx.coordinates(MeshDomain.BATCH)["dp"],
             dp_size=ctx.params.data_parallel,
@@ -80,6 +84,7 @@ def build_train_parts(
             seed=c.determinism.seed,
         )
     )
+    data = PrefetchingLoader(provider, c.data_loading.prefetch_depth)
     model = build_model(c.model)
     pipeline: PipelineSetup | None = None
     infos = [PipelineStageInfo()]
@@ -153,5 +158,16 @@ def build_train_parts(
             schedulers,
             data,
             collector.metric if collector is not None else None,
+        ),
+        evaluator=None
+        if c.eval is None
+        else Evaluator(
+            c.eval,
+            ctx,
+            reporter,
+            task,
+            stages,
+            seed=c.determinism.seed,
+            pin_memory=c.data_loading.pin_memory,
         ),
     )

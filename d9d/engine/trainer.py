@@ -3,8 +3,8 @@
 Lifecycle (see docs/engine.md): `setup()` builds the rank's parts (`d9d.engine.train_parts`: context →
 seeds → task → data → model stages → reducer → optimizers/LR → checkpointer) and resumes from the latest
 checkpoint; `train()` runs the loop (commands → microbatches → forward/backward → reduce + scale → clip →
-optimizer/LR step → report → checkpoint) and finishes. The loop itself knows nothing about which
-parallelism is in use.
+optimizer/LR step → report → evaluate (`eval.period`) → checkpoint) and finishes (evaluating once more).
+The loop itself knows nothing about which parallelism is in use.
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ class Trainer:
                     self._after_step(self.progress.step)
             self._finish(finished)
         finally:
+            self.parts.data.close()  # also after an error: the prefetch thread must not outlive the run
             progress.close()
             if c.gc.period is not None:
                 gc.enable()
@@ -167,12 +168,21 @@ class Trainer:
         c = self.config
         if c.gc.period is not None and step % c.gc.period == 0:
             gc.collect()
+        self._evaluate(step, final=False)
         period = c.checkpointing.period
         if self._checkpoint_requested or (period is not None and step % period == 0):
             self.save_checkpoint()
 
+    def _evaluate(self, step: int, *, final: bool) -> None:
+        evaluator = self.parts.evaluator
+        if evaluator is not None and evaluator.due(step, final=final):
+            evaluator.evaluate(step)
+
     def _finish(self, finished: bool) -> None:
         c = self.config
+        self.parts.data.close()
+        if finished and self.progress.step > 0:
+            self._evaluate(self.progress.step, final=True)
         wanted = not finished or c.checkpointing.save_at_end
         if wanted and self.progress.step > 0 and self._last_saved != self.progress.step:
             self.save_checkpoint()
