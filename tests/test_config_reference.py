@@ -78,7 +78,9 @@ def test_every_field_of_every_config_model_is_listed() -> None:
         if not fields:
             continue
         # Somewhere in the reference the model's fields are listed together under one prefix.
-        prefixes = {p.removesuffix(f".{fields[0]}") for p in rows if p == fields[0] or p.endswith(f".{fields[0]}")}
+        prefixes = {
+            p.removesuffix(f".{fields[0]}") for p in rows if p == fields[0] or p.endswith(f".{fields[0]}")
+        }
         if not any(all((f"{p}.{f}" if p != fields[0] else f) in rows for f in fields) for p in prefixes):
             missing.append(f"{model.__module__}.{model.__qualname__}: {fields}")
     assert not missing, "\n".join(missing)

@@ -249,11 +249,15 @@ def _union_rows(
     # Members with identical rows (e.g. two providers sharing an options class) are listed once.
     groups: dict[tuple[Row, ...], list[str]] = {}
     for model, tag in zip(models, tags, strict=True):
-        member_rows = tuple(row for row in _model_rows(model, path, walk, stack) if row.path != f"{path}.{key}")
+        member_rows = tuple(
+            row for row in _model_rows(model, path, walk, stack) if row.path != f"{path}.{key}"
+        )
         groups.setdefault(member_rows, []).append(tag)
     for member_rows, member_tags in groups.items():
         when = f"{key} {', '.join(member_tags)}"
-        rows.extend(Row(r.path, r.type, r.default, f"{when}; {r.when}" if r.when else when) for r in member_rows)
+        rows.extend(
+            Row(r.path, r.type, r.default, f"{when}; {r.when}" if r.when else when) for r in member_rows
+        )
     return rows
 
 
