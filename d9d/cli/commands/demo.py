@@ -18,12 +18,25 @@ def _run(args: argparse.Namespace) -> int:
         print(f"d9d demo: {CONFIG} not found; run it from the d9d repository root", file=sys.stderr)
         return 2
     train_args = argparse.Namespace(
-        config=CONFIG, overrides=args.overrides, address=None, num_workers=None, cpu=True, detach=False
+        config=CONFIG,
+        overrides=args.overrides,
+        address=None,
+        num_workers=None,
+        cpu=True,
+        detach=False,
+        dry_run=args.dry_run,
     )
     return train(train_args)
 
 
 def register(subparsers: Any) -> None:
+    from d9d.cli.commands.train import add_override_option
+
     parser = subparsers.add_parser("demo", help="train the tiny Qwen3-MoE demo on a local Ray instance")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_override_option(parser)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the demo's resolved config, layout and memory; start nothing",
+    )
     parser.set_defaults(handler=_run)

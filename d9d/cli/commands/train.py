@@ -2,6 +2,8 @@
 
 Without --address or RAY_ADDRESS a local Ray instance is started (the laptop default); inside a Ray job
 (`d9d submit`) RAY_ADDRESS points at the cluster. The whole config is validated before Ray is touched.
+`--dry-run` stops there: it prints the resolved config, which rank holds which mesh coordinates, the
+parameter count and a memory estimate per rank, and starts nothing (no Ray, no process group).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from d9d.cluster.spec import JobSpec
 
 
 class _Terminated(Exception):
@@ -22,16 +27,50 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise _Terminated
 
 
+def _preflight(spec: JobSpec) -> None:
+    """PREFLIGHT CALL SITE (issue 20): the one place `d9d train` (and so `d9d submit`, which runs it inside
+    the Ray job) checks what the schema cannot — dataset paths, splits and columns, tokenizers, tracker
+    stores — after the config validated and before any actor starts; `--dry-run` runs it too. Wire
+    `d9d.engine.preflight` here (it raises `ConfigError` naming the failing key)."""
+    return None
+
+
+def resolved_config(spec: JobSpec) -> dict[str, Any]:
+    """The job as the ranks will run it: every default filled in, directories absolute."""
+    return {**spec.train.model_dump(mode="json"), "cluster": spec.cluster.model_dump(mode="json")}
+
+
+def dry_run(spec: JobSpec, config_path: Path) -> int:
+    import yaml
+
+    from d9d.engine.dry_run import dry_run as analyse
+    from d9d.engine.dry_run import format_report
+
+    plan = spec.plan(spec.initial_workers)
+    report = analyse(spec.train, plan.mesh)
+    print(f"# d9d train --dry-run: {config_path} is valid; resolved config:")
+    print(yaml.safe_dump(resolved_config(spec), sort_keys=False, allow_unicode=True).rstrip())
+    print("# layout")
+    print(format_report(report))
+    print("# dry run: nothing was started (no Ray, no process group, no device memory)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    from d9d.cluster import TrainingJob, load_job
-    from d9d.cluster.follow import follow
+    from d9d.cluster import load_job
     from d9d.engine.config import ConfigError
 
     try:
         spec = load_job(args.config, args.overrides, num_workers=args.num_workers, cpu=args.cpu)
+        _preflight(spec)
+        if args.dry_run:
+            return dry_run(spec, args.config)
     except (ConfigError, ValueError) as e:
         print(f"d9d train: {e}", file=sys.stderr)
         return 2
+    from d9d.cluster import TrainingJob
+    from d9d.cluster.follow import follow
+
     if args.detach:
         spec = type(spec)(cluster=spec.cluster.model_copy(update={"detach": True}), train=spec.train)
     job = TrainingJob(spec).start(address=args.address)
@@ -49,16 +88,39 @@ def run(args: argparse.Namespace) -> int:
     return 1 if summary.status == "failed" else 0
 
 
+def add_override_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key by its dotted path, value parsed as YAML "
+        "(e.g. --set trainer.total_steps=20 --set optimizer.options.lr=1e-4); repeatable",
+    )
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("train", help="train on Ray rank actors (local Ray unless --address)")
     parser.add_argument("config", type=Path, help="job file: the engine config plus a `cluster:` section")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_override_option(parser)
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)")
-    parser.add_argument("--num-workers", type=int, help="rank actors; changes the data-parallel degree")
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        help="rank actors (the world size); a value other than the mesh's changes only the data-parallel "
+        "degree (default: cluster.num_workers, else the mesh's world size)",
+    )
     parser.add_argument(
         "--cpu", action="store_true", help="CPU ranks on gloo even if the config asks for GPUs"
     )
     parser.add_argument(
         "--detach", action="store_true", help="return once started; the run outlives this process"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate and print the resolved config, each rank's mesh coordinates, the parameter count "
+        "and a memory estimate per rank; start nothing",
     )
     parser.set_defaults(handler=run)
