@@ -5,6 +5,7 @@ Layout under the checkpoint root:
     step-00000010/        # one directory per saved step
       .metadata, __<rank>_<i>.distcp   # torch.distributed.checkpoint: model + optimizer, DTensor-aware
       engine.pt            # rank 0: step, LR schedulers, data position, task/metric/tracker state
+      train_config.json    # rank 0: the job config that wrote the step (what `d9d export` rebuilds)
       rank-00003.pt        # per rank: RNG states
       manifest.json        # written last, by the committer: files, sizes, sha256
     latest                # name of the last committed step directory (replaced atomically)
@@ -50,6 +51,7 @@ from d9d.peft import trainable_state_dict
 MANIFEST = "manifest.json"
 LATEST = "latest"
 ENGINE_STATE = "engine.pt"
+TRAIN_CONFIG = "train_config.json"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -180,12 +182,18 @@ class Checkpointer:
     """Saves and restores the engine's state through a `RunReporter` commit protocol."""
 
     def __init__(
-        self, ctx: DistributedContext, root: Path, reporter: RunReporter, trainable_only: bool = False
+        self,
+        ctx: DistributedContext,
+        root: Path,
+        reporter: RunReporter,
+        trainable_only: bool = False,
+        train_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.ctx = ctx
         self.root = root
         self.reporter = reporter
         self.trainable_only = trainable_only
+        self.train_config = train_config
 
     def save(
         self,
@@ -210,6 +218,9 @@ class Checkpointer:
         if self.ctx.is_main_process:
             torch.save(dict(engine_state), step_dir / ENGINE_STATE)
             names += [".metadata", ENGINE_STATE]
+            if self.train_config is not None:
+                (step_dir / TRAIN_CONFIG).write_text(json.dumps(self.train_config, indent=1) + "\n")
+                names.append(TRAIN_CONFIG)
         report = RankCheckpointReport(
             step=step,
             rank=rank,

@@ -139,7 +139,11 @@ def build_train_parts(
             step_metrics=step_metrics,
         ),
         checkpointer=Checkpointer(
-            ctx, c.checkpoint_dir, reporter, trainable_only=c.checkpointing.trainable_only
+            ctx,
+            c.checkpoint_dir,
+            reporter,
+            trainable_only=c.checkpointing.trainable_only,
+            train_config=c.model_dump(mode="json"),
         ),
         state=EngineState(
             progress,
