@@ -144,11 +144,3 @@ def test_cluster_section_is_left_to_the_cluster(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cluster: Extra inputs"):
         load_config(path)
     assert load_config(path, ignore_sections=["cluster"]).run.name == "t"
-
-
-def test_docs_config_reference_is_current() -> None:
-    from d9d.engine.config_reference import splice
-
-    doc = Path(__file__).parent.parent / "docs" / "engine.md"
-    text = doc.read_text()
-    assert splice(text) == text, "run: python -m d9d.engine.config_reference docs/engine.md"

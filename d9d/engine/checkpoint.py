@@ -5,6 +5,7 @@ Layout under the checkpoint root:
     step-00000010/        # one directory per saved step
       .metadata, __<rank>_<i>.distcp   # torch.distributed.checkpoint: model + optimizer, DTensor-aware
       engine.pt            # rank 0: step, LR schedulers, data position, task/metric/tracker state
+      train_config.json    # rank 0: the job config that wrote the step (what `d9d export` rebuilds)
       rank-00003.pt        # per rank: RNG states
       identity.json        # rank 0: the run identity (`d9d.engine.identity`)
       manifest.json        # written last, by the committer: files, sizes, sha256
@@ -80,6 +81,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 ENGINE_STATE = "engine.pt"
 DAMAGED = "damaged"
+TRAIN_CONFIG = "train_config.json"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 OnDamaged = Literal["fallback", "fail"]
 
@@ -352,12 +354,14 @@ class Checkpointer:
         reporter: RunReporter,
         trainable_only: bool = False,
         identity: RunIdentity | None = None,
+        train_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.ctx = ctx
         self.root = root
         self.reporter = reporter
         self.trainable_only = trainable_only
         self.identity = identity
+        self.train_config = train_config
 
     def _prepare(self, step_dir: Path) -> str | None:
         """Main rank: make `step_dir` writable, or say why it must not be written."""
@@ -403,6 +407,8 @@ class Checkpointer:
             own[ENGINE_STATE] = _serialized(engine_state)
             if self.identity is not None:
                 own[IDENTITY_FILE] = self.identity.to_json().encode()
+            if self.train_config is not None:
+                own[TRAIN_CONFIG] = (json.dumps(self.train_config, indent=1) + "\n").encode()
         for name, data in own.items():
             atomic_write_bytes(step_dir / name, data, fsync=True)
             files[name] = hashed_bytes(data)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from d9d.core.mesh_params import DeviceMeshParameters
-from d9d.data.sources.config import TextDatasetConfig
+from d9d.data.sources.config import HFDatasetConfig, TextDatasetConfig, check_dataset
 from d9d.data.tokenizers.config import build_tokenizer
 from d9d.engine.builtin.models import CausalLMProvider, Qwen3MoEProvider, Qwen3Provider
 from d9d.engine.components import DataPlugin, ModelPlugin, Qwen3Model, Qwen3MoEModel, TextData
@@ -41,20 +41,31 @@ def preflight(config: TrainConfig) -> None:
 
 
 def check_data(config: TrainConfig) -> None:
-    match config.data:
-        case TextData():
-            check_text_dataset(config.data.options.dataset, "data.options.dataset")
-        case DataPlugin():
-            pass
+    sections = [("data", config.data)] + (
+        [("eval.data", config.eval.data)] if config.eval is not None else []
+    )
+    for field, section in sections:
+        match section:
+            case TextData():
+                check_text_dataset(section.options.dataset, f"{field}.options.dataset")
+            case DataPlugin():
+                pass
 
 
-def check_text_dataset(dataset: TextDatasetConfig, field: str) -> None:
-    for i, path in enumerate(dataset.paths):
-        _check_readable(path, f"{field}.paths[{i}]")
+def check_text_dataset(dataset: TextDatasetConfig | HFDatasetConfig, field: str) -> None:
+    """Files readable (named by index), then the source's own checks (`d9d.data.check_dataset`: a Hugging
+    Face dataset's split and column, the tokenizer and its special tokens), then the padding token."""
+    if isinstance(dataset, TextDatasetConfig):
+        for i, path in enumerate(dataset.paths):
+            _check_readable(path, f"{field}.paths[{i}]")
     try:
         tokenizer = build_tokenizer(dataset.tokenizer)
     except Exception as e:  # whatever the tokenizer library raises for a file it cannot use
         raise ConfigError(f"{field}.tokenizer: does not load: {type(e).__name__}: {e}") from e
+    try:
+        check_dataset(dataset)
+    except Exception as e:  # whatever the datasets library raises for input it cannot use
+        raise ConfigError(f"{field}: {type(e).__name__}: {e}") from e
     if tokenizer.pad_id is None:
         raise ConfigError(f"{field}.tokenizer: has no padding token; the collator needs one")
 

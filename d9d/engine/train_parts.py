@@ -151,6 +151,7 @@ def build_train_parts(
             reporter,
             trainable_only=c.checkpointing.trainable_only,
             identity=run_identity(c),
+            train_config=c.model_dump(mode="json"),
         ),
         state=EngineState(
             progress,

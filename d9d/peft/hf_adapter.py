@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from d9d.core.context import DistributedContext
 from d9d.core.dist_ops import gather_object
+from d9d.core.files import atomic_write_bytes, atomic_write_text
 from d9d.peft.adapter import adapted_modules
 from d9d.peft.lora.linear import LoRALinear
 from d9d.state.mapper import StateGroup, StateMapper, apply_group
@@ -150,11 +151,16 @@ def save_peft_adapter(
     *,
     ctx: DistributedContext | None = None,
     base_model_name_or_path: str | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Write the LoRA adapters (and full-tuned parameters) of `modules` as a `peft` adapter directory that
     `peft.PeftModel.from_pretrained(hf_model, path)` loads. `d9d_to_hf` is the model's d9d→HF mapper
     (e.g. `d9d.models.hf.d9d_to_hf_mapper(config)`). With a distributed `ctx` every rank calls this with
-    its own stages; the pieces are gathered and rank 0 writes."""
+    its own stages; the pieces are gathered and rank 0 writes.
+
+    `base_model_name_or_path` goes into `adapter_config.json`: `peft.AutoPeftModelForCausalLM` loads the
+    base model from it (a hub name or a local directory). `extra_files` (by file name: tokenizer files,
+    `generation_config.json`) are written beside the adapter."""
     names = _HFNames(d9d_to_hf)
     adapter = _Adapter()
     for module in [modules] if isinstance(modules, nn.Module) else modules:
@@ -170,7 +176,15 @@ def save_peft_adapter(
     if not adapter.lora:
         raise ValueError("the model has no LoRA adapter on a dense layer: nothing to write as a peft adapter")
     dest.mkdir(parents=True, exist_ok=True)
-    save_file(adapter.tensors, str(dest / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    for name, data in (extra_files or {}).items():
+        if Path(name).name != name or name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            raise ValueError(f"extra_files: {name!r} must be a plain file name other than the adapter's own")
+        atomic_write_bytes(dest / name, data)
+    weights = dest / ADAPTER_WEIGHTS
+    tmp = weights.with_name(f".{weights.name}.tmp")
+    save_file(adapter.tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(weights)
+    # Written last: a directory with an adapter_config.json is a complete adapter.
     config = _config(adapter, base_model_name_or_path)
-    (dest / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    atomic_write_text(dest / ADAPTER_CONFIG, json.dumps(config, indent=2) + "\n")
     return dest

@@ -26,11 +26,19 @@ def _run(args: argparse.Namespace) -> int:
         detach=False,
         resume_from=None,
         verbose=False,
+        dry_run=args.dry_run,
     )
     return train(train_args)
 
 
 def register(subparsers: Any) -> None:
+    from d9d.cli.commands.train import add_override_option
+
     parser = subparsers.add_parser("demo", help="train the tiny Qwen3-MoE demo on a local Ray instance")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_override_option(parser)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the demo's resolved config, layout and memory; start nothing",
+    )
     parser.set_defaults(handler=_run)

@@ -46,15 +46,19 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "pipeline-sim", help="simulate a pipeline schedule: bubble table and timeline picture"
     )
-    parser.add_argument("--schedule", required=True, choices=_KINDS)
+    parser.add_argument("--schedule", required=True, choices=_KINDS, help="the schedule to simulate")
     parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel ranks")
-    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
     parser.add_argument("--stages-per-rank", type=int, help="interleaved_1f1b and inference only")
     parser.add_argument("-o", "--output", help="PNG path (default: pipeline_<schedule>_pp<P>_m<M>.png)")
     costs = parser.add_argument_group("costs per stage and microbatch")
-    costs.add_argument("--forward", type=float, default=1.0)
-    costs.add_argument("--backward-input", type=float, default=1.0)
-    costs.add_argument("--backward-weight", type=float, default=1.0)
+    costs.add_argument("--forward", type=float, default=1.0, help="forward time (default: 1)")
+    costs.add_argument(
+        "--backward-input", type=float, default=1.0, help="input-gradient backward time (default: 1)"
+    )
+    costs.add_argument(
+        "--backward-weight", type=float, default=1.0, help="weight-gradient backward time (default: 1)"
+    )
     costs.add_argument("--backward-full", type=float, help="default: backward-input + backward-weight")
     costs.add_argument("--overlap-factor", type=float, default=1.0, help="cost share of an overlapped pair")
     costs.add_argument("--communication", type=float, default=0.0, help="latency of one transfer")

@@ -2,6 +2,8 @@
 
 Without --address or RAY_ADDRESS a local Ray instance is started (the laptop default); inside a Ray job
 (`d9d submit`) RAY_ADDRESS points at the cluster. The whole config is validated before Ray is touched.
+`--dry-run` stops there: it prints the resolved config, which rank holds which mesh coordinates, the
+parameter count and a memory estimate per rank, and starts nothing (no Ray, no process group).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from d9d.cluster.spec import JobSpec
 
 
 class _Terminated(Exception):
@@ -20,6 +25,29 @@ class _Terminated(Exception):
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise _Terminated
+
+
+def resolved_config(spec: JobSpec) -> dict[str, Any]:
+    """The job as the ranks will run it: every default filled in, directories absolute."""
+    return {**spec.train.model_dump(mode="json"), "cluster": spec.cluster.model_dump(mode="json")}
+
+
+def dry_run(spec: JobSpec, config_path: Path) -> int:
+    import yaml
+
+    from d9d.cluster.client import preflight_job
+    from d9d.engine.dry_run import dry_run as analyse
+    from d9d.engine.dry_run import format_report
+
+    preflight_job(spec)  # what a real launch checks before Ray (`TrainingJob.start` runs it there)
+    plan = spec.plan(spec.initial_workers)
+    report = analyse(spec.train, plan.mesh)
+    print(f"# d9d train --dry-run: {config_path} is valid; resolved config:")
+    print(yaml.safe_dump(resolved_config(spec), sort_keys=False, allow_unicode=True).rstrip())
+    print("# layout")
+    print(format_report(report))
+    print("# dry run: nothing was started (no Ray, no process group, no device memory)")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"run.resume_from={args.resume_from}")
     try:
         spec = load_job(args.config, overrides, num_workers=args.num_workers, cpu=args.cpu)
+        if args.dry_run:
+            return dry_run(spec, args.config)
     except (ConfigError, ValueError) as e:
         print(f"d9d train: {e}", file=sys.stderr)
         return 2
@@ -65,12 +95,29 @@ def run(args: argparse.Namespace) -> int:
     return 1 if summary.status == "failed" else 0
 
 
+def add_override_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key by its dotted path, value parsed as YAML "
+        "(e.g. --set trainer.total_steps=20 --set optimizer.options.lr=1e-4); repeatable",
+    )
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("train", help="train on Ray rank actors (local Ray unless --address)")
     parser.add_argument("config", type=Path, help="job file: the engine config plus a `cluster:` section")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_override_option(parser)
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)")
-    parser.add_argument("--num-workers", type=int, help="rank actors; changes the data-parallel degree")
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        help="rank actors (the world size); a value other than the mesh's changes only the data-parallel "
+        "degree (default: cluster.num_workers, else the mesh's world size)",
+    )
     parser.add_argument(
         "--cpu", action="store_true", help="CPU ranks on gloo even if the config asks for GPUs"
     )
@@ -87,5 +134,11 @@ def register(subparsers: Any) -> None:
         "--verbose",
         action="store_true",
         help="forward every rank's output to this console (default: <run dir>/logs/rank<r>.log)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, run the preflight and print the resolved config, each rank's mesh coordinates, the "
+        "parameter count and a memory estimate per rank; start nothing",
     )
     parser.set_defaults(handler=run)

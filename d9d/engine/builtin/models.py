@@ -19,7 +19,7 @@ from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.engine.events import EventBus, OptimizerStepFinished
 from d9d.models.hf.config import config_from_hf, config_to_hf
-from d9d.models.hf.io import build_causal_lm
+from d9d.models.hf.io import build_causal_lm, side_files
 from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, has_expert_bias, hf_to_d9d_mapper
 from d9d.models.qwen3 import Qwen3Config, Qwen3StageModel
 from d9d.models.qwen3_moe import Qwen3MoEConfig
@@ -74,6 +74,12 @@ class CausalLMProvider:
         return o.architecture_class.model_validate(o.architecture)
 
     @property
+    def base_model_name_or_path(self) -> str | None:
+        """What an adapter trained on this model names as its base: the source checkpoint's absolute path."""
+        source = self.options.source_checkpoint
+        return str(source.resolve()) if source is not None else None
+
+    @property
     def dtype(self) -> torch.dtype:
         return getattr(torch, self.options.dtype)  # type: ignore[no-any-return]
 
@@ -113,15 +119,20 @@ class CausalLMProvider:
         load_model_state(source, module, mapper, strict=True, allow_cast=True)
 
     def export(self, modules: Sequence[nn.Module], ctx: DistributedContext, path: Path) -> None:
-        """All local stages and config.json in one atomic, distributed save (replicas written once)."""
+        """All local stages and config.json in one atomic, distributed save (replicas written once), with the
+        source checkpoint's tokenizer and generation-config files when it has them."""
         config_json = json.dumps(config_to_hf(self.model_config), indent=2) + "\n"
+        extra: dict[str, str | bytes] = {
+            **side_files(self.options.source_checkpoint),
+            "config.json": config_json,
+        }
         save_model_state(
             path,
             list(modules),
             d9d_to_hf_mapper(self.model_config),
             distributed=ctx.is_distributed,
             overwrite=True,
-            extra_files={"config.json": config_json},
+            extra_files=extra,
         )
 
     def subscribe(

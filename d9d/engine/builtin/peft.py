@@ -24,7 +24,7 @@ from d9d.engine.components import BaseModelComponent, ModelPlugin, build_base_mo
 from d9d.engine.errors import UNION_TAG_PREFIX
 from d9d.engine.events import EventBus
 from d9d.engine.providers import ModelProvider
-from d9d.models.hf import d9d_to_hf_mapper
+from d9d.models.hf import d9d_to_hf_mapper, side_files
 from d9d.models.qwen3 import Qwen3Config
 from d9d.peft import (
     PeftConfig,
@@ -117,13 +117,47 @@ class PeftModelProvider:
             self.base.initialize(module, ctx)
         reset_adapters(module)
 
+    @property
+    def base_model_name_or_path(self) -> str | None:
+        """The base model an adapter names (the base provider's Hugging Face source), None when unknown."""
+        return self.base.base_model_name_or_path if isinstance(self.base, CausalLMProvider) else None
+
     def export(self, modules: Sequence[nn.Module], ctx: DistributedContext, path: Path) -> None:
+        self.export_merged(modules, ctx, path)
+        if self.config.export_adapters:
+            self.export_adapter(modules, ctx, path / ADAPTER_DIR)
+
+    def export_merged(self, modules: Sequence[nn.Module], ctx: DistributedContext, path: Path) -> None:
+        """The base provider's format with the adapters folded into the weights (the live model keeps
+        them)."""
         with ExitStack() as stack:
             for module in modules:
                 stack.enter_context(merged(module))
             self.base.export(modules, ctx, path)
-        if self.config.export_adapters and self.hf_config is not None:
-            save_peft_adapter(modules, path / ADAPTER_DIR, d9d_to_hf_mapper(self.hf_config), ctx=ctx)
+
+    def export_adapter(
+        self,
+        modules: Sequence[nn.Module],
+        ctx: DistributedContext,
+        path: Path,
+        base_model_name_or_path: str | None = None,
+    ) -> None:
+        """A Hugging Face `peft` adapter naming its base (default: the base provider's source checkpoint),
+        with the source's tokenizer and generation-config files."""
+        if self.hf_config is None:
+            raise ValueError(
+                f"a peft adapter needs a base provider with a Hugging Face mapping (qwen3, qwen3_moe); "
+                f"{self.config.base.provider!r} has none; export merged weights instead"
+            )
+        source = self.base.options.source_checkpoint if isinstance(self.base, CausalLMProvider) else None
+        save_peft_adapter(
+            modules,
+            path,
+            d9d_to_hf_mapper(self.hf_config),
+            ctx=ctx,
+            base_model_name_or_path=base_model_name_or_path or self.base_model_name_or_path,
+            extra_files=side_files(source),
+        )
 
     def subscribe(
         self,

@@ -1,7 +1,14 @@
 """Hugging Face interop: config conversion, state mappers, `from_pretrained` / `save_pretrained`."""
 
 from d9d.models.hf.config import EXPERT_BIAS_CONFIG_KEY, EXPERT_BIAS_HF_NAME, config_from_hf, config_to_hf
-from d9d.models.hf.io import build_causal_lm, check_checkpoint_matches, from_pretrained, save_pretrained
+from d9d.models.hf.io import (
+    SIDE_FILES,
+    build_causal_lm,
+    check_checkpoint_matches,
+    from_pretrained,
+    save_pretrained,
+    side_files,
+)
 from d9d.models.hf.mapping import (
     ExpertLayout,
     d9d_to_hf_mapper,
@@ -15,6 +22,7 @@ from d9d.models.hf.mapping import (
 __all__ = [
     "EXPERT_BIAS_CONFIG_KEY",
     "EXPERT_BIAS_HF_NAME",
+    "SIDE_FILES",
     "ExpertLayout",
     "build_causal_lm",
     "check_checkpoint_matches",
@@ -28,4 +36,5 @@ __all__ = [
     "has_expert_bias",
     "hf_to_d9d_mapper",
     "save_pretrained",
+    "side_files",
 ]

@@ -32,8 +32,29 @@ from d9d.state import (
 )
 
 CONFIG_NAME = "config.json"
+# Files of a Hugging Face model directory that describe how to use the weights rather than the weights
+# themselves; an export of a model that started from such a directory carries them along.
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # keys older checkpoints carry that d9d recomputes instead of storing
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def side_files(source: Path | None) -> dict[str, bytes]:
+    """The tokenizer and generation-config files `source` (a Hugging Face model directory) has, by name."""
+    if source is None:
+        return {}
+    return {name: (source / name).read_bytes() for name in SIDE_FILES if (source / name).is_file()}
 
 
 def build_causal_lm(config: Qwen3Config, stage: PipelineStageInfo | None = None) -> Qwen3ForCausalLM:

@@ -1,0 +1,312 @@
+"""What a job would be, without running it: the rank layout, the parameter count and a memory estimate.
+
+Nothing here creates a process group, a device tensor or an actor. Coordinates come from the same layout
+arithmetic the ranks use (`d9d.core.domains`); parameters are counted on model stages built on the meta
+device by the job's own model provider (so PEFT injection and freezing are included); memory per rank is an
+estimate from those meta parameters, their dtypes and the mesh:
+
+- parameters: expert weights (`GroupedExperts`) split over `expert_parallel`; for the catalogue's causal LMs
+  (the plans of `d9d.parallel.plans`) dense matrices split over `tensor_parallel`; everything but experts
+  split over FSDP's `data_parallel_shard × context_parallel_shard`. Other models: FSDP sharding only.
+- gradients: trainable parameters, sharded alike, in `gradient_manager.grad_dtype` (default: theirs).
+- optimizer state: AdamW two moments in the parameter dtype, stochastic AdamW two in its `state_dtype`,
+  SGD one momentum buffer when `momentum > 0`; a plug-in optimizer is not estimated.
+- activations, for the catalogue's causal LMs with a known sequence length only: per decoder layer and
+  token about `8 × hidden + 3 × ffn` values kept for backward (norm, attention and MLP inputs and outputs;
+  `ffn` is `intermediate_size`, or `num_experts_per_tok × moe_intermediate_size` in MoE layers) in the
+  parameter dtype, split over `tensor_parallel × context_parallel`, times the microbatches a pipeline rank
+  holds at once (1 without pipelining, `pp − pp_rank` under 1F1B-style schedules, all under GPipe), plus
+  one loss chunk of fp32 logits (`loss_chunk_size × vocab`). Attention scores are not stored (SDPA).
+  Temporary buffers, allocator fragmentation and communication buffers come on top.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from d9d.core.domains import MeshDomain, compute_layout
+from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.engine.builtin.models import CausalLMProvider
+from d9d.engine.builtin.peft import PeftModelProvider
+from d9d.engine.components import SGD, AdamW, StochasticAdamW, TextData
+from d9d.engine.config import TrainConfig
+from d9d.engine.providers import ModelProvider
+from d9d.engine.registry import build_model
+from d9d.models.qwen3 import Qwen3Config, Qwen3StageModel
+from d9d.models.qwen3_moe import Qwen3MoEConfig
+from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter
+from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.schedule.config import GPipeSchedule
+
+LAYOUT_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    rank: int
+    coordinates: dict[str, int]  # LAYOUT_DIMS -> index
+
+    def line(self) -> str:
+        return f"rank {self.rank}: " + " ".join(f"{d}={self.coordinates[d]}" for d in LAYOUT_DIMS)
+
+
+def rank_layout(mesh: DeviceMeshParameters) -> list[RankCoordinates]:
+    """Every rank's coordinate along each parallel dimension (ep: its shard of the experts)."""
+    regular = compute_layout(mesh, MeshDomain.REGULAR)
+    expert = compute_layout(mesh, MeshDomain.EXPERT)
+    out = []
+    for rank in range(mesh.world_size):
+        coords = regular.coordinates(rank)
+        coords["ep"] = expert.coordinates(rank)["ep_shard"]
+        out.append(RankCoordinates(rank, coords))
+    return out
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int
+    trainable: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank; None where it cannot be estimated (the reason is in `notes`)."""
+
+    ranks: tuple[int, ...]
+    pp_rank: int
+    parameters: int
+    gradients: int
+    optimizer: int | None
+    activations: int | None
+    notes: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + (self.optimizer or 0) + (self.activations or 0)
+
+
+@dataclass(frozen=True)
+class DryRunReport:
+    mesh: DeviceMeshParameters
+    gradient_accumulation: int
+    layout: list[RankCoordinates]
+    parameters: ParameterCount
+    memory: list[MemoryEstimate]  # one per pipeline rank (all ranks of a stage hold the same amount)
+
+
+def _unique_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    yield from module.named_parameters()  # shared (tied) parameters once
+
+
+def count_parameters(provider: ModelProvider) -> ParameterCount:
+    """The whole model (one stage holding every layer), built on meta by the provider itself."""
+    with torch.device("meta"):
+        module = provider.build_stage(PipelineStageInfo())
+    total = trainable = size = 0
+    for _, p in _unique_parameters(module):
+        total += p.numel()
+        size += p.numel() * p.element_size()
+        trainable += p.numel() if p.requires_grad else 0
+    return ParameterCount(total, trainable, size)
+
+
+def _architecture(provider: ModelProvider) -> Qwen3Config | None:
+    match provider:
+        case CausalLMProvider():
+            return provider.model_config
+        case PeftModelProvider():
+            return provider.hf_config
+        case _:
+            return None
+
+
+def _expert_parameters(module: nn.Module) -> set[nn.Parameter]:
+    return {p for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+
+
+def _tensor_parallel_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """What the catalogue's TP plan splits: every matrix but the experts' and the routers'."""
+    if not isinstance(module, Qwen3StageModel):
+        return set()
+    kept = _expert_parameters(module) | {
+        p for m in module.modules() if isinstance(m, TopKRouter) for p in m.parameters()
+    }
+    return {p for p in module.parameters() if p.dim() >= 2 and p not in kept}
+
+
+def _stage_infos(config: TrainConfig, mesh: DeviceMeshParameters, pp_rank: int) -> list[PipelineStageInfo]:
+    pp = mesh.pipeline_parallel
+    if pp == 1:
+        return [PipelineStageInfo()]
+    placement = config.schedule.placement(pp)
+    n = len(placement.stage_ranks)
+    return [PipelineStageInfo(s, n) for s, r in enumerate(placement.stage_ranks) if r == pp_rank]
+
+
+def _grad_dtype(config: TrainConfig, param: nn.Parameter) -> torch.dtype:
+    return config.gradient_manager.resolve_grad_dtype(param.dtype)
+
+
+def _optimizer_bytes(config: TrainConfig, trainable: list[tuple[nn.Parameter, int]]) -> int | None:
+    """Optimizer state of the given (parameter, local element count) pairs."""
+    match config.optimizer:
+        case AdamW():
+            return sum(2 * n * p.element_size() for p, n in trainable)
+        case StochasticAdamW():
+            size = torch.empty((), dtype=getattr(torch, config.optimizer.options.state_dtype)).element_size()
+            return sum(2 * n * size for _, n in trainable)
+        case SGD():
+            buffers = 1 if config.optimizer.options.momentum > 0 else 0
+            return sum(buffers * n * p.element_size() for p, n in trainable)
+        case _:
+            return None
+
+
+def _sequence_length(config: TrainConfig) -> int | None:
+    match config.data:
+        case TextData():
+            return config.data.options.dataset.max_length
+        case _:
+            return None
+
+
+def _in_flight(config: TrainConfig, mesh: DeviceMeshParameters, pp_rank: int, accumulation: int) -> int:
+    pp = mesh.pipeline_parallel
+    if pp == 1:
+        return 1
+    if isinstance(config.schedule, GPipeSchedule):
+        return accumulation
+    return min(pp - pp_rank, accumulation)
+
+
+def _activation_bytes(
+    config: TrainConfig,
+    mesh: DeviceMeshParameters,
+    modules: list[nn.Module],
+    architecture: Qwen3Config | None,
+    in_flight: int,
+) -> tuple[int | None, str]:
+    seq = _sequence_length(config)
+    if architecture is None or not all(isinstance(m, Qwen3StageModel) for m in modules):
+        return None, "activations: not estimated (a model outside the catalogue)"
+    if seq is None:
+        return None, "activations: not estimated (no sequence length: data.options.dataset.max_length)"
+    tokens = config.batching.microbatch_size * seq
+    dtype_bytes = next(p for m in modules for p in m.parameters()).element_size()
+    values = 0
+    logits = 0
+    for module in modules:
+        assert isinstance(module, Qwen3StageModel)
+        for layer in module.model.decoder_layers().values():
+            h = architecture.hidden_size
+            if isinstance(layer.mlp, MoELayer) and isinstance(architecture, Qwen3MoEConfig):
+                ffn = architecture.num_experts_per_tok * architecture.moe_intermediate_size
+            else:
+                ffn = architecture.intermediate_size
+            values += 8 * h + 3 * ffn
+        if module.stage.is_last:
+            logits = min(architecture.loss_chunk_size, tokens) * architecture.vocab_size * 4
+    split = mesh.tensor_parallel * mesh.context_parallel
+    per_microbatch = tokens * values * dtype_bytes // split
+    note = (
+        f"activations: {in_flight} microbatch(es) in flight × {tokens} tokens × Σ(8·hidden + 3·ffn) per "
+        f"layer × {dtype_bytes} B / (tp·cp = {split})" + (" + one fp32 loss chunk" if logits else "")
+    )
+    return in_flight * per_microbatch + logits // mesh.tensor_parallel, note
+
+
+def _local(numel: int, parts: int) -> int:
+    return math.ceil(numel / parts)
+
+
+def estimate_memory(
+    config: TrainConfig, mesh: DeviceMeshParameters, provider: ModelProvider, pp_rank: int, accumulation: int
+) -> MemoryEstimate:
+    with torch.device("meta"):
+        modules = [provider.build_stage(info) for info in _stage_infos(config, mesh, pp_rank)]
+    architecture = _architecture(provider)
+    fsdp = mesh.data_parallel_shard * mesh.context_parallel_shard
+    params = grads = 0
+    trainable: list[tuple[nn.Parameter, int]] = []
+    notes: list[str] = []
+    for module in modules:
+        experts = _expert_parameters(module)
+        tensor_parallel = _tensor_parallel_parameters(module)
+        for _, p in _unique_parameters(module):
+            if p in experts:
+                n = _local(p.numel(), mesh.expert_parallel)
+            else:
+                n = _local(p.numel(), (mesh.tensor_parallel if p in tensor_parallel else 1) * fsdp)
+            params += n * p.element_size()
+            if p.requires_grad:
+                grads += n * torch.empty((), dtype=_grad_dtype(config, p)).element_size()
+                trainable.append((p, n))
+    if not isinstance(modules[0], Qwen3StageModel) and mesh.tensor_parallel > 1:
+        notes.append("parameters: tensor-parallel sharding of a model outside the catalogue is not modelled")
+    optimizer = _optimizer_bytes(config, trainable)
+    if optimizer is None:
+        notes.append(f"optimizer: not estimated (plug-in {config.optimizer.provider})")
+    in_flight = _in_flight(config, mesh, pp_rank, accumulation)
+    activations, note = _activation_bytes(config, mesh, modules, architecture, in_flight)
+    notes.append(note)
+    ranks = tuple(r.rank for r in rank_layout(mesh) if r.coordinates["pp"] == pp_rank)
+    return MemoryEstimate(ranks, pp_rank, params, grads, optimizer, activations, tuple(notes))
+
+
+def dry_run(config: TrainConfig, mesh: DeviceMeshParameters | None = None) -> DryRunReport:
+    """Everything `d9d train --dry-run` prints about a validated config, for `mesh` (default: the config's;
+    the cluster layer passes the layout for its number of workers)."""
+    mesh = mesh or config.mesh
+    accumulation = config.batching.gradient_accumulation(mesh.data_parallel)
+    provider = build_model(config.model)
+    memory = [
+        estimate_memory(config, mesh, provider, pp_rank, accumulation)
+        for pp_rank in range(mesh.pipeline_parallel)
+    ]
+    return DryRunReport(mesh, accumulation, rank_layout(mesh), count_parameters(provider), memory)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 1 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
+
+
+def format_report(report: DryRunReport) -> str:
+    m = report.mesh
+    lines = [
+        f"mesh: {m.world_size} rank(s) = pp {m.pipeline_parallel} × dp_replicate "
+        f"{m.data_parallel_replicate} × dp_shard {m.data_parallel_shard} × cp {m.context_parallel} × tp "
+        f"{m.tensor_parallel}; experts over ep {m.expert_parallel}; {report.gradient_accumulation} "
+        "microbatch(es) per rank and step",
+        *(r.line() for r in report.layout),
+    ]
+    p = report.parameters
+    share = 100.0 * p.trainable / p.total if p.total else 0.0
+    lines.append(
+        f"parameters: {p.total:,} total ({_size(p.bytes)}), {p.trainable:,} trainable ({share:.2f}%)"
+    )
+    lines.append("memory per rank (estimate):")
+    for e in report.memory:
+        optimizer = _size(e.optimizer) if e.optimizer is not None else "?"
+        activations = _size(e.activations) if e.activations is not None else "?"
+        lines.append(
+            f"  {_ranks(e.ranks)} (pp={e.pp_rank}): parameters {_size(e.parameters)} + gradients "
+            f"{_size(e.gradients)} + optimizer {optimizer} + activations {activations} = {_size(e.total)}"
+            + ("" if e.optimizer is not None and e.activations is not None else " + what is not estimated")
+        )
+        lines.extend(f"    {note}" for note in e.notes)
+    return "\n".join(lines)
