@@ -22,6 +22,7 @@ from d9d.models.qwen3.tasks import Qwen3StageModel
 from d9d.modules.heads import CausalLMHead
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe import MoELayer
+from d9d.parallel.context import ContextParallelGroup, parallelize_context_attention
 from d9d.parallel.expert import parallelize_expert_parallel
 from d9d.parallel.fsdp import parallelize_fsdp, parallelize_hsdp
 from d9d.parallel.plans.config import ParallelPlanConfig
@@ -48,8 +49,9 @@ def parallelize_qwen3(
 ) -> None:
     """Apply expert, tensor and data parallelism to one pipeline stage of a Qwen3 / Qwen3-MoE task model.
 
-    Works for any mix of `data_parallel_replicate × data_parallel_shard × expert_parallel ×
-    tensor_parallel` (context parallel ranks share the data-parallel dims of the dense domain).
+    Works for any mix of `data_parallel_replicate × data_parallel_shard × context_parallel × expert_parallel ×
+    tensor_parallel` (context parallel ranks share the data-parallel dims of the dense domain, so their
+    gradients are reduced with the dp ranks'; attention gathers keys/values over cp).
     Sequence parallelism needs the sequence length divisible by tp and no pipeline parallelism (stage
     boundaries carry full sequences). `mp_policy` is handed to FSDP when the plan shards.
 
@@ -63,6 +65,12 @@ def parallelize_qwen3(
     if sequence_parallel and ctx.params.pipeline_parallel > 1:
         raise ValueError("sequence_parallel=True is not supported together with pipeline_parallel > 1")
     layers = list(model.model.decoder_layers().values())
+    if ctx.params.context_parallel > 1:
+        # Batches arrive split by `d9d.parallel.context.shard_microbatch`; attention spans the whole sequence.
+        backbone = model.model
+        backbone.attention_backend = parallelize_context_attention(
+            backbone, ContextParallelGroup.from_context(ctx), backbone.attention_backend
+        )
     if any(isinstance(layer.mlp, MoELayer) for layer in layers):
         expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
         dtype = activation_dtype or _compute_dtype(model, mp_policy)
