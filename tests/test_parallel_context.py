@@ -4,14 +4,21 @@ norms and parameters — with packed documents, sliding windows, and combined wi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from d9d.core import DeviceMeshParameters, DistributedContext
+from d9d.engine.checkpoint import LocalRunReporter
+from d9d.engine.config import ConfigError, parse_config
+from d9d.engine.launch import run_rank
+from d9d.engine.runtime import RankRuntime
+from d9d.engine.step import ContextShardedStepRunner, global_loss
 from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
 from d9d.modules.attention import AttentionMask, ShardedQueries
@@ -25,6 +32,7 @@ from d9d.parallel.context import (
 )
 from d9d.parallel.expert import AllToAllBackendConfig
 from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3
+from tests.engine_fixtures import make_hf_qwen3
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_reference import Batch, assert_runs_close, distributed_run, reference_run
 
@@ -177,10 +185,13 @@ class Case:
     dp: int = 1
     fsdp: int = 1
     ep: int = 1
+    tp: int = 1
+    sp: bool = False
     packed: bool = True
 
     def __str__(self) -> str:
-        return f"{self.model}[cp{self.cp} dp{self.dp} fsdp{self.fsdp} ep{self.ep} packed={self.packed}]"
+        sizes = f"cp{self.cp} dp{self.dp} fsdp{self.fsdp} ep{self.ep} tp{self.tp}"
+        return f"{self.model}[{sizes} sp={self.sp} packed={self.packed}]"
 
 
 def _run_cases(env: RankEnv, cases: list[Case]) -> None:
@@ -192,10 +203,13 @@ def _run_cases(env: RankEnv, cases: list[Case]) -> None:
             data_parallel_shard=case.fsdp,
             context_parallel_shard=case.cp,
             expert_parallel=case.ep,
+            tensor_parallel=case.tp,
         )
         ctx = DistributedContext.create(params, backend="gloo")
         model = MODELS[case.model]()
-        parallelize_qwen3(model, ctx, ParallelPlanConfig(expert_backend=AllToAllBackendConfig()))
+        parallelize_qwen3(
+            model, ctx, ParallelPlanConfig(sequence_parallel=case.sp, expert_backend=AllToAllBackendConfig())
+        )
         sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
         cp = ContextParallelGroup.from_context(ctx)
         dp = ctx.coordinates("batch")["dp"]
@@ -223,5 +237,109 @@ def test_cp4_and_with_dp_fsdp_ep() -> None:
         Case("qwen3", cp=2, dp=2),
         Case("qwen3", cp=2, fsdp=2),
         Case("qwen3_moe", cp=2, dp=2, ep=4),
+        Case("qwen3", cp=2, tp=2, sp=True),
+        Case("qwen3_moe", cp=2, tp=2, ep=2),
     ]
     run_distributed(_run_cases, 4, cases, timeout=300)
+
+
+# -- the engine: sharded batches, the loss and its token count --------------------------------------------
+
+
+def _engine_config(run_dir: Path, mesh: dict[str, int]) -> dict[str, Any]:
+    return {
+        "run": {"name": "cp", "dir": str(run_dir)},
+        "mesh": mesh,
+        "batching": {"global_batch_size": 4, "microbatch_size": 2},
+        "trainer": {"total_steps": 3},
+        "logging": {"progress_bar": "off"},
+        "checkpointing": {"save_at_end": False},
+        "model": {"provider": "qwen3", "options": {"source_checkpoint": str(run_dir.parent / "hf")}},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "optimizer": {"provider": "adamw", "options": {"lr": 3e-3}},
+    }
+
+
+class _CountTokens:
+    """A step runner that only reports its microbatches' target tokens as the loss weight."""
+
+    loss_pp_rank = 0
+
+    def forward_backward(self, microbatches: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = sum(float((mb["labels"] != -100).sum()) for mb in microbatches)
+        return torch.zeros((), dtype=torch.float64), torch.tensor(weight, dtype=torch.float64)
+
+
+def _engine_run(env: RankEnv, meshes: list[dict[str, int]]) -> None:
+    for i, mesh in enumerate(meshes):
+        config = parse_config(_engine_config(env.tmp_dir / f"run{env.world_size}-{i}", mesh))
+        runtime = RankRuntime(
+            rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
+        )
+        result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 1))
+        if env.rank == 0:
+            torch.save(list(result.losses), env.tmp_dir / f"losses{env.world_size}-{i}.pt")
+    if env.world_size == 2:
+        ctx = DistributedContext.create(DeviceMeshParameters(context_parallel_shard=2), backend="gloo")
+        labels = torch.arange(2 * SEQ).reshape(2, SEQ)
+        labels[0, :5] = -100
+        runner = ContextShardedStepRunner(_CountTokens(), ContextParallelGroup.from_context(ctx))
+        loss_sum, weight = runner.forward_backward([{"input_ids": labels.clamp(min=0), "labels": labels}])
+        assert float(weight) < 2 * SEQ - 5  # each rank counts its own share ...
+        assert float(global_loss(ctx, loss_sum, weight)[1]) == 2 * SEQ - 5  # ... and every token once
+
+
+@pytest.mark.distributed
+def test_engine_trains_with_cp_like_one_process(tmp_path: Path) -> None:
+    make_hf_qwen3(tmp_path / "hf", num_layers=2)
+    run_distributed(_engine_run, 1, [{}], tmp_dir=tmp_path, timeout=200)
+    run_distributed(_engine_run, 2, [{"context_parallel_shard": 2}], tmp_dir=tmp_path, timeout=200)
+    run_distributed(
+        _engine_run,
+        4,
+        [{"context_parallel_shard": 2, "pipeline_parallel": 2}],
+        tmp_dir=tmp_path,
+        timeout=300,
+    )
+    reference = torch.tensor(torch.load(tmp_path / "losses1-0.pt"))
+    assert len(reference) == 3
+    for name in ("losses2-0.pt", "losses4-0.pt"):
+        torch.testing.assert_close(torch.tensor(torch.load(tmp_path / name)), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_config_rejects_what_context_parallelism_cannot_run(tmp_path: Path) -> None:
+    raw = _engine_config(tmp_path / "run", {"context_parallel_shard": 2})
+    raw["model"] = {
+        "provider": "qwen3",
+        "options": {"architecture": {**_TINY, "attention_backend": "flash_attn"}},
+    }
+    with pytest.raises(ConfigError, match=r"context_parallel.*attention_backend 'flash_attn'"):
+        parse_config(raw, check_components=False)
+    raw["model"]["options"]["architecture"]["attention_backend"] = "auto"
+    raw["model"]["options"]["parallel"] = {"context_attention": "ring"}
+    with pytest.raises(ConfigError, match=r"context_attention='ring' is not implemented"):
+        parse_config(raw, check_components=False)
+    raw["model"]["options"].pop("parallel")
+    raw["data"] = {
+        "provider": "text",
+        "options": {"dataset": {"paths": [str(tmp_path / "x.txt")]}, "pad_to_multiple_of": 6},
+    }
+    with pytest.raises(
+        ConfigError, match=r"data.options.pad_to_multiple_of=6 must be a multiple of 2·cp = 4"
+    ):
+        parse_config(raw, check_components=False)
+    raw["data"]["options"]["pad_to_multiple_of"] = 8
+    raw["task"] = {"provider": "tests.engine_fixtures:TokenCETask"}
+    with pytest.raises(ConfigError, match=r"task.provider must be 'causal_lm'"):
+        parse_config(raw, check_components=False)
+
+
+_TINY = {
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "num_layers": 2,
+    "num_attention_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 8,
+    "intermediate_size": 16,
+}
