@@ -52,8 +52,9 @@ def parallelize_qwen3(
     Works for any mix of `data_parallel_replicate × data_parallel_shard × context_parallel × expert_parallel ×
     tensor_parallel` (context parallel ranks share the data-parallel dims of the dense domain, so their
     gradients are reduced with the dp ranks'; attention gathers keys/values over cp).
-    Sequence parallelism needs the sequence length divisible by tp and no pipeline parallelism (stage
-    boundaries carry full sequences). `mp_policy` is handed to FSDP when the plan shards.
+    Sequence parallelism needs the sequence length divisible by tp; under pipeline parallelism a stage
+    that is not the last gathers the sequence back before its boundary, so stage boundaries carry full
+    sequences as without it. `mp_policy` is handed to FSDP when the plan shards.
 
     The expert-parallel backend is chosen for activations on `ctx.device` in `activation_dtype` (default:
     `mp_policy.param_dtype` when set, else the model's floating-point parameter dtype, which a model built
@@ -62,8 +63,6 @@ def parallelize_qwen3(
     config = config or ParallelPlanConfig()
     sequence_parallel = config.sequence_parallel
     reshard_after_forward = config.fsdp_reshard_after_forward
-    if sequence_parallel and ctx.params.pipeline_parallel > 1:
-        raise ValueError("sequence_parallel=True is not supported together with pipeline_parallel > 1")
     layers = list(model.model.decoder_layers().values())
     if ctx.params.context_parallel > 1:
         # Batches arrive split by `d9d.parallel.context.shard_microbatch`; attention spans the whole sequence.
@@ -137,6 +136,12 @@ def _tensor_parallel(
             return (split_to_group(args[0], 1, group), *args[1:])
 
         layers[0].register_forward_pre_hook(split)
+        if backbone.norm is None:  # not the last stage: the next stage receives the whole sequence
+
+            def gather_boundary(_m: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+                return gather_from_group(out, 1, group)
+
+            backbone.register_forward_hook(gather_boundary)
     for layer in layers:
         parallelize_norm_tp(layer.input_layernorm, tp_mesh, sequence_parallel=sp)
         parallelize_attention_tp(layer.self_attn, tp_mesh, sequence_parallel=sp)
