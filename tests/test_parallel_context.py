@@ -21,7 +21,14 @@ from d9d.engine.runtime import RankRuntime
 from d9d.engine.step import ContextShardedStepRunner, global_loss
 from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
-from d9d.modules.attention import AttentionMask, ShardedQueries
+from d9d.modules.attention import (
+    AttentionMask,
+    EagerSdpa,
+    SdpaBackendName,
+    SdpaCall,
+    ShardedQueries,
+    build_sdpa_backend,
+)
 from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
 from d9d.parallel.context import (
     ContextParallelGroup,
@@ -81,6 +88,26 @@ def test_sharded_mask_is_the_rows_of_the_full_mask(window: int | None) -> None:
             for q in range(4):
                 row = mod(torch.tensor(b), torch.tensor(0), torch.tensor(q), torch.arange(16))
                 assert torch.equal(row, full[b, 0, index[q]])
+
+
+@pytest.mark.parametrize("backend", ["flex", "torch", "eager"])
+def test_a_ranks_queries_against_all_keys_are_rows_of_full_attention(backend: SdpaBackendName) -> None:
+    """What `ContextParallelSdpa` hands its kernel (local queries, whole-sequence keys/values, the sharded
+    mask) gives exactly the full attention's rows of those queries; FlexAttention on CPU is forward only."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 16, 8, generator=g) for heads in (4, 2, 2))
+    segments = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])
+    full_mask = AttentionMask(segment_ids=segments)
+    want = EagerSdpa()(SdpaCall(q, k, v, mask=full_mask, window=6, scale=0.3))
+    kernel = build_sdpa_backend(backend)
+    for rank in range(2):
+        index = load_balanced_index(16, 2, rank)
+        mask = AttentionMask(
+            segment_ids=segments[:, index], sharded=ShardedQueries(index, 16, segment_ids=segments)
+        )
+        mask = kernel.prepare(mask, seq_len=8, windows={6}, device=torch.device("cpu"))
+        got = kernel(SdpaCall(q[:, :, index], k, v, mask=mask, window=6, scale=0.3))
+        torch.testing.assert_close(got, want[:, :, index], rtol=1e-5, atol=1e-6)
 
 
 # -- training equals one process ------------------------------------------------------------------------
