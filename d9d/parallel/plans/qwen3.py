@@ -66,6 +66,12 @@ def parallelize_qwen3(
     layers = list(model.model.decoder_layers().values())
     if ctx.params.context_parallel > 1:
         # Batches arrive split by `d9d.parallel.context.shard_microbatch`; attention spans the whole sequence.
+        head = model.head()
+        if head is not None and not isinstance(head, CausalLMHead):
+            raise ValueError(
+                f"context parallelism splits the sequence, but the {type(head).__name__} of "
+                f"{type(model).__name__} pools over it; it supports per-token (causal LM) heads only"
+            )
         backbone = model.model
         backbone.attention_backend = parallelize_context_attention(
             backbone, ContextParallelGroup.from_context(ctx), backbone.attention_backend
