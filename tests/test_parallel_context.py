@@ -215,10 +215,11 @@ class Case:
     tp: int = 1
     sp: bool = False
     packed: bool = True
+    replicate_cp: bool = False  # cp over context_parallel_replicate: dense weights replicated, not sharded
 
     def __str__(self) -> str:
         sizes = f"cp{self.cp} dp{self.dp} fsdp{self.fsdp} ep{self.ep} tp{self.tp}"
-        return f"{self.model}[{sizes} sp={self.sp} packed={self.packed}]"
+        return f"{self.model}[{sizes} sp={self.sp} packed={self.packed} replicate_cp={self.replicate_cp}]"
 
 
 def _saved_bytes(model: nn.Module, batch: Batch) -> int:
@@ -246,7 +247,8 @@ def _run_cases(env: RankEnv, cases: list[Case]) -> None:
         params = DeviceMeshParameters(
             data_parallel_replicate=case.dp,
             data_parallel_shard=case.fsdp,
-            context_parallel_shard=case.cp,
+            context_parallel_shard=1 if case.replicate_cp else case.cp,
+            context_parallel_replicate=case.cp if case.replicate_cp else 1,
             expert_parallel=case.ep,
             tensor_parallel=case.tp,
         )
@@ -275,7 +277,7 @@ def _run_cases(env: RankEnv, cases: list[Case]) -> None:
 def test_cp2() -> None:
     cases = [
         Case("qwen3_window", cp=2),  # packed documents, and a sliding window on one layer
-        Case("qwen3", cp=2, packed=False),
+        Case("qwen3", cp=2, packed=False, replicate_cp=True),
         Case("qwen3_moe", cp=2, ep=2),
     ]
     run_distributed(_run_cases, 2, cases, timeout=240)
