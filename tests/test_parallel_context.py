@@ -16,9 +16,9 @@ from torch import nn
 from d9d.core import DeviceMeshParameters, DistributedContext
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import ConfigError, parse_config
-from d9d.engine.launch import run_rank
-from d9d.engine.runtime import RankRuntime
+from d9d.engine.events import ForwardBackwardFinished
 from d9d.engine.step import ContextShardedStepRunner, global_loss
+from d9d.engine.trainer import Trainer
 from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
 from d9d.modules.attention import (
@@ -324,12 +324,15 @@ class _CountTokens:
 def _engine_run(env: RankEnv, meshes: list[dict[str, int]]) -> None:
     for i, mesh in enumerate(meshes):
         config = parse_config(_engine_config(env.tmp_dir / f"run{env.world_size}-{i}", mesh))
-        runtime = RankRuntime(
-            rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
+        trainer = Trainer(
+            config, DistributedContext.create(config.mesh), LocalRunReporter(config.checkpoint_dir, 1)
         )
-        result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 1))
+        weights: list[float] = []  # the global loss weight of each step: the batch's target tokens
+        trainer.events.subscribe(ForwardBackwardFinished, lambda event, out=weights: out.append(event.weight))
+        trainer.setup()
+        result = trainer.train()
         if env.rank == 0:
-            torch.save(list(result.losses), env.tmp_dir / f"losses{env.world_size}-{i}.pt")
+            torch.save((list(result.losses), weights), env.tmp_dir / f"losses{env.world_size}-{i}.pt")
     if env.world_size == 2:
         ctx = DistributedContext.create(DeviceMeshParameters(context_parallel_shard=2), backend="gloo")
         labels = torch.arange(2 * SEQ).reshape(2, SEQ)
@@ -352,10 +355,12 @@ def test_engine_trains_with_cp_like_one_process(tmp_path: Path) -> None:
         tmp_dir=tmp_path,
         timeout=300,
     )
-    reference = torch.tensor(torch.load(tmp_path / "losses1-0.pt"))
-    assert len(reference) == 2
+    reference, tokens = torch.load(tmp_path / "losses1-0.pt")
+    assert len(reference) == 2 and tokens == [4 * 8] * 2  # 4 samples × 8 targets per step
     for name in ("losses2-0.pt", "losses4-0.pt"):
-        torch.testing.assert_close(torch.tensor(torch.load(tmp_path / name)), reference, rtol=1e-5, atol=1e-6)
+        losses, weights = torch.load(tmp_path / name)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+        assert weights == tokens, name  # every token counted once, so tokens/s too
 
 
 def test_config_rejects_what_context_parallelism_cannot_run(tmp_path: Path) -> None:
