@@ -33,12 +33,12 @@ class _GatherSequence(torch.autograd.Function):
         ctx.dim, ctx.cp = dim, cp
         gathered = _all_gather_front(x.movedim(dim, 0), cp.size, cp.group)
         order = gathered_order(gathered.shape[0], cp.size, x.device)
-        ctx.save_for_backward(order)
+        ctx.order = order  # an index, never differentiated (and cached, so not saved as an activation)
         return gathered.index_select(0, order).movedim(0, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (order,) = ctx.saved_tensors
+        order: torch.Tensor = ctx.order
         cp: ContextParallelGroup = ctx.cp
         in_order = grad.movedim(ctx.dim, 0)
         rank_major = torch.empty_like(in_order)

@@ -8,6 +8,7 @@ one doing most of the work.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,14 @@ def load_balanced_index(
 
 def gathered_order(seq_len: int, cp_size: int, device: torch.device | None = None) -> torch.Tensor:
     """Index that puts the rank-major concatenation of every rank's shard back into sequence order:
-    `full = gathered.index_select(dim, gathered_order(...))`."""
+    `full = gathered.index_select(dim, gathered_order(...))`. Cached: every layer asks, twice (k and v)."""
+    return _gathered_order(
+        seq_len, cp_size, torch.device(device) if device is not None else torch.device("cpu")
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _gathered_order(seq_len: int, cp_size: int, device: torch.device) -> torch.Tensor:
     held = torch.cat([load_balanced_index(seq_len, cp_size, r, device) for r in range(cp_size)])
     return torch.argsort(held)
 
