@@ -92,6 +92,7 @@ def test_pipelined_perplexity_matches_transformers(tmp_path: Path) -> None:
             {"pipelining": {"kind": "inference", "stages_per_rank": 2}, "microbatches_per_step": 3},
         ),
         ("cp2", {"context_parallel_shard": 2}, {}),
+        ("tp2", {"tensor_parallel": 2}, {}),  # tp ranks hold the same outputs: counted once
     ]
     four = [("pp2-cp2", {"pipeline_parallel": 2, "context_parallel_shard": 2}, {})]
     run_distributed(_perplexity, 2, checkpoint, two, tmp_dir=tmp_path, timeout=200)

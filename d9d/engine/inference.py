@@ -107,6 +107,9 @@ class Inference:
         self.stages: dict[int, nn.Module] = {}
         self._executors: dict[int, PipelineExecutor] = {}
         self.cp = ContextParallelGroup.from_context(ctx) if ctx.params.context_parallel > 1 else None
+        # Tensor-parallel ranks compute the same outputs: only tp coordinate 0 gives them to the task, so a
+        # result reduced over the world counts every token once.
+        self.reports_outputs = not ctx.is_distributed or ctx.coordinates(MeshDomain.REGULAR)["tp"] == 0
         self.steps = 0
 
     def setup(self) -> None:
@@ -170,7 +173,8 @@ class Inference:
             else:
                 for microbatch in local:
                     outputs = module(**self.task.forward_inputs(microbatch))
-                    self.task.process_outputs(outputs, microbatch)
+                    if self.reports_outputs:
+                        self.task.process_outputs(outputs, microbatch)
             self.steps += 1
             period = self.config.save_period
             if period is not None and self.steps % period == 0:
@@ -210,7 +214,8 @@ class Inference:
             self._executors[count] = executor
 
         def consume(outputs: Any, microbatch: int) -> None:
-            self.task.process_outputs(outputs, microbatches[microbatch])
+            if self.reports_outputs:
+                self.task.process_outputs(outputs, microbatches[microbatch])
 
         executor.forward_step([self.task.forward_inputs(mb) for mb in microbatches], consume)
 
