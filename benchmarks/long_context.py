@@ -2,16 +2,17 @@
 tokens/s at 32k.
 
     python benchmarks/long_context.py [--start 4096] [--max 262144] [--throughput-seq 32768]
-        [--steps 4] [--warmup 2] [--compile] [--row-timeout 900] [--out FILE]
+        [--steps 4] [--warmup 2] [--eager] [--row-timeout 900] [--out FILE]
     python benchmarks/long_context.py --cpu-smoke      # a tiny shape on CPU: checks the script, no numbers
 
-Every row trains the real engine (`d9d.engine.Trainer`: bf16 parameters, fused AdamW, no clipping) on one
-row of random tokens of the given length (batch 1, `microbatch_size` 1), in its own subprocess so an
-out-of-memory row cannot poison the next. The search doubles the length from `--start` until a row runs
-out of memory (or `--max`); the longest row that trained is the answer. Then `--throughput-seq` is timed
-over `--steps` steps after `--warmup`. Attention is the `auto` backend (flash_attn / SDPA causal on
-plain causal rows). Context parallelism over several GPUs divides the activations by cp (the K/V of the
-whole sequence excepted, docs/parallelism.md); those numbers belong to the multi-GPU benchmark.
+Every row trains the real engine (`d9d.engine.Trainer`: bf16 parameters, fused AdamW, no clipping, the
+engine's default regional compile on CUDA unless `--eager`) on one row of random tokens of the given
+length (batch 1, `microbatch_size` 1), in its own subprocess so an out-of-memory row cannot poison the
+next. The search doubles the length from `--start` until a row runs out of memory (or `--max`); the
+longest row that trained is the answer. Then `--throughput-seq` is timed over `--steps` steps after
+`--warmup`. Attention is the `auto` backend (flash_attn / SDPA causal on plain causal rows). Context
+parallelism over several GPUs divides the activations by cp (the K/V of the whole sequence excepted,
+docs/parallelism.md); those numbers belong to the multi-GPU benchmark.
 
 Needs CUDA except with `--cpu-smoke`.
 """
@@ -88,7 +89,7 @@ class LongRows:
         return None
 
 
-def train_row(seq_len: int, steps: int, warmup: int, compile_: bool, smoke: bool) -> dict[str, Any]:
+def train_row(seq_len: int, steps: int, warmup: int, eager: bool, smoke: bool) -> dict[str, Any]:
     """In the child: train `warmup + steps` steps at `seq_len`; median step time, tokens/s, peak memory."""
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.engine.checkpoint import LocalRunReporter
@@ -126,7 +127,7 @@ def train_row(seq_len: int, steps: int, warmup: int, compile_: bool, smoke: bool
                 "options": {"seq_len": seq_len, "vocab_size": arch["vocab_size"]},
             },
             "optimizer": {"provider": "adamw", "options": {"lr": 1e-4, "weight_decay": 0.0}},
-            "compile": {"enabled": compile_},
+            "compile": {"enabled": False if eager else None},  # None: the engine's default
         }
     )
     ctx = DistributedContext.create(DeviceMeshParameters(), backend="nccl" if cuda else "gloo")
@@ -163,7 +164,7 @@ def train_row(seq_len: int, steps: int, warmup: int, compile_: bool, smoke: bool
 
 def child_main(args: argparse.Namespace) -> None:
     try:
-        result = train_row(args.one_row, args.steps, args.warmup, args.compile, args.cpu_smoke)
+        result = train_row(args.one_row, args.steps, args.warmup, args.eager, args.cpu_smoke)
     except torch.OutOfMemoryError as e:
         result = {"seq_len": args.one_row, "oom": True, "error": str(e)[:300]}
     except Exception as e:  # the parent's table shows it; the traceback goes to stderr
@@ -177,7 +178,7 @@ def spawn(seq_len: int, args: argparse.Namespace, steps: int, warmup: int) -> di
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, __file__, "--one-row", str(seq_len), "--row-out", str(out)]
         cmd += ["--steps", str(steps), "--warmup", str(warmup)]
-        cmd += ["--compile"] * args.compile + ["--cpu-smoke"] * args.cpu_smoke
+        cmd += ["--eager"] * args.eager + ["--cpu-smoke"] * args.cpu_smoke
         proc = subprocess.Popen(cmd, start_new_session=True)  # own session: a timeout ends compile workers
         try:
             proc.wait(timeout=args.row_timeout)
@@ -204,7 +205,7 @@ def main() -> None:
     parser.add_argument("--throughput-seq", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--compile", action="store_true", help="regional torch.compile of the stage")
+    parser.add_argument("--eager", action="store_true", help="no regional torch.compile (default: on CUDA)")
     parser.add_argument("--row-timeout", type=float, default=900.0)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, short lengths")
     parser.add_argument("--out", type=Path)
@@ -232,7 +233,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu_smoke else "cpu",
         "torch": torch.__version__,
         "shape": "tiny (smoke)" if args.cpu_smoke else "Qwen3-0.6B",
-        "compile": args.compile,
+        "compile": "off" if args.eager else "engine default (on for CUDA)",
         "longest_trained_seq": max(trained) if trained else None,
         "first_failure": next((r for r in search if "error" in r), None),
         "search": search,
