@@ -113,7 +113,7 @@ def test_a_ranks_queries_against_all_keys_are_rows_of_full_attention(backend: Sd
 # -- training equals one process ------------------------------------------------------------------------
 
 
-def _dense(window: int | None = None) -> nn.Module:
+def _dense(window: int | None = None, backend: SdpaBackendName = "torch") -> nn.Module:
     torch.manual_seed(0)
     return Qwen3ForCausalLM(
         Qwen3Config(
@@ -124,7 +124,7 @@ def _dense(window: int | None = None) -> nn.Module:
             num_kv_heads=2,
             head_dim=8,
             intermediate_size=24,
-            attention_backend="torch",
+            attention_backend=backend,
             sliding_window=window,
             sliding_window_layers=(1,) if window is not None else None,
         )
@@ -156,6 +156,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "qwen3": _dense,
     "qwen3_window": lambda: _dense(window=5),
     "qwen3_moe": _moe,
+    "qwen3_flex": lambda: _dense(window=5, backend="flex"),  # CUDA only: no FlexAttention backward on CPU
 }
 
 
@@ -240,10 +241,11 @@ def _activation_bytes(model: nn.Module, batch: Batch) -> int:
     return _saved_bytes(model, batch) - _saved_bytes(model, batch.shard(batch.inputs.shape[0], 0))
 
 
-def _run_cases(env: RankEnv, cases: list[Case]) -> None:
+def _run_cases(env: RankEnv, cases: list[Case], backend: str = "gloo") -> None:
+    device = torch.device("cuda", env.rank) if backend == "nccl" else torch.device("cpu")
     for case in cases:
-        data = _batches(2, 4, case.packed)
-        want = reference_run(MODELS[case.model](), data, _loss, max_norm=MAX_NORM)
+        data = [b.to(device) for b in _batches(2, 4, case.packed)]
+        want = reference_run(MODELS[case.model]().to(device), data, _loss, max_norm=MAX_NORM)
         params = DeviceMeshParameters(
             data_parallel_replicate=case.dp,
             data_parallel_shard=case.fsdp,
@@ -252,8 +254,8 @@ def _run_cases(env: RankEnv, cases: list[Case]) -> None:
             expert_parallel=case.ep,
             tensor_parallel=case.tp,
         )
-        ctx = DistributedContext.create(params, backend="gloo")
-        model = MODELS[case.model]()
+        ctx = DistributedContext.create(params, backend="nccl" if backend == "nccl" else "gloo")
+        model = MODELS[case.model]().to(device)
         parallelize_qwen3(
             model, ctx, ParallelPlanConfig(sequence_parallel=case.sp, expert_backend=AllToAllBackendConfig())
         )
@@ -292,6 +294,14 @@ def test_cp4_and_with_dp_fsdp_ep_tp() -> None:
         Case("qwen3", cp=2, tp=2, sp=True),
     ]
     run_distributed(_run_cases, 4, cases, timeout=300)
+
+
+@pytest.mark.gpu
+def test_cp2_over_nccl_with_flex_attention() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cases = [Case("qwen3_flex", cp=2), Case("qwen3_moe", cp=2, ep=2)]
+    run_distributed(_run_cases, 2, cases, "nccl", timeout=500, backend="nccl")
 
 
 # -- the engine: sharded batches, the loss and its token count --------------------------------------------
