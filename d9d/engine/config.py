@@ -26,6 +26,7 @@ from d9d.engine.components import (
     TaskComponent,
 )
 from d9d.engine.errors import ConfigError, format_validation_error
+from d9d.engine.parallel_checks import check_context_parallel, check_pipeline_parallel
 from d9d.engine.registry import ModelComponent, validate_components
 from d9d.parallel.compile import CompileConfig
 from d9d.parallel.grad_sync import GradSyncConfig
@@ -246,6 +247,12 @@ class TrainConfig(_Section):
                 raise ValueError(
                     f"pipelining ({self.schedule.kind}, {accumulation} microbatches per step): {e}"
                 ) from e
+        return self
+
+    @model_validator(mode="after")
+    def _check_context_parallel(self) -> Self:
+        check_context_parallel(self.mesh, self.model, self.data, self.task)
+        check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
         return self
 
     @property
