@@ -236,14 +236,9 @@ def _sleep_run(env: RankEnv, tmp: Path, mesh: dict[str, int], provider: str) -> 
 
 
 @pytest.mark.distributed
-def test_sleep_wake_mid_run_trains_bitwise_like_no_sleep(tmp_path: Path) -> None:
-    run_distributed(
-        _sleep_run, 1, tmp_path, {}, "tests.engine_fixtures:TinyLMProvider", tmp_dir=tmp_path, timeout=120
-    )
-
-
-@pytest.mark.distributed
 def test_sleep_wake_with_fsdp_shards_trains_bitwise_like_no_sleep(tmp_path: Path) -> None:
+    """Two ranks, parameters and optimizer state sharded by FSDP2 (the unsharded single-rank engine runs
+    the same path through the cluster client in test_cluster_engine.py)."""
     run_distributed(
         _sleep_run,
         2,
