@@ -67,6 +67,7 @@ def test_host_offload_empties_every_storage_and_restores_bitwise() -> None:
     offload = HostOffload(torch.device("cpu"), page_bytes=100)  # storages span pages
     report = offload.sleep(tensors)
     assert report.offloaded_bytes == expected == offload.host_bytes
+    assert not offload.host_pinned  # pinned only for a CUDA device
     assert report.device_allocated_before is None  # only measured on CUDA
     for t in training_state_tensors([model], [opt]):
         assert t.untyped_storage().nbytes() == 0, "a tensor still holds its bytes while asleep"
@@ -98,15 +99,24 @@ def test_host_offload_leaves_other_devices_alone() -> None:
     offload.wake()
 
 
+WIDTH = 4096
+
+
 @pytest.mark.gpu
 def test_sleep_frees_the_device_memory_and_wake_restores_bitwise() -> None:
     device = torch.device("cuda", 0)
+    # cuBLAS keeps its workspaces in the caching allocator once a matmul ran: part of the baseline, not of
+    # what the model holds.
+    warm = nn.Linear(8, 8).to(device)
+    warm(torch.randn(2, 8, device=device)).sum().backward()
+    del warm
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).to(device)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(8)]).to(device)  # 0.5 GiB of weights
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    _step(model, opt, torch.randn(8, 1024, device=device))
+    _step(model, opt, torch.randn(8, WIDTH, device=device))
     held = torch.cuda.memory_allocated(device) - allocated
     # The reference continues from a snapshot on the host: it must not count in this device's memory.
     model_snapshot = {k: v.cpu() for k, v in model.state_dict().items()}
@@ -122,16 +132,16 @@ def test_sleep_frees_the_device_memory_and_wake_restores_bitwise() -> None:
     freed = report.device_allocated_before - report.device_allocated_after
     assert freed >= 0.95 * held, (freed, held)
     assert torch.cuda.memory_reserved(device) - reserved <= 0.05 * held  # the caching allocator let go
-    assert all(page.is_pinned() for page in offload._pages)
+    assert offload.host_pinned
 
     offload.wake()
     after = [t.cpu() for t in training_state_tensors([model], [opt])]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    twin = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).to(device)
+    twin = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(8)]).to(device)
     twin.load_state_dict(model_snapshot)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
     twin_opt.load_state_dict(opt_snapshot)
-    x = torch.randn(8, 1024, device=device)
+    x = torch.randn(8, WIDTH, device=device)
     _step(model, opt, x)
     _step(twin, twin_opt, x)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):

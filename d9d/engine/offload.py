@@ -136,6 +136,11 @@ class HostOffload:
         """Bytes currently held in host pages (0 while awake)."""
         return sum(p.numel() for p in self._pages)
 
+    @property
+    def host_pinned(self) -> bool:
+        """Every host page holding the state is pinned (always, on CUDA, while asleep)."""
+        return bool(self._pages) and all(p.is_pinned() for p in self._pages)
+
     def sleep(self, tensors: Iterable[torch.Tensor]) -> SleepReport:
         if self._asleep:
             raise RuntimeError("HostOffload.sleep: already asleep; wake() first")
