@@ -203,6 +203,17 @@ class TrainingJob:
     def resume(self) -> None:
         self._send(Command(CommandKind.RESUME))
 
+    def sleep(self) -> None:
+        """Pause at the next step boundary, then move every rank's parameters, gradients and optimizer
+        state to host memory (pinned on CUDA) and empty the CUDA caching allocator: the devices are free
+        for something else. `status()` says `state=paused, asleep=True` once the state is on the host."""
+        self._send(Command(CommandKind.SLEEP))
+
+    def wake(self) -> None:
+        """Bring a sleeping run's state back to the devices, bit for bit; the run stays paused until
+        `resume()` (which also wakes a sleeping run by itself, as `stop()` does before the run ends)."""
+        self._send(Command(CommandKind.WAKE))
+
     def checkpoint_now(self) -> None:
         self._send(Command(CommandKind.CHECKPOINT_NOW))
 

@@ -78,6 +78,8 @@ class JobStatus:
     last_loss: float | None
     last_failure: str | None = None
     error: str | None = None
+    # The ranks' training state is in host memory (`TrainingJob.sleep`); the state is then PAUSED.
+    asleep: bool = False
 
 
 @dataclass

@@ -9,7 +9,9 @@ Rules the engine follows (and launchers may rely on):
 - `reporter.commands()` is called only on global rank 0, once per step boundary; rank 0 broadcasts the
   result so every rank applies the same command at the same step.
 - When a PAUSE stops the ranks at a boundary, rank 0 reports a `health` point `{"paused": 1.0}` at that
-  step: launchers tell "paused" from "pause requested" by it.
+  step: launchers tell "paused" from "pause requested" by it. A SLEEP pauses the same way; once the
+  training state is in host memory rank 0 reports `{"asleep": 1.0, ...}`, and `{"asleep": 0.0, ...}` once
+  a WAKE (or a RESUME or STOP, which wake first) brought it back.
 - A checkpoint step is written by every rank into `<checkpoint_root>/step-<N>/`; each rank then calls
   `checkpoint_written` with its files (a launcher without shared storage uploads them there). After every
   rank returned from it, rank 0 gathers all reports and calls `commit_checkpoint`, which writes the manifest
@@ -54,6 +56,8 @@ class CommandKind(enum.StrEnum):
     CHECKPOINT_NOW = "checkpoint_now"
     UPDATE = "update"
     STOP = "stop"
+    SLEEP = "sleep"  # pause, then move the training state to host memory (d9d.engine.offload)
+    WAKE = "wake"  # bring the state back; the ranks stay paused until a RESUME
 
 
 @dataclass(frozen=True)
