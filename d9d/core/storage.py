@@ -155,17 +155,25 @@ class StoragePath:
     def resolve(self) -> StoragePath:
         return self
 
+    @property
+    def _fresh_fs(self) -> Any:
+        """The file system with its listing cache dropped: other processes (the ranks, the coordinator)
+        write into the same prefixes, and s3fs answers `exists`/`info` from a cached parent listing."""
+        fs = self.storage.fs
+        fs.invalidate_cache()
+        return fs
+
     def exists(self) -> bool:
-        return bool(self.storage.fs.exists(self.uri))
+        return bool(self._fresh_fs.exists(self.uri))
 
     def is_file(self) -> bool:
-        return bool(self.storage.fs.isfile(self.uri))
+        return bool(self._fresh_fs.isfile(self.uri))
 
     def is_dir(self) -> bool:
-        return bool(self.storage.fs.isdir(self.uri))
+        return bool(self._fresh_fs.isdir(self.uri))
 
     def iterdir(self) -> Iterator[StoragePath]:
-        fs = self.storage.fs
+        fs = self._fresh_fs
         try:
             entries = fs.ls(self.uri, detail=False)
         except FileNotFoundError:
@@ -193,7 +201,7 @@ class StoragePath:
         return stream
 
     def stat(self) -> StorageStat:
-        info: Mapping[str, Any] = self.storage.fs.info(self.uri)
+        info: Mapping[str, Any] = self._fresh_fs.info(self.uri)
         if info.get("type") != "file":
             raise FileNotFoundError(self.uri)
         marker = info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created")

@@ -133,11 +133,24 @@ class _HashingFileSystem(FileSystem):
                 self.written[Path(new_path).name] = record
 
 
-class _HashingFsspecFileSystem(FsspecFileSystem):
+class _StorageFileSystem(FsspecFileSystem):
+    """DCP's fsspec file system bound to a `StoragePath`'s configured store. DCP re-initializes its path on
+    every save and load (`reset(checkpoint_id)`), which builds the file system from the URI alone and so
+    would drop the storage options (endpoint, credentials); this one keeps them."""
+
+    def __init__(self, path: StoragePath) -> None:
+        super().__init__()
+        self.fs = path.storage.fs
+
+    def init_path(self, path: str | os.PathLike[str], **kwargs: Any) -> str | os.PathLike[str]:
+        return path
+
+
+class _HashingFsspecFileSystem(_StorageFileSystem):
     """The same record as `_HashingFileSystem`, for files written through fsspec (object stores)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, path: StoragePath) -> None:
+        super().__init__(path)
         self._lock = threading.Lock()
         self.written: dict[str, WrittenFile] = {}
 
@@ -167,8 +180,7 @@ class HashingFsspecWriter(FsspecWriter):
 
     def __init__(self, path: StoragePath) -> None:
         super().__init__(str(path), overwrite=False, **dict(path.storage.options))
-        hashing = _HashingFsspecFileSystem()
-        hashing.fs = path.storage.fs
+        hashing = _HashingFsspecFileSystem(path)
         self._hashing = hashing
         self.fs = hashing  # type: ignore[assignment]  # DCP's own fsspec writer replaces `fs` the same way
 
@@ -294,6 +306,7 @@ class SafeFsspecReader(FsspecReader):
 
     def __init__(self, path: StoragePath) -> None:
         super().__init__(str(path), **dict(path.storage.options))
+        self.fs = _StorageFileSystem(path)  # type: ignore[assignment]  # as DCP's own fsspec reader does
         self._location = path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
