@@ -235,13 +235,19 @@ def train(env: RankEnv, raw: dict[str, Any], out: str, die_at: int = 0) -> None:
     )
 
 
-def test_save_commit_kill_and_resume_from_s3_match_an_uninterrupted_run(
-    s3: dict[str, Any], tmp_path: Path
-) -> None:
-    run_distributed(train, 1, _config("ref", tmp_path / "ref", 12), "ref.pt", tmp_dir=tmp_path)
-    reference = torch.load(tmp_path / "ref.pt")["losses"]
-    assert len(reference) == 12
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """Per-step losses of an uninterrupted 12-step run on a local disk."""
+    base = tmp_path_factory.mktemp("reference")
+    run_distributed(train, 1, _config("ref", base / "ref", 12), "ref.pt", tmp_dir=base)
+    losses: list[float] = torch.load(base / "ref.pt")["losses"]
+    assert len(losses) == 12
+    return losses
 
+
+def test_save_commit_kill_and_resume_from_s3_match_an_uninterrupted_run(
+    s3: dict[str, Any], reference: list[float], tmp_path: Path
+) -> None:
     storage = {"uri": f"s3://{BUCKET}/runs", "options": s3}
     raw = _config("s3run", tmp_path / "local", 12, storage)
     # Commits at steps 4 and 8 reach S3; the process dies with step 12 written but not committed.
@@ -273,3 +279,33 @@ def test_save_commit_kill_and_resume_from_s3_match_an_uninterrupted_run(
     write_file(root / LATEST, b"step-00000099")
     decision = check_resume(parse_config(raw))
     assert decision.step == 12 and any("not a committed step directory" in w for w in decision.warnings)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_under_ray_the_coordinator_commits_to_s3_and_a_killed_rank_resumes_from_there(
+    s3: dict[str, Any], reference: list[float], tmp_path: Path
+) -> None:
+    ray = pytest.importorskip("ray")
+    from d9d.cluster import TrainingJob
+
+    storage = {"uri": f"s3://{BUCKET}/ray", "options": s3}
+    job_dict = {**_config("rayrun", tmp_path / "local", 8, storage), "cluster": {"restart_backoff_s": 0.1}}
+    job_dict["logging"]["tracker"] = {"kind": "null"}
+    spec = build_job(job_dict, cpu=True)
+    root = spec.checkpoint_dir
+    assert isinstance(root, StoragePath)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        job = TrainingJob(spec).start()
+        job.wait(step=5, timeout=120)
+        job.kill_rank(0)  # the new rank resumes from the commit at step 4, which the coordinator made on S3
+        summary = job.result(timeout=180)
+    finally:
+        ray.shutdown()
+    assert summary.status == "finished" and summary.restarts == 1 and summary.resumed_from[-1] == 4
+    assert [summary.losses[step] for step in range(1, 9)] == reference[:8]
+    assert (root / LATEST).read_text() == "step-00000008"
+    on_s3 = json.loads((root.parent / "run_summary.json").read_text())
+    assert on_s3["status"] == "finished" and on_s3["steps"] == 8
+    assert not (tmp_path / "local" / "checkpoints").exists()
