@@ -280,6 +280,16 @@ def test_save_commit_kill_and_resume_from_s3_match_an_uninterrupted_run(
     decision = check_resume(parse_config(raw))
     assert decision.step == 12 and any("not a committed step directory" in w for w in decision.warnings)
 
+    # A damaged commit on S3 is passed over and moved aside whole (copy and delete: no rename there).
+    step12 = root / "step-00000012"
+    names = sorted(p.name for p in step12.iterdir())
+    write_file(step12 / "engine.pt", b"garbage")
+    selection = select_commit(root)
+    assert selection.step == 8 and [p for p, _ in selection.skipped] == [step12]
+    moved = quarantine(step12)
+    assert not step12.exists() and sorted(p.name for p in moved.iterdir()) == names
+    assert (moved / "engine.pt").read_bytes() == b"garbage"
+
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
