@@ -12,6 +12,10 @@ Layout under the checkpoint root:
     latest                # name of the last committed step directory (replaced atomically)
     damaged/              # damaged commits moved out of the way (never deleted, never written into)
 
+The root is a `d9d.core.storage.Location`: a local directory, or an object store URI (`run.storage`), where
+every file is one PUT and there is no rename; the order below (files, then the manifest, then `latest`) is
+the whole commit protocol there.
+
 A step is committed once its manifest exists, and the manifest is written only after every rank reported
 its files. A crash in the middle of a save therefore leaves the previous commit as the newest; the
 half-written directory is removed when that step is saved again.
