@@ -139,6 +139,18 @@ def test_run_summary_lives_in_the_storage_root() -> None:
     assert data["launch_id"] == "L2" and [r["launch_id"] for r in data["launches"]] == ["L1", "L2"]
 
 
+def test_an_object_store_root_excludes_coordinator_storage(tmp_path: Path) -> None:
+    job = {
+        **_config("c", tmp_path / "run", 2, {"uri": "memory://runs"}),
+        "cluster": {"storage": {"kind": "coordinator"}},
+    }
+    with pytest.raises(ConfigError, match=r"run\.storage memory://runs/c is an object store"):
+        build_job(job, cpu=True)
+    job["cluster"] = {}
+    spec = build_job(job, cpu=True)
+    assert str(spec.checkpoint_dir) == "memory://runs/c/checkpoints" and spec.run_dir == tmp_path / "run"
+
+
 # -- d9d submit: relative local paths -----------------------------------------------------------------------
 
 
