@@ -99,7 +99,7 @@ class FsspecStorage:
         try:
             # fsspec caches instances by their arguments: this is a dictionary lookup after the first call.
             return fsspec.filesystem(self.protocol, **dict(self.options))
-        except (ImportError, ValueError) as e:
+        except (ImportError, ValueError, TypeError) as e:
             raise StorageError(f"cannot open {self.protocol}:// storage: {e}") from None
 
     def write_bytes(self, path: str, data: bytes) -> None:
@@ -107,6 +107,7 @@ class FsspecStorage:
 
     def remove_tree(self, path: str) -> None:
         fs = self.fs
+        fs.invalidate_cache()  # another process may have written under `path` since it was last listed
         try:
             if fs.isdir(path):
                 fs.rm(path, recursive=True)
@@ -117,6 +118,7 @@ class FsspecStorage:
 
     def move_tree(self, path: str, target: str) -> None:
         fs = self.fs
+        fs.invalidate_cache()
         # No rename on an object store: copy everything, then delete the source.
         fs.copy(path.rstrip("/") + "/", target.rstrip("/") + "/", recursive=True)
         fs.rm(path, recursive=True)
