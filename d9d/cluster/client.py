@@ -279,13 +279,13 @@ class TrainingJob:
             launch_id=self._launch_id,
             ended_at=time.time(),
         )
-        recorded = launch_record(spec.run_dir, self._launch_id) if self._launch_id else None
+        recorded = launch_record(spec.storage_root, self._launch_id) if self._launch_id else None
         if recorded is not None and JobState(recorded.status).terminal:
             # It ended and wrote its summary first (a detached coordinator lets itself go after linger_s).
             self._lost = recorded
             return
         if self._launch_id:
-            record_launch(spec.run_dir, summary)
+            record_launch(spec.storage_root, summary)
         _log.error("run %s: %s (%d placement groups removed)", spec.run_name, COORDINATOR_LOST, removed)
         self._lost = summary
 

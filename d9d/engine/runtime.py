@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from d9d.core.storage import Location
+
 
 @dataclass(frozen=True)
 class RankRuntime:
@@ -80,7 +82,7 @@ class CheckpointFile:
 class RankCheckpointReport:
     step: int
     rank: int
-    step_dir: Path
+    step_dir: Location
     files: tuple[CheckpointFile, ...]
 
 
@@ -112,7 +114,7 @@ class RunReporter(Protocol):
         """Every rank's part of `step` is written: make it the step to resume from (rank 0 only)."""
         ...
 
-    def latest_checkpoint(self) -> Path | None:
+    def latest_checkpoint(self) -> Location | None:
         """The committed step directory to resume from, if any (every rank calls it at start-up): the newest
         commit whose files verify against its manifest (`d9d.engine.checkpoint.select_commit`)."""
         ...
