@@ -153,14 +153,10 @@ def test_real_engine_moe_shrinks_on_node_loss_and_grows_back(cluster: Cluster, t
     assert sorted(drawn) == [0, 1, 2], story
     for attempt, resumed in enumerate(summary.resumed_from):
         assert min(drawn[attempt]) == (resumed or 0) + 1, (attempt, sorted(drawn[attempt]))
-    final = {
-        **drawn[0],
-        **{s: v for s, v in drawn[1].items() if s > shrunk_at},
-        **{s: v for s, v in drawn[2].items() if s > grown_at},
-    }
-    final = {s: final[s] for s in range(1, STEPS + 1)}
-    # Attempt 1 trained steps shrunk_at+1..grown_at on one rank; attempt 2 the rest on two.
-    assert {s: drawn[1][s] for s in range(shrunk_at + 1, grown_at + 1)} == {
-        s: final[s] for s in range(shrunk_at + 1, grown_at + 1)
-    }
+    # The run's final history: each step as the last attempt that trained it drew it.
+    final = {s: drawn[0][s] for s in range(1, shrunk_at + 1)}
+    final |= {s: drawn[1][s] for s in range(shrunk_at + 1, grown_at + 1)}
+    final |= {s: drawn[2][s] for s in range(grown_at + 1, STEPS + 1)}
     assert final == {s: list(range((s - 1) * BATCH, s * BATCH)) for s in range(1, STEPS + 1)}
+    drift = max(abs(a - b) / b for a, b in zip(losses, reference, strict=True))
+    print(f"{story}; largest relative loss difference {drift:.1e}")
