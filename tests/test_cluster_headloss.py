@@ -115,22 +115,19 @@ def _coordinator(run_name: str) -> Any:
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("_ray")
-def test_coordinator_sigkilled_twice_continued_by_d9d_resume_and_attach(tmp_path: Path) -> None:
+def test_coordinator_sigkilled_twice_continued_by_attach_and_d9d_resume(tmp_path: Path) -> None:
     run_dir, name = tmp_path / "run", "headloss"
     job = TrainingJob(build_job(_job(name, run_dir))).start()
     first = _kill_coordinator_after(job, 3, attempts=1)
 
-    # `d9d resume` from the journal; detached, so this driver only follows it.
-    assert main(["resume", str(run_dir), "--detach"]) == 0
-    resumed = TrainingJob.attach(name)
-    assert resumed.spec.cluster.detach
-    second = _kill_coordinator_after(resumed, 7, attempts=2)
-    assert second.launches == [first.launch_id, second.launch_id]
-
     # No coordinator lives: attach starts one from the journal.
     attached = TrainingJob.attach(name, run_dir=run_dir)
-    assert attached.result(timeout=180).status == "finished"
-    attached.close()  # a detached coordinator would otherwise linger
+    assert attached.run_name == name and not attached.spec.cluster.detach
+    second = _kill_coordinator_after(attached, 7, attempts=2)
+    assert second.launches == [first.launch_id, second.launch_id]
+
+    # `d9d resume` from the journal, following the run to its end as `d9d train` does.
+    assert main(["resume", str(run_dir)]) == 0
 
     summary = json.loads((run_dir / "run_summary.json").read_text())  # the last launch's record
     assert summary["status"] == "finished", summary.get("error")
