@@ -256,7 +256,7 @@ class Coordinator:
             await self._changes.wait_until(lambda: self._journal_key() != self._journaled, _JOURNAL_POLL_S)
             key = self._journal_key()
             if key != self._journaled:
-                self._persist_journal()
+                await self._persist_journal()
                 self._journaled = key
             if self._done:
                 return
@@ -266,7 +266,7 @@ class Coordinator:
         reported = newest is not None and self._metrics.last_step >= newest
         return (self._control.attempts, newest, reported, self._control.machine.state, self._done)
 
-    def _persist_journal(self) -> None:
+    async def _persist_journal(self) -> None:
         newest = self._journal.latest_commit
         losses = {s: v for s, v in self._metrics.losses.items() if newest is not None and s <= newest}
         self._journal = self._journal.model_copy(
@@ -276,8 +276,8 @@ class Coordinator:
                 "losses": losses,
             }
         )
-        try:
-            write_journal(self._spec.run_dir, self._journal)
+        try:  # off the event loop: the fsync may take long on a network disk
+            await asyncio.to_thread(write_journal, self._spec.run_dir, self._journal)
         except OSError as e:  # a full or unreachable disk must not end the run it journals
             _log.error("run %s: cannot write the coordinator journal: %s", self._spec.run_name, e)
 
