@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +34,7 @@ from d9d.engine.config import ConfigError
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 
 STEPS = 10
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _job(name: str, run_dir: Path) -> dict[str, Any]:
@@ -91,17 +94,18 @@ def _ray() -> Iterator[None]:
     ray.shutdown()
 
 
-def _kill_coordinator_after(job: TrainingJob, step: int, attempts: int) -> Journal:
-    """SIGKILL the coordinator's process (found through its journal) once `step` was trained; wait until
-    the handle `job` saw it go."""
-    for point in job.metrics(timeout=120):
-        if point.kind == "train" and point.step >= step:
-            break
-    journal = read_journal(job.spec.run_dir)
-    assert journal is not None and journal.state is JobState.RUNNING and journal.attempts == attempts
-    assert journal.commits and journal.pid == ray.get(_coordinator(job.run_name).journal.remote()).pid
-    os.kill(journal.pid, signal.SIGKILL)
+def _kill_paused_coordinator(job: TrainingJob, step: int, attempts: int) -> Journal:
+    """Once `step` was trained, pause the run (so no commit can land meanwhile), then SIGKILL its
+    coordinator's process, found through the journal, and wait until the handle `job` saw it go."""
+    job.wait(step=step, timeout=120)
+    job.pause()
     deadline = time.monotonic() + 60
+    while (journal := read_journal(job.spec.run_dir)) is None or journal.state is not JobState.PAUSED:
+        assert time.monotonic() < deadline, f"the journal never said paused: {journal}"
+        time.sleep(0.05)
+    assert journal.attempts == attempts and journal.commits
+    assert journal.pid == ray.get(_coordinator(job.run_name).journal.remote()).pid
+    os.kill(journal.pid, signal.SIGKILL)
     while job.status().state is not JobState.FAILED:  # the handle notices the loss
         assert time.monotonic() < deadline
         time.sleep(0.1)
@@ -112,22 +116,56 @@ def _coordinator(run_name: str) -> Any:
     return ray.get_actor(coordinator_name(run_name), namespace=NAMESPACE)
 
 
+_DRIVER = """
+import json, os, signal, sys, time
+import ray
+from d9d.cluster import JobState, TrainingJob, build_job
+ray.init(address=sys.argv[1], log_to_driver=False)
+job = TrainingJob(build_job(json.loads(sys.argv[2]))).start()
+job.wait(step=2, timeout=120)
+job.pause()  # held, so the test sees where the run was when its driver died
+while job.status().state is not JobState.PAUSED:
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)  # the driver dies without a word
+"""
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("_ray")
-def test_coordinator_sigkilled_twice_continued_by_attach_and_d9d_resume(tmp_path: Path) -> None:
+def test_driver_and_coordinator_sigkilled_run_continues_bitwise(tmp_path: Path) -> None:
+    """A detached run outlives its SIGKILLed driver; its coordinator SIGKILLed, `TrainingJob.attach`
+    starts a new one from the journal; that one SIGKILLed too, `d9d resume` starts a third and follows the
+    run to its end. Losses bit for bit those of an uninterrupted run, every sample trained once."""
     run_dir, name = tmp_path / "run", "headloss"
-    job = TrainingJob(build_job(_job(name, run_dir))).start()
-    first = _kill_coordinator_after(job, 3, attempts=1)
+    config = {**_job(name, run_dir), "cluster": {**_job(name, run_dir)["cluster"], "detach": True}}
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("RAY_ADDRESS", None)
+    gcs = ray.get_runtime_context().gcs_address
+    driver = subprocess.run(
+        [sys.executable, "-c", _DRIVER, gcs, json.dumps(config)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=240,
+    )
+    assert driver.returncode == -signal.SIGKILL, driver.stderr[-3000:]
+
+    job = TrainingJob.attach(name)  # the coordinator the dead driver started
+    assert job.status().state is JobState.PAUSED
+    job.resume()
+    first = _kill_paused_coordinator(job, 5, attempts=1)
+    assert len(first.launches) == 1  # the same coordinator all along
 
     # No coordinator lives: attach starts one from the journal.
     attached = TrainingJob.attach(name, run_dir=run_dir)
-    assert attached.run_name == name and not attached.spec.cluster.detach
-    second = _kill_coordinator_after(attached, 7, attempts=2)
+    assert attached.run_name == name and attached.spec.cluster.detach
+    second = _kill_paused_coordinator(attached, 8, attempts=2)
     assert second.launches == [first.launch_id, second.launch_id]
 
     # `d9d resume` from the journal, following the run to its end as `d9d train` does.
     assert main(["resume", str(run_dir)]) == 0
+    TrainingJob.attach(name).close()  # the finished detached coordinator would otherwise linger
 
     summary = json.loads((run_dir / "run_summary.json").read_text())  # the last launch's record
     assert summary["status"] == "finished", summary.get("error")

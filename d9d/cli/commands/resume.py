@@ -3,7 +3,8 @@ its node or the Ray head was lost, a non-detached driver went away with it).
 
 The run's journal (`<run dir>/coordinator.json`, written by every coordinator) holds the job as it ran; a
 new coordinator starts from it, continues the attempt numbering and the commit history, and the ranks
-resume from the newest verified commit. RUN is a run directory or a run name under `runs/`.
+resume from the newest verified commit. RUN is a run directory or a run name under `runs/`. The run is
+followed to its end, as by `d9d train`, unless `--detach`.
 """
 
 from __future__ import annotations
@@ -40,14 +41,19 @@ def _run(args: argparse.Namespace) -> int:
         print(f"d9d resume: {e}", file=sys.stderr)
         return 2
     name = job.run_name
-    if job.spec.cluster.detach:
+    if args.detach:
         print(f"run {name} resumed (detached); follow it with TrainingJob.attach({name!r})")
         return 0
+    # Followed here even when the run is detached (`cluster.detach` from its journal): its coordinator
+    # then outlives this command, as it outlived the driver that started it.
     print(f"run {name} resumed", flush=True)
     signal.signal(signal.SIGTERM, _raise_terminated)  # as `d9d train`: stop the ranks, write the summary
     try:
         summary = follow(job)
     except (KeyboardInterrupt, _Terminated):
+        if job.spec.cluster.detach:
+            print(f"d9d resume: no longer following run {name}; it goes on", file=sys.stderr)
+            return 0
         print(f"d9d resume: stopping run {name}", file=sys.stderr, flush=True)
         job.stop(force=True)
         summary = job.result(timeout=30)
@@ -64,6 +70,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)")
     parser.add_argument(
-        "--detach", action="store_true", help="return once resumed; the run outlives this process"
+        "--detach",
+        action="store_true",
+        help="return once resumed (the coordinator becomes detached: the run outlives this process)",
     )
     parser.set_defaults(handler=_run)
