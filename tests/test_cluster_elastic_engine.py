@@ -5,9 +5,9 @@ it is back on two ranks at the next commit.
 
 Against an uninterrupted two-rank run of the engine's bare-process path:
 - the steps trained before the loss are equal bit for bit (same layout, same reduction order);
-- the steps after it agree within rtol 1e-4 / atol 1e-6: on one rank the microbatch gradients are summed
-  in another order than two ranks' accumulations plus their reduce-scatter, and AdamW carries the float32
-  rounding difference on;
+- the steps after it agree within rtol 1e-5 / atol 1e-6 (2e-8 relative seen): on one rank the microbatch
+  gradients are summed in another order than two ranks' accumulations plus their reduce-scatter, and
+  AdamW carries the float32 rounding difference on;
 - every step trained the same global samples, in the same order, as the data provider's global index says:
   each attempt's first drawn step is the step after the commit it resumed from (the data position comes
   from the checkpoint, not from the step counter), and the run's final history is samples [(s-1)G, sG) at
@@ -147,7 +147,7 @@ def test_real_engine_moe_shrinks_on_node_loss_and_grows_back(cluster: Cluster, t
 
     losses = [summary.losses[s] for s in range(1, STEPS + 1)]
     assert losses[:shrunk_at] == reference[:shrunk_at]  # bitwise: trained before the loss, on two ranks
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
 
     drawn = samples_by_attempt(sample_log, run_dir)
     assert sorted(drawn) == [0, 1, 2], story
