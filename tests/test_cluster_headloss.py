@@ -81,6 +81,8 @@ def test_resume_refuses_a_run_without_journal_or_already_ended(tmp_path: Path) -
     write_journal(spec.run_dir, journal)
     with pytest.raises(RuntimeError, match="already ended \\(stopped\\)"):
         TrainingJob.resume_run(spec.run_dir)
+    with pytest.raises(RuntimeError, match="journal of run 'ended', not of 'other'"):
+        TrainingJob.resume_run(spec.run_dir, run_name="other")
     assert main(["resume", "ended", "--run-dir", str(spec.run_dir)]) == 2
 
 

@@ -94,7 +94,7 @@ class TrainingJob:
             handle: Any = ray.get_actor(coordinator_name(run_name), namespace=NAMESPACE)
             spec: JobSpec = ray.get(handle.spec.remote())
         except (ValueError, RayActorError):  # none, or a dead one whose name Ray has not released yet
-            return cls.resume_run(run_dir or run_name, address, check=check)
+            return cls.resume_run(run_dir or run_name, address, check=check, run_name=run_name)
         job = cls.__new__(cls)
         job.spec = spec
         job._handle = handle
@@ -105,18 +105,29 @@ class TrainingJob:
 
     @classmethod
     def resume_run(
-        cls, run: str | Path, address: str | None = None, *, detach: bool | None = None, check: bool = True
+        cls,
+        run: str | Path,
+        address: str | None = None,
+        *,
+        detach: bool | None = None,
+        check: bool = True,
+        run_name: str | None = None,
     ) -> TrainingJob:
         """Start a new coordinator for a run whose coordinator died before the run ended, from the journal
         in its run directory (`run`: the run directory, or a run name under `runs/`): the job as it ran,
         continuing its attempt numbering and commit history, resuming from the newest verified commit.
-        `detach` overrides `cluster.detach`. Raises `RuntimeError` when there is nothing to resume."""
+        `detach` overrides `cluster.detach`; `run_name`, when given, must be the journal's run. Raises
+        `RuntimeError` when there is nothing to resume."""
         directory = find_run_dir(run)
         journal = read_journal(directory)
         if journal is None:
             raise RuntimeError(
                 f"{journal_path(directory)} does not exist: no coordinator ever ran there (start the run "
                 "with d9d train, or name its run directory)"
+            )
+        if run_name is not None and journal.run_name != run_name:
+            raise RuntimeError(
+                f"{journal_path(directory)} is the journal of run {journal.run_name!r}, not of {run_name!r}"
             )
         if journal.ended:
             raise RuntimeError(
