@@ -13,11 +13,13 @@ import gc
 import time
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from d9d.core.context import DistributedContext
+from d9d.engine.async_save import AsyncSaver, report_metrics, resolve_async
 from d9d.engine.commands import CommandHandler, broadcast_commands
 from d9d.engine.config import TrainConfig
 from d9d.engine.events import (
@@ -59,6 +61,7 @@ class Trainer:
         self._checkpoint_requested = False
         self._last_saved: int | None = None
         self._finished_at_start = False
+        self._saver: AsyncSaver | None = None
 
     @property
     def parts(self) -> TrainParts:
@@ -74,6 +77,8 @@ class Trainer:
     def setup(self) -> None:
         self.ctx.set_timeout(timedelta(seconds=self.config.timeouts.init_s))
         self._parts = build_train_parts(self.config, self.ctx, self.reporter, self.events, self.progress)
+        if resolve_async(self.config.checkpointing.async_save, self.ctx.device):
+            self._saver = AsyncSaver(self._parts.checkpointer, self.ctx, self._committed)
         self._resume()
 
     def _resume(self) -> None:
@@ -166,6 +171,8 @@ class Trainer:
 
     def _after_step(self, step: int) -> None:
         c = self.config
+        if self._saver is not None:
+            self._saver.poll()  # commits a background save once every rank has written it
         if c.gc.period is not None and step % c.gc.period == 0:
             gc.collect()
         self._evaluate(step, final=False)
@@ -186,6 +193,8 @@ class Trainer:
         wanted = not finished or c.checkpointing.save_at_end
         if wanted and self.progress.step > 0 and self._last_saved != self.progress.step:
             self.save_checkpoint()
+        if self._saver is not None:
+            self._saver.wait()  # the run ends with every save committed
         if finished and c.checkpointing.export_hf_dir is not None and not self._finished_at_start:
             self.parts.model.export(self.modules, self.ctx, c.checkpointing.export_hf_dir)
             self.ctx.logger.info("exported the model to %s", c.checkpointing.export_hf_dir)
@@ -240,7 +249,7 @@ class Trainer:
 
     def save_requested_checkpoint(self) -> None:
         if self._checkpoint_requested and self.progress.step > 0:
-            self.save_checkpoint()
+            self.save_checkpoint(commit=True)
 
     def update(self, values: Mapping[str, Any]) -> None:
         unknown = set(values) - {"lr"}
@@ -261,17 +270,31 @@ class Trainer:
     def resumed(self) -> None:
         self.ctx.logger.info("resumed at step %d", self.progress.step)
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, *, commit: bool = False) -> None:
+        """Save the current step. With `checkpointing.async` the write goes on in the background and is
+        committed later (`d9d.engine.async_save`), unless `commit`: then it is committed before returning
+        (a command's request: whoever asked expects the commit)."""
         step = self.progress.step
         self._checkpoint_requested = False
         if self._last_saved == step:
-            return  # committed already (a request right after a periodic save, or the resumed step)
+            if commit and self._saver is not None:
+                self._saver.wait()
+            return  # saved already (a request right after a periodic save, or the resumed step)
         parts = self.parts
-        path = parts.checkpointer.save(
-            step,
-            parts.optimizer.pair_with(parts.stages.by_index),
-            parts.state.state_dict(),
-            parts.state.rank_state_dict(),
-        )
+        stages = parts.optimizer.pair_with(parts.stages.by_index)
+        engine_state, rank_state = parts.state.state_dict(), parts.state.rank_state_dict()
+        if self._saver is not None:
+            self._saver.save(step, stages, engine_state, rank_state)
+            self._last_saved = step  # being written: never started again, committed by the saver
+            if commit:
+                self._saver.wait()
+            return
+        start = time.perf_counter()
+        path = parts.checkpointer.save(step, stages, engine_state, rank_state)
         self._last_saved = step
+        stall = time.perf_counter() - start
+        report_metrics(self.ctx, parts.checkpointer, step, {"checkpoint_stall_s": stall})
+        self._committed(step, path)
+
+    def _committed(self, step: int, path: Path) -> None:
         self.events.publish(CheckpointSaved(step, path))
