@@ -104,6 +104,8 @@ class _InFlight:
 
 
 OnCommit = Callable[[int, Path], None]
+# How often waiting ranks compare notes (one tiny all-reduce each time).
+_WAIT_POLL_S = 0.05
 
 
 class AsyncSaver:
@@ -183,12 +185,17 @@ class AsyncSaver:
             self._commit()
 
     def wait(self) -> None:
-        """Every rank: wait for the save in flight, if any, and commit it."""
-        if self._flight is None:
+        """Every rank: wait for the save in flight, if any, and commit it.
+
+        The ranks keep agreeing while they wait: a rank whose write failed before DCP's collectives would
+        leave the others' writers waiting in them forever, so a failure anywhere ends every rank's wait."""
+        flight = self._flight
+        if flight is None:
             return
-        self._flight.done.wait()
-        if not self._agree():
-            raise AssertionError("a rank reported its finished write as still pending")
+        while True:
+            flight.done.wait(timeout=_WAIT_POLL_S)
+            if self._agree():
+                break
         self._commit()
 
     def _agree(self) -> bool:
