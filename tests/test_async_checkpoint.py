@@ -185,8 +185,11 @@ def test_staging_snapshots_into_reused_host_buffers() -> None:
     weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     state = {"model": {"w": weight, "t": weight.t()}, "optim": {"lr": [0.1], "step": torch.tensor(3.0)}}
     stager = HostStager(pin_memory=False)
-    first = stager.stage(state)
+    stager.reserve(state)  # allocated at start-up, filled by every save
     pointers = {k: b.data_ptr() for k, b in stager.buffers.items()}
+    assert len(pointers) == 3
+    first = stager.stage(state)
+    assert {k: b.data_ptr() for k, b in stager.buffers.items()} == pointers
     weight.add_(100)
     state["optim"]["lr"][0] = 0.5
     assert torch.equal(first["model"]["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))

@@ -135,6 +135,7 @@ class Trainer:
                         # The attempt's first step is done (loading, compilation): hung ranks surface quickly.
                         self.ctx.set_timeout(timedelta(seconds=c.timeouts.step_s))
                         log_compile_warmup(self.ctx, self.parts.stages)
+                        self._reserve_checkpoint_buffers()
                         first_step = False
                     self._after_step(self.progress.step)
             self._finish(finished)
@@ -295,6 +296,13 @@ class Trainer:
         stall = time.perf_counter() - start
         report_metrics(self.ctx, parts.checkpointer, step, {"checkpoint_stall_s": stall})
         self._committed(step, path)
+
+    def _reserve_checkpoint_buffers(self) -> None:
+        """Periodic async saves: their host buffers are allocated after the first step, not in the first
+        checkpoint step (the optimizer state exists only once a step has run)."""
+        if self._saver is not None and self.config.checkpointing.period is not None:
+            parts = self.parts
+            self._saver.reserve(parts.optimizer.pair_with(parts.stages.by_index))
 
     def _committed(self, step: int, path: Path) -> None:
         self.events.publish(CheckpointSaved(step, path))
