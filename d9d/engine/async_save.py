@@ -5,8 +5,8 @@ One save, on every rank:
 1. **Stage** (the step thread; the only stall): `Checkpointer.begin` checks the step may be written (a
    collective), the model and optimizer state is copied into reusable host buffers (`HostStager`), and the
    engine/rank state is serialized. On CUDA the buffers are pinned and the copies are asynchronous
-   device-to-host copies on the current stream: the next step's kernels are queued behind them, so they
-   read the state of this step, and the writer thread waits for them on a CUDA event before reading.
+   device-to-host copies on the current stream: the next step's kernels are queued behind them, so the
+   copies see this step's state, and the writer thread waits for them on a CUDA event before reading.
 2. **Write** (a background thread): DCP writes the host copy through the `HashingWriter` (every byte hashed
    on its way to disk, nothing read back), then the engine's own files. DCP's collectives (plan exchange,
    write results) run on a gloo group of their own, so they never interleave with the step thread's
@@ -14,7 +14,8 @@ One save, on every rank:
 3. **Commit** (the step thread, a collective on every rank at the same point): at the first step boundary
    at which every rank's write has finished — while a save is in flight the ranks agree on that with one
    small all-reduce per step — and in any case before the next save starts (at most one save is in
-   flight), before a save requested by a command returns, and at the end of training. Then the usual
+   flight), before a save requested by a command returns, when the run pauses, and at the end of
+   training (`Trainer` calls `poll`/`wait` at those points, on every rank alike). Then the usual
    protocol runs unchanged: `checkpoint_written` on every rank, gather, rank 0's `commit_checkpoint`.
 
 A write that fails (or a process that dies while writing) leaves its step without a manifest: the previous

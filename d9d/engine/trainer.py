@@ -265,6 +265,8 @@ class Trainer:
             self.ctx.logger.info("learning rate set to %g", new_lr)
 
     def paused(self) -> None:
+        if self._saver is not None:
+            self._saver.wait()  # a paused run holds no save written but uncommitted (every rank pauses here)
         self.ctx.logger.info("paused at step %d", self.progress.step)
         self.parts.reports.paused(self.progress.step)
 
