@@ -6,9 +6,9 @@ Each mode (`sync`, then `async`) trains in its own subprocess through the real e
 bf16 parameters, AdamW, eager) on random tokens, with one periodic checkpoint at `--save-step` and
 `--after` steps behind it (no save at the end). Reported per mode:
 
-- `stall_s`: the engine's `checkpoint_stall_s` metric: the time the step thread spent in the save (for
+- `stall_s`: the engine's `checkpoint/stall_s` metric: the time the step thread spent in the save (for
   `sync` the whole save: DCP write + hashing + commit; for `async` the staging to pinned host memory);
-- `write_s` (async): the background write, `checkpoint_write_s`; `committed_after`: the step boundary
+- `write_s` (async): the background write, `checkpoint/write_s`; `committed_after`: the step boundary
   at which the commit happened (`final` when the end-of-training wait took it);
 - `base_step_s`: the median step period (start of one step to the start of the next, a CUDA sync at each
   start) of the steps before the save; `save_step_s`: the period of the checkpoint step (the save and, for
@@ -121,7 +121,7 @@ def child(model: str, mode: str, save_step: int, after: int) -> dict[str, Any]:
     metrics: dict[str, float] = {}
 
     def sink(point: MetricPoint) -> None:
-        metrics.update({k: v for k, v in point.values.items() if k.startswith("checkpoint_")})
+        metrics.update({k: v for k, v in point.values.items() if k.startswith("checkpoint/")})
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,8 +162,8 @@ def child(model: str, mode: str, save_step: int, after: int) -> dict[str, Any]:
     size = sum(f.stat().st_size for f in (run_dir / "checkpoints").rglob("*") if f.is_file())
     return {
         "mode": mode,
-        "stall_s": metrics.get("checkpoint_stall_s"),
-        "write_s": metrics.get("checkpoint_write_s"),
+        "stall_s": metrics.get("checkpoint/stall_s"),
+        "write_s": metrics.get("checkpoint/write_s"),
         "committed_after": committed.get("after"),
         "base_step_s": base,
         "save_step_s": periods[save_step],

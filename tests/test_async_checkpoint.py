@@ -25,7 +25,7 @@ pytestmark = pytest.mark.distributed
 STEP5, STEP10 = "step-00000005", "step-00000010"
 
 
-def _config(run_dir: Path, *, asynchronous: bool, ranks: int = 1, **sections: Any) -> dict[str, Any]:
+def _config(run_dir: Path, *, asynchronous: bool | None, ranks: int = 1, **sections: Any) -> dict[str, Any]:
     raw = config_dict(
         run_dir, mesh={"data_parallel_replicate": ranks}, batching={"microbatch_size": 2}, **sections
     )
@@ -41,6 +41,25 @@ def _manifest_files(step_dir: Path) -> dict[str, Any]:
     hashes: dict[str, Any] = {n: i["sha256"] for n, i in files.items() if n not in (TRAIN_CONFIG, METADATA)}
     hashes[METADATA] = read_dcp_metadata(step_dir / METADATA).state_dict_metadata
     return hashes
+
+
+def train_recording_metrics(env: RankEnv, raw: dict[str, Any], out: str) -> None:
+    """`train`, keeping this rank's checkpoint metrics with the result."""
+    from d9d.engine.checkpoint import LocalRunReporter
+    from d9d.engine.launch import run_rank
+    from d9d.engine.runtime import MetricPoint, RankRuntime
+
+    config = parse_config(raw)
+    metrics: list[tuple[int, str]] = []
+
+    def sink(point: MetricPoint) -> None:
+        metrics.extend((point.step, k) for k in point.values if k.startswith("checkpoint/"))
+
+    runtime = RankRuntime(env.rank, env.world_size, env.rank, config.run_dir)
+    reporter = LocalRunReporter(config.checkpoint_dir, config.checkpointing.keep_last, sink)
+    result = run_rank(config, runtime, reporter)
+    record = {"steps": result.steps, "losses": list(result.losses), "metrics": metrics}
+    torch.save(record, env.tmp_dir / f"{out}{env.rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +94,13 @@ def test_async_save_survives_a_kill_mid_write_and_resumes_bitwise_like_a_synchro
     first = _config(
         run_dir, asynchronous=True, ranks=2, trainer={"total_steps": 8}, checkpointing={"save_at_end": False}
     )
-    run_distributed(train, 2, first, "first.pt", tmp_dir=tmp_path)
+    run_distributed(train_recording_metrics, 2, first, "first", tmp_dir=tmp_path)
     assert (root / "latest").read_text() == STEP5
     assert _manifest_files(root / STEP5) == _manifest_files(sync_dir / "checkpoints" / STEP5)
-    assert torch.load(tmp_path / "first.pt")["losses"] == sync_losses[:8]
+    results = [torch.load(tmp_path / f"first{rank}.pt") for rank in (0, 1)]
+    assert results[0]["losses"] == sync_losses[:8]
+    for result in results:  # every rank reports its own timings
+        assert result["metrics"] == [(5, "checkpoint/stall_s"), (5, "checkpoint/write_s")]
 
     # Resumed to 10 steps; both ranks die while writing step 10 in the background.
     raw = _config(run_dir, asynchronous=True, ranks=2)
@@ -220,3 +242,18 @@ def test_staging_from_cuda_uses_pinned_host_memory() -> None:
     assert staged["model"]["w"].is_pinned() and staged["optim"]["step"].is_pinned()
     assert staged["model"]["w"].device.type == "cpu"
     torch.testing.assert_close(staged["model"]["w"], (source / 2).cpu(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_async_save_on_cuda_is_on_by_default_and_writes_the_synchronous_files(tmp_path: Path) -> None:
+    # None: the default, on for CUDA training (pinned staging, copies ordered by a CUDA event).
+    for name, asynchronous in (("sync", False), ("async", None)):
+        raw = _config(tmp_path / name, asynchronous=asynchronous)
+        run_distributed(train_recording_metrics, 1, raw, name, tmp_dir=tmp_path, backend="nccl")
+    sync, asyn = (torch.load(tmp_path / f"{name}0.pt") for name in ("sync", "async"))
+    assert asyn["losses"] == sync["losses"] and len(sync["losses"]) == 10
+    for step in (STEP5, STEP10):
+        expected = _manifest_files(tmp_path / "sync" / "checkpoints" / step)
+        assert _manifest_files(tmp_path / "async" / "checkpoints" / step) == expected
+    assert sync["metrics"] == [(5, "checkpoint/stall_s"), (10, "checkpoint/stall_s")]
+    assert {k for _, k in asyn["metrics"]} == {"checkpoint/stall_s", "checkpoint/write_s"}

@@ -180,7 +180,7 @@ class AsyncSaver:
         flight.stall_s = time.perf_counter() - start
         self._flight = flight
         thread.start()
-        report_metrics(self.ctx, self.checkpointer, step, {"checkpoint_stall_s": flight.stall_s})
+        report_metrics(self.ctx, self.checkpointer, step, {STALL_METRIC: flight.stall_s})
         return flight.stall_s
 
     def _write(
@@ -252,13 +252,17 @@ class AsyncSaver:
             flight.stall_s,
             flight.write_s,
         )
-        report_metrics(self.ctx, self.checkpointer, flight.step, {"checkpoint_write_s": flight.write_s})
+        report_metrics(self.ctx, self.checkpointer, flight.step, {WRITE_METRIC: flight.write_s})
         self.on_commit(flight.step, path)
+
+
+STALL_METRIC = "checkpoint/stall_s"
+WRITE_METRIC = "checkpoint/write_s"
 
 
 def report_metrics(
     ctx: DistributedContext, checkpointer: Checkpointer, step: int, values: dict[str, float]
 ) -> None:
-    """Checkpoint timings as train metrics of the saved step (rank 0's)."""
-    if ctx.is_main_process:
-        checkpointer.reporter.metrics(MetricPoint(step, 0, values, "train", time.time()))
+    """This rank's checkpoint timings, as a health point of the saved step (`system/rank<r>/checkpoint/…`
+    in a tracker): train points carry the step's loss and learning rate, which consumers rely on."""
+    checkpointer.reporter.metrics(MetricPoint(step, ctx.rank, values, "health", time.time()))

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from d9d.core.context import DistributedContext
-from d9d.engine.async_save import AsyncSaver, report_metrics, resolve_async
+from d9d.engine.async_save import STALL_METRIC, AsyncSaver, report_metrics, resolve_async
 from d9d.engine.commands import CommandHandler, broadcast_commands
 from d9d.engine.config import TrainConfig
 from d9d.engine.events import (
@@ -296,7 +296,7 @@ class Trainer:
         path = parts.checkpointer.save(step, stages, engine_state, rank_state)
         self._last_saved = step
         stall = time.perf_counter() - start
-        report_metrics(self.ctx, parts.checkpointer, step, {"checkpoint_stall_s": stall})
+        report_metrics(self.ctx, parts.checkpointer, step, {STALL_METRIC: stall})
         self._committed(step, path)
 
     def _reserve_checkpoint_buffers(self) -> None:
