@@ -9,7 +9,8 @@ bf16 parameters, AdamW, eager) on random tokens, with one periodic checkpoint at
 - `stall_s`: the engine's `checkpoint/stall_s` metric: the time the step thread spent in the save (for
   `sync` the whole save: DCP write + hashing + commit; for `async` the staging to pinned host memory);
 - `write_s` (async): the background write, `checkpoint/write_s`; `committed_after`: the step boundary
-  at which the commit happened (`final` when the end-of-training wait took it);
+  at which the commit happened (`final` when the end-of-training wait took it), `commit_s` its time on
+  the step thread (`checkpoint/commit_s`);
 - `base_step_s`: the median step period (start of one step to the start of the next, a CUDA sync at each
   start) of the steps before the save; `save_step_s`: the period of the checkpoint step (the save and, for
   async, the device-to-host copies included); `inflation_s`: how much longer the checkpoint step and the
@@ -164,6 +165,7 @@ def child(model: str, mode: str, save_step: int, after: int) -> dict[str, Any]:
         "mode": mode,
         "stall_s": metrics.get("checkpoint/stall_s"),
         "write_s": metrics.get("checkpoint/write_s"),
+        "commit_s": metrics.get("checkpoint/commit_s"),
         "committed_after": committed.get("after"),
         "base_step_s": base,
         "save_step_s": periods[save_step],
@@ -199,6 +201,10 @@ def main() -> None:
         if out.returncode != 0 or not lines:
             sys.exit(f"{mode} run failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
         results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+        # The one-time allocation of the staging buffers after the first step (not in any stall above).
+        for line in out.stderr.splitlines():
+            if "checkpoint staging:" in line:
+                print(f"{mode}: {line.split('] ', 1)[-1]}")
     sync, asyn = results
     print(f"model {args.model} on {sync['device']}, checkpoint {sync['checkpoint_gib']:.2f} GiB")
     print("mode     stall_s   write_s  base_step_s  save_step_s  inflation_s")
@@ -212,7 +218,7 @@ def main() -> None:
     print(
         f"synchronous save {sync['stall_s']:.3f} s; async stall {asyn['stall_s']:.3f} s = {ratio:.1%} of it"
     )
-    print(f"async commit after step {asyn['committed_after']}")
+    print(f"async commit after step {asyn['committed_after']} ({asyn['commit_s']:.3f} s on the step thread)")
     if args.out is not None:
         args.out.write_text(json.dumps({"results": results, "async_stall_over_sync_save": ratio}, indent=1))
 
