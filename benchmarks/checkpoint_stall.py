@@ -1,6 +1,6 @@
 """The training stall of a checkpoint step, synchronous against asynchronous (`checkpointing.async`).
 
-    python benchmarks/checkpoint_stall.py [--model dense|tiny] [--save-step 8] [--after 8] [--out FILE]
+    python benchmarks/checkpoint_stall.py [--model dense|tiny] [--save-step 8] [--after 7] [--out FILE]
 
 Each mode (`sync`, then `async`) trains in its own subprocess through the real engine (`d9d.engine.Trainer`,
 bf16 parameters, AdamW, eager) on random tokens, with one periodic checkpoint at `--save-step` and
@@ -121,8 +121,9 @@ def child(model: str, mode: str, save_step: int, after: int) -> dict[str, Any]:
     config = parse_config(job(model, mode, save_step, after, run_dir))
     metrics: dict[str, float] = {}
 
-    def sink(point: MetricPoint) -> None:
-        metrics.update({k: v for k, v in point.values.items() if k.startswith("checkpoint/")})
+    def sink(point: MetricPoint) -> None:  # the measured save's timings only
+        if point.step == save_step:
+            metrics.update({k: v for k, v in point.values.items() if k.startswith("checkpoint/")})
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -181,12 +182,19 @@ def main() -> None:
     )
     parser.add_argument("--model", choices=("dense", "tiny"), default="dense")
     parser.add_argument("--save-step", type=int, default=8)
-    parser.add_argument("--after", type=int, default=8, help="steps after the checkpoint step")
+    parser.add_argument(
+        "--after",
+        type=int,
+        default=7,
+        help="steps after the checkpoint step (fewer than --save-step: the period would save again)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--child", choices=("sync", "async"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.save_step < 3 or args.after < 1:
         parser.error("--save-step must be at least 3 (two warm-up steps) and --after at least 1")
+    if args.after >= args.save_step:
+        parser.error("--after must be below --save-step: one periodic save per run is measured")
     if args.child is not None:
         print("RESULT " + json.dumps(child(args.model, args.child, args.save_step, args.after)), flush=True)
         return

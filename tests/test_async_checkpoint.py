@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from d9d.engine.async_save import HostStager, resolve_async
-from d9d.engine.checkpoint import MANIFEST, TRAIN_CONFIG, Checkpointer, CheckpointError
+from d9d.engine.checkpoint import MANIFEST, TRAIN_CONFIG, Checkpointer, CheckpointError, verify_manifest
 from d9d.engine.checkpoint_io import METADATA, HashingWriter, read_dcp_metadata
 from d9d.engine.config import parse_config
 from tests.harness import DistributedTestFailure, RankEnv, run_distributed
@@ -41,6 +42,15 @@ def _manifest_files(step_dir: Path) -> dict[str, Any]:
     hashes: dict[str, Any] = {n: i["sha256"] for n, i in files.items() if n not in (TRAIN_CONFIG, METADATA)}
     hashes[METADATA] = read_dcp_metadata(step_dir / METADATA).state_dict_metadata
     return hashes
+
+
+def _layout(metadata: dict[str, Any]) -> dict[str, Any]:
+    """Each tensor's size, dtype and chunks: DCP also records `pin_memory`, which the pinned staging
+    buffers of an asynchronous save set and a synchronous save does not."""
+    return {
+        key: (m.size, m.properties.dtype, m.chunks) if isinstance(m, TensorStorageMetadata) else m
+        for key, m in metadata.items()
+    }
 
 
 def train_recording_metrics(env: RankEnv, raw: dict[str, Any], out: str) -> None:
@@ -255,10 +265,18 @@ def test_async_save_on_cuda_is_on_by_default_and_writes_the_synchronous_files(tm
         raw = _config(tmp_path / name, asynchronous=asynchronous)
         run_distributed(train_recording_metrics, 1, raw, name, tmp_dir=tmp_path, backend="nccl")
     sync, asyn = (torch.load(tmp_path / f"{name}0.pt") for name in ("sync", "async"))
-    assert asyn["losses"] == sync["losses"] and len(sync["losses"]) == 10
+    # Two CUDA runs need not agree bitwise (kernels that accumulate with atomics; measured ~1e-4 apart on
+    # the 0.6B model, docs/benchmarks.md): the values are compared with a tolerance, the files by name and
+    # the tensors' layout. That the staged copy is the saved step's state (not a later one) is
+    # `test_staging_from_cuda_uses_pinned_host_memory`'s business.
+    assert len(sync["losses"]) == 10
+    torch.testing.assert_close(asyn["losses"], sync["losses"], rtol=1e-4, atol=1e-5)
     for step in (STEP5, STEP10):
         expected = _manifest_files(tmp_path / "sync" / "checkpoints" / step)
-        assert _manifest_files(tmp_path / "async" / "checkpoints" / step) == expected
+        got = _manifest_files(tmp_path / "async" / "checkpoints" / step)
+        assert got.keys() == expected.keys()
+        assert _layout(got[METADATA]) == _layout(expected[METADATA])
+        verify_manifest(tmp_path / "async" / "checkpoints" / step)
     assert sync["metrics"] == [(5, "checkpoint/stall_s"), (10, "checkpoint/stall_s")]
     # checkpoint/wait_s too when step 5 was still being written at step 10 (timing: not asserted)
     keys = {k for _, k in asyn["metrics"]} - {"checkpoint/wait_s"}

@@ -132,6 +132,7 @@ class AsyncSaver:
         # Created by every rank at the same point (the trainer's setup), as new_group requires.
         self.group = dist.new_group(backend="gloo") if ctx.is_distributed else None
         self._flight: _InFlight | None = None
+        self._stall_parts: dict[str, float] = {}
 
     @property
     def in_flight(self) -> int | None:
@@ -164,12 +165,24 @@ class AsyncSaver:
         self.wait()
         wait_s = time.perf_counter() - start
         step_dir = self.checkpointer.begin(step)
-        staged = self.stager.stage(self.checkpointer.app_state(stages))
-        own = self.checkpointer.own_files(engine_state, rank_state)
+        begun = time.perf_counter()
+        app_state = self.checkpointer.app_state(stages)
+        collected = time.perf_counter()
+        staged = self.stager.stage(app_state)
         ready: torch.cuda.Event | None = None
         if self.stager.pin_memory:
             ready = torch.cuda.Event()
             ready.record()
+        copied = time.perf_counter()
+        own = self.checkpointer.own_files(engine_state, rank_state)
+        # Where the stall goes, for the log: the may-write check, collecting the state dict, queueing the
+        # copies, serializing the engine's own files.
+        self._stall_parts = {
+            "check": begun - start - wait_s,
+            "state_dict": collected - begun,
+            "stage": copied - collected,
+            "own_files": time.perf_counter() - copied,
+        }
         flight = _InFlight(step, step_dir, 0.0, threading.Event())
         # A daemon thread: a rank that fails while a write is in flight must still be able to exit (the
         # step is then left uncommitted, which is what a crash means).
@@ -252,10 +265,11 @@ class AsyncSaver:
         path = self.checkpointer.commit(flight.report)
         commit_s = time.perf_counter() - start
         self.ctx.logger.info(
-            "checkpoint step %d committed: the step stalled %.3f s, the background write took %.3f s, "
+            "checkpoint step %d committed: the step stalled %.3f s (%s), the background write took %.3f s, "
             "the commit %.3f s",
             flight.step,
             flight.stall_s,
+            ", ".join(f"{k} {v:.3f} s" for k, v in self._stall_parts.items()),
             flight.write_s,
             commit_s,
         )
