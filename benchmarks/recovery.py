@@ -59,7 +59,7 @@ def one_run(
         f"checkpointing.period={period}",
         f"cluster.standby_ranks={standby}",
         "cluster.restart_backoff_s=0",
-        "logging.tracker={kind: null}",
+        'logging.tracker={kind: "null"}',
     ]
 
     def kill(job: TrainingJob) -> None:
