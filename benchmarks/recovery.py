@@ -1,8 +1,8 @@
 """Recovery time with and without a warm standby rank (`cluster.standby_ranks`), and where it goes.
 
-Each repeat runs the same job twice on a fresh local Ray instance, once with `cluster.standby_ranks: 0` and
-once with 1, kills rank 1 (rank 0 of a 1-rank job) at step `--kill-at` (with a standby: once it reported
-ready, so the restart can use it) and measures, as cluster_overhead.py's `watch_fault` does:
+Each repeat runs the same job once per `--standby` count (default 0, 1 and the world size), each on a fresh
+local Ray instance, kills rank 1 (rank 0 of a 1-rank job) at step `--kill-at` (with standbys: once they
+reported ready, so the restart can use them) and measures, as cluster_overhead.py's `watch_fault` does:
 
   - recovery: kill -> the first step completed by the restarted ranks (watched from the driver), and the
     coordinator's own figure (detection -> first step, `run_summary.json`'s `recovery_times_s`);
@@ -35,12 +35,12 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 
 
-def wait_for_standby(job: TrainingJob, timeout_s: float = 300.0) -> None:
-    """Block until the coordinator reported a ready standby (points read here are before the kill)."""
+def wait_for_standby(job: TrainingJob, count: int, timeout_s: float = 300.0) -> None:
+    """Block until the coordinator reported `count` ready standbys (points read here are before the kill)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         points, ended = job.poll_metrics(0.2)
-        if any(p.kind == "health" and p.values.get("standby_ranks_ready", 0) >= 1 for p in points):
+        if any(p.kind == "health" and p.values.get("standby_ranks_ready", 0) >= count for p in points):
             return
         if ended:
             raise RuntimeError(f"run {job.run_name} ended before its standby was ready")
@@ -64,7 +64,7 @@ def one_run(
 
     def kill(job: TrainingJob) -> None:
         if standby:
-            wait_for_standby(job)
+            wait_for_standby(job, standby)
         job.kill_rank(victim)
 
     result = watch_fault(TrainingJob(config, overrides=overrides), kill_at, kill)
@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny", "qwen3"], default="tiny")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--standby", type=int, nargs="+", help="cluster.standby_ranks values (default: 0, 1, --nproc)"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from benchmarks.cluster_overhead import builtin_job, qwen3_job
@@ -103,9 +106,10 @@ def main() -> None:
     config.write_text(yaml.safe_dump(job))
     cpus = int(job.get("cluster", {}).get("resources", {}).get("cpus", 1))
 
-    results: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    counts = sorted(set(args.standby or [0, 1, args.nproc]))
+    results: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
     for i in range(args.repeats):
-        for standby in (0, 1):
+        for standby in counts:
             # One rank's CPUs more for the standby, one for the coordinator.
             connect(local_cpus=(args.nproc + standby) * cpus + 1)
             try:
@@ -122,11 +126,11 @@ def main() -> None:
             )
 
     print(f"\njob: built-in {args.model} on {args.nproc} ranks, {args.repeats} repeats (medians)")
-    print(f"{'':28s}{'standby 0':>12s}{'standby 1':>12s}")
+    print(f"{'':28s}" + "".join(f"{f'standby {n}':>12s}" for n in counts))
 
     def row(label: str, values: dict[int, list[float]]) -> None:
         cells = "".join(
-            f"{statistics.median(values[s]):11.2f}s" if values[s] else f"{'n/a':>12s}" for s in (0, 1)
+            f"{statistics.median(values[s]):11.2f}s" if values[s] else f"{'n/a':>12s}" for s in counts
         )
         print(f"{label:28s}{cells}")
 
