@@ -100,8 +100,11 @@ def test_restart_takes_the_warm_standby_and_reports_its_phases(tmp_path: Path) -
     assert set(phases) == {DETECT, *PHASES}
     assert all(v >= 0 for v in phases.values()), phases
     assert sum(phases[p] for p in PHASES) == pytest.approx(recovery, abs=0.05), phases
-    # The ranks' own setup points arrived: their phases are measured, not left at 0.
-    assert phases["start"] > 0 and phases["init_process_group"] > 0 and phases["first_step"] > 0, phases
+    # The ranks' own setup points arrived: `start` ends only at a rank's mark (it would be 0 without any),
+    # rank 0's marks split its setup, and the step's 0.3 s sleep lies after its first boundary.
+    assert phases["start"] > 0, phases
+    assert phases["init_process_group"] + phases["build"] + phases["load"] > 0, phases
+    assert phases["first_step"] >= 0.3, phases
 
 
 def test_phase_split_sums_to_the_recovery_and_absorbs_clock_skew() -> None:
