@@ -4,20 +4,24 @@ went."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 
-from d9d.cluster import TrainingJob
+from d9d.cluster import TrainingJob, checkpoints
 from d9d.cluster.control.recovery import DETECT, PHASES, split
 from d9d.cluster.names import NAMESPACE, rank_name
 from d9d.cluster.rank import SETUP_BUILD, SETUP_LOAD, SETUP_PROCESS_GROUP, rank_log_path, setup_marks
 from d9d.cluster.spec import build_job
-from d9d.engine.runtime import MetricPoint
+from d9d.engine.checkpoint import step_dir_name
+from d9d.engine.runtime import CheckpointFile, MetricPoint, RankCheckpointReport
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 
 STEPS = 10
@@ -128,3 +132,48 @@ def test_setup_point_gives_back_the_rank_timestamps() -> None:
         None,
     )
     assert setup_marks(MetricPoint(4, 0, {"loss": 1.0}, "train", 10.0)) is None
+
+
+def test_clearing_uncommitted_steps_waits_for_a_commit_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm restart clears uncommitted steps within milliseconds of the failure, while the failed
+    attempt's commit may still be running in its thread: the clear must not delete the files under it."""
+    data = b"shard" * 10
+    step_dir = tmp_path / step_dir_name(4)
+    step_dir.mkdir()
+    (step_dir / "shard.pt").write_bytes(data)
+    report = RankCheckpointReport(
+        4, 0, step_dir, (CheckpointFile("shard.pt", len(data), hashlib.sha256(data).hexdigest()),)
+    )
+    store = checkpoints.CheckpointStore(tmp_path, keep_last=2)
+    entered, release = threading.Event(), threading.Event()
+    real_commit = checkpoints.commit
+
+    def held_commit(*args: Any, **kwargs: Any) -> Path:
+        entered.set()
+        release.wait(30)
+        return real_commit(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoints, "commit", held_commit)
+    outcome: list[object] = []
+
+    def run_commit() -> None:
+        try:
+            outcome.append(store.commit(4, [report], 1))
+        except Exception as e:
+            outcome.append(e)
+
+    committing = threading.Thread(target=run_commit)
+    committing.start()
+    assert entered.wait(30)
+    clearing = threading.Thread(target=store.clear_uncommitted)
+    clearing.start()
+    clearing.join(0.3)  # without the lock the clear is done by now, deleting the step under the commit
+    release.set()
+    committing.join(30)
+    clearing.join(30)
+
+    assert outcome == [step_dir]
+    latest = store.latest()
+    assert latest is not None and latest.step == 4 and (step_dir / "shard.pt").read_bytes() == data
