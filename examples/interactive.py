@@ -1,5 +1,6 @@
 """Drive a training run from a Ray client the way a notebook user would: start a tiny Qwen3-MoE on two CPU
-rank actors, watch its metrics, pause it, force a checkpoint, change the learning rate, resume, stop.
+rank actors, watch its metrics, pause it, force a checkpoint, put it to sleep (its training state in host
+memory) and wake it, change the learning rate, resume, stop.
 
     python examples/interactive.py                              # a local Ray instance
     python examples/interactive.py --address ray://HEAD:10001   # a cluster (or set RAY_ADDRESS)
@@ -139,7 +140,17 @@ def main() -> int:
         saved = watch.until("the checkpoint", lambda s: s.latest_checkpoint_step == paused.step)
         check(saved.state is JobState.PAUSED, f"checkpoint of step {paused.step} committed while paused")
 
-        # -- cell 4: a new learning rate, then resume ---------------------------------------------------
+        # -- cell 4: sleep and wake, still paused -------------------------------------------------------
+        # Asleep, the ranks hold their parameters, gradients and optimizer state in (pinned) host memory and
+        # the devices are free for something else; waking restores them bit for bit.
+        job.sleep()
+        asleep = watch.until("the sleep", lambda s: s.asleep)
+        check(asleep.state is JobState.PAUSED, f"asleep at step {asleep.step}: training state in host memory")
+        job.wake()
+        awake = watch.until("the wake", lambda s: not s.asleep)
+        check(awake.state is JobState.PAUSED and awake.step == paused.step, "awake, still paused")
+
+        # -- cell 5: a new learning rate, then resume ---------------------------------------------------
         job.update(lr=NEW_LR)
         time.sleep(1.0)  # let the paused ranks pick the update up on its own (they poll a few times a second)
         job.resume()
@@ -154,7 +165,7 @@ def main() -> int:
             f"learning rate {LR:g} before the update, {NEW_LR:g} after",
         )
 
-        # -- cell 5: stop and read the result -----------------------------------------------------------
+        # -- cell 6: stop and read the result -----------------------------------------------------------
         job.stop()
         summary = job.result(timeout=120)
         watch.drain(0.0)

@@ -88,3 +88,37 @@ def test_real_engine_survives_a_rank_loss_while_paused(tmp_path: Path) -> None:
     assert summary.status == "finished", summary.error
     assert summary.restarts == 1 and summary.resumed_from[1] is not None and summary.resumed_from[1] % 5 == 0
     assert [summary.losses[s] for s in range(1, STEPS + 1)] == reference
+
+
+def test_sleep_and_wake_through_the_client(tmp_path: Path) -> None:
+    """pause → sleep → wake (still paused) → resume, on the real engine: the losses are those of a run that
+    never slept, and the status and metrics say what the ranks did."""
+
+    def config(run_dir: Path) -> dict[str, Any]:
+        raw = _engine_config(run_dir)
+        return {**raw, "run": {**raw["run"], "name": "engine-sleep"}, "mesh": {}}
+
+    run_distributed(_bare, 1, config(tmp_path / "bare"), timeout=120)
+    reference = torch.load(tmp_path / "bare" / "losses.pt")
+
+    job = TrainingJob(build_job(config(tmp_path / "ray"))).start()
+    _wait(job, lambda s: s.step >= 3)
+    job.pause()
+    paused = _wait(job, lambda s: s.state is JobState.PAUSED)
+    assert paused.step < STEPS and not paused.asleep, "the run finished before it could be paused"
+    job.sleep()
+    asleep = _wait(job, lambda s: s.asleep)
+    assert asleep.state is JobState.PAUSED and asleep.step == paused.step
+    job.wake()
+    awake = _wait(job, lambda s: not s.asleep)
+    assert awake.state is JobState.PAUSED and awake.step == paused.step  # awake, still paused
+    job.resume()
+    summary = job.result(timeout=180)
+
+    assert summary.status == "finished", summary.error
+    assert [summary.losses[s] for s in range(1, STEPS + 1)] == reference
+    points, _ = job.poll_metrics(0.0)
+    sleeps = [p for p in points if p.kind == "health" and "asleep" in p.values]
+    assert [(p.step, p.values["asleep"]) for p in sleeps] == [(paused.step, 1.0), (paused.step, 0.0)]
+    assert sleeps[0].values["offloaded_bytes"] > 0
+    assert not job.status().asleep

@@ -223,6 +223,29 @@ def test_mailbox_hands_out_a_resize_once() -> None:
     assert box.take_resize() is None
 
 
+def test_mailbox_sleep_implies_pause_wake_stays_paused_resume_runs() -> None:
+    box = CommandMailbox()
+    box.post(Command(CommandKind.SLEEP))
+    assert box.paused and box.asleep
+    box.post(Command(CommandKind.WAKE))
+    assert box.paused and not box.asleep
+    box.post(Command(CommandKind.SLEEP))
+    box.post(Command(CommandKind.RESUME))
+    assert not box.paused and not box.asleep
+
+
+def test_metrics_hub_tracks_what_rank_0_reported_about_sleep() -> None:
+    hub = MetricsHub(MetricsWriter(lambda: _Sink(), min_interval_s=0.0))
+    hub.add(_point(3, 1, "health", asleep=1.0))  # another rank's point is not the job's state
+    assert not hub.asleep
+    hub.add(_point(3, 0, "health", asleep=1.0, offloaded_bytes=64.0))
+    assert hub.asleep
+    hub.add(_point(3, 0, "health", paused=1.0))
+    assert hub.asleep
+    hub.add(_point(3, 0, "health", asleep=0.0, wake_s=0.1))
+    assert not hub.asleep
+
+
 # -- health checks ------------------------------------------------------------------------------------------
 
 LIMITS = Limits(step_timeout_s=10.0, init_timeout_s=60.0, heartbeat_timeout_s=5.0)

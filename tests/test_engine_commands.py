@@ -12,6 +12,8 @@ PAUSE = Command(CommandKind.PAUSE)
 RESUME = Command(CommandKind.RESUME)
 STOP = Command(CommandKind.STOP)
 CHECKPOINT = Command(CommandKind.CHECKPOINT_NOW)
+SLEEP = Command(CommandKind.SLEEP)
+WAKE = Command(CommandKind.WAKE)
 
 
 def update(lr: float) -> Command:
@@ -43,8 +45,16 @@ class Recorder:
     def resumed(self) -> None:
         self.calls.append("resumed")
 
+    def sleep(self) -> None:
+        self.calls.append("sleep")
 
-def run(batches: Sequence[Sequence[Command]], target: Recorder) -> tuple[bool, int]:
+    def wake(self) -> None:
+        self.calls.append("wake")
+
+
+def run(
+    batches: Sequence[Sequence[Command]], target: Recorder, handler: list[CommandHandler] | None = None
+) -> tuple[bool, int]:
     """Handle one boundary; return (run the next step?, how many batches were read)."""
     queue = list(batches)
     reads = 0
@@ -56,7 +66,10 @@ def run(batches: Sequence[Sequence[Command]], target: Recorder) -> tuple[bool, i
         assert queue, "the handler polled after the script ended: it should have returned"
         return queue.pop(0)
 
-    go_on = CommandHandler(receive, target, poll_s=0.5, sleep=sleeps.append).at_boundary()
+    made = CommandHandler(receive, target, poll_s=0.5, sleep=sleeps.append)
+    if handler is not None:
+        handler.append(made)
+    go_on = made.at_boundary()
     assert sleeps == [0.5] * (reads - 1)  # it waits between polls, never before the first
     return go_on, reads
 
@@ -116,3 +129,45 @@ def test_last_of_pause_and_resume_in_one_batch_wins() -> None:
     target = Recorder()
     assert run([[PAUSE], [RESUME, PAUSE]], target) == (True, 2)
     assert target.calls == ["paused", "resumed"]
+
+
+def test_sleep_pauses_first_then_wake_stays_paused_until_resume() -> None:
+    target = Recorder()
+    made: list[CommandHandler] = []
+    assert run([[SLEEP], [], [WAKE], [], [RESUME]], target, made) == (True, 5)
+    assert target.calls == ["paused", "sleep", "wake", "resumed"]
+    assert not made[0].asleep
+
+
+def test_resume_and_stop_wake_a_sleeping_run_first() -> None:
+    target = Recorder()
+    assert run([[PAUSE], [SLEEP], [update(0.1), RESUME]], target) == (True, 3)
+    assert target.calls == ["paused", "sleep", "update {'lr': 0.1}", "wake", "resumed"]
+    target = Recorder()
+    assert run([[SLEEP], [STOP]], target) == (False, 2)
+    assert target.calls == ["paused", "sleep", "wake"]  # the run's end saves from the device
+
+
+def test_checkpoint_requested_while_asleep_is_saved_at_the_wake() -> None:
+    target = Recorder()
+    assert run([[SLEEP], [CHECKPOINT], [], [WAKE], [RESUME]], target) == (True, 5)
+    assert target.calls == ["paused", "sleep", "wake", "save@3", "resumed"]
+    # Requested with the sleep: saved first, then the state goes to the host.
+    target = Recorder()
+    assert run([[SLEEP, CHECKPOINT], [RESUME]], target) == (True, 2)
+    assert target.calls == ["save@3", "paused", "sleep", "wake", "resumed"]
+
+
+def test_last_of_sleep_and_wake_in_one_batch_wins() -> None:
+    target = Recorder()
+    assert run([[SLEEP, WAKE], [RESUME]], target) == (True, 2)
+    assert target.calls == ["paused", "resumed"]  # paused, never asleep
+    target = Recorder()
+    assert run([[SLEEP, RESUME]], target) == (True, 1)
+    assert target.calls == []
+    target = Recorder()
+    assert run([[PAUSE], [RESUME, SLEEP], [SLEEP], [WAKE, SLEEP], [RESUME]], target) == (True, 5)
+    assert target.calls == ["paused", "sleep", "wake", "resumed"]  # one sleep, one wake
+    target = Recorder()
+    assert run([[WAKE]], target) == (True, 1)  # waking a run that is not asleep does nothing
+    assert target.calls == []

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from d9d.core.storage import Location, remove_tree
 from d9d.engine.checkpoint import (
     CheckpointError,
     OnDamaged,
@@ -39,7 +39,7 @@ _log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CommittedStep:
     step: int
-    path: Path
+    path: Location
     files: tuple[CheckpointFile, ...]
 
 
@@ -53,7 +53,7 @@ class _Incoming:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, keep_last: int, on_damaged: OnDamaged = "fallback") -> None:
+    def __init__(self, root: Location, keep_last: int, on_damaged: OnDamaged = "fallback") -> None:
         self.root = root
         self.keep_last = keep_last
         self.on_damaged: OnDamaged = on_damaged
@@ -75,7 +75,7 @@ class CheckpointStore:
         )
         return CommittedStep(int(manifest["step"]), step_dir, files)
 
-    def commit(self, step: int, reports: Sequence[RankCheckpointReport], world_size: int) -> Path:
+    def commit(self, step: int, reports: Sequence[RankCheckpointReport], world_size: int) -> Location:
         """Check every rank's report against the stored files, then write the manifest and move `latest`.
 
         Files uploaded through the coordinator were hashed as their chunks arrived; files the ranks wrote
@@ -84,7 +84,7 @@ class CheckpointStore:
         with self._commit_lock:
             return self._commit(step, reports, world_size)
 
-    def _commit(self, step: int, reports: Sequence[RankCheckpointReport], world_size: int) -> Path:
+    def _commit(self, step: int, reports: Sequence[RankCheckpointReport], world_size: int) -> Location:
         ranks = sorted(r.rank for r in reports)
         if ranks != list(range(world_size)):
             missing = sorted(set(range(world_size)) - set(ranks))
@@ -121,11 +121,15 @@ class CheckpointStore:
         newest = selection.step_dir
         for path in self.root.glob("step-*"):
             if path.is_dir() and not is_committed(path) and (newest is None or path.name > newest.name):
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree(path)
 
     # -- coordinator-storage mode ----------------------------------------------------------------------
 
     def _file(self, step: int, relative_path: str) -> Path:
+        if not isinstance(self.root, Path):  # build_job refuses this combination; a store has no chunks
+            raise CheckpointError(
+                f"coordinator storage keeps checkpoints on the coordinator, not {self.root}"
+            )
         path = (self.root / step_dir_name(step) / relative_path).resolve()
         if not path.is_relative_to(self.root.resolve()):
             raise CheckpointError(f"checkpoint file {relative_path!r} escapes the checkpoint directory")

@@ -203,6 +203,17 @@ class TrainingJob:
     def resume(self) -> None:
         self._send(Command(CommandKind.RESUME))
 
+    def sleep(self) -> None:
+        """Pause at the next step boundary, then move every rank's parameters, gradients and optimizer
+        state to host memory (pinned on CUDA) and empty the CUDA caching allocator: the devices are free
+        for something else. `status()` says `state=paused, asleep=True` once the state is on the host."""
+        self._send(Command(CommandKind.SLEEP))
+
+    def wake(self) -> None:
+        """Bring a sleeping run's state back to the devices, bit for bit; the run stays paused until
+        `resume()` (which also wakes a sleeping run by itself, as `stop()` does before the run ends)."""
+        self._send(Command(CommandKind.WAKE))
+
     def checkpoint_now(self) -> None:
         self._send(Command(CommandKind.CHECKPOINT_NOW))
 
@@ -268,13 +279,13 @@ class TrainingJob:
             launch_id=self._launch_id,
             ended_at=time.time(),
         )
-        recorded = launch_record(spec.run_dir, self._launch_id) if self._launch_id else None
+        recorded = launch_record(spec.storage_root, self._launch_id) if self._launch_id else None
         if recorded is not None and JobState(recorded.status).terminal:
             # It ended and wrote its summary first (a detached coordinator lets itself go after linger_s).
             self._lost = recorded
             return
         if self._launch_id:
-            record_launch(spec.run_dir, summary)
+            record_launch(spec.storage_root, summary)
         _log.error("run %s: %s (%d placement groups removed)", spec.run_name, COORDINATOR_LOST, removed)
         self._lost = summary
 

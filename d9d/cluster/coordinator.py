@@ -78,6 +78,7 @@ class Coordinator:
             last_loss=self._metrics.last_loss,
             last_failure=c.failures.failures[-1] if c.failures.failures else None,
             error=c.summary.error,
+            asleep=self._metrics.asleep and not c.machine.state.terminal,
         )
 
     async def send(self, command: Command) -> None:

@@ -211,8 +211,10 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
                 elif point.rank == CLUSTER_RANK:
                     display.line(", ".join(f"{k} {v:.4g}" for k, v in point.values.items()))
             status = job.status()
-            if last is None or status.state != last.state:
+            if last is None or status.state != last.state or status.asleep != last.asleep:
                 text = f"run {status.run_name}: {status.state.value}"
+                if status.asleep:
+                    text += " (asleep: training state in host memory)"
                 if status.state is JobState.RUNNING:
                     text += (
                         f" (attempt {status.attempt}, {status.world_size} ranks, dp {status.data_parallel})"

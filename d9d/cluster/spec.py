@@ -18,6 +18,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from d9d.cluster.config import ENGINE_ENTRYPOINT, ClusterConfig, CoordinatorStorage
 from d9d.cluster.elastic import WorldPlan, plan_for, valid_plans
+from d9d.cluster.reach import check_submitted_paths
+from d9d.core.storage import Location, is_uri
 from d9d.engine.config import (
     ConfigError,
     TrainConfig,
@@ -43,7 +45,12 @@ class JobSpec:
         return self.train.run_dir
 
     @property
-    def checkpoint_dir(self) -> Path:
+    def storage_root(self) -> Location:
+        """The run's durable files: checkpoints and `run_summary.json` (`run.storage`, else run.dir)."""
+        return self.train.storage_root
+
+    @property
+    def checkpoint_dir(self) -> Location:
         """Where committed checkpoints live (on the coordinator's node in coordinator-storage mode)."""
         return self.train.checkpoint_dir
 
@@ -123,12 +130,22 @@ def build_job(data: dict[str, Any], *, num_workers: int | None = None, cpu: bool
     train = parse_config(data, check_components=cluster.entrypoint == ENGINE_ENTRYPOINT)
     absolute = train.model_dump(mode="json")
     absolute["run"]["dir"] = str(train.run_dir.resolve())
-    absolute["checkpointing"]["dir"] = str(train.checkpoint_dir.resolve())
+    if isinstance(train.checkpoint_dir, Path):
+        absolute["checkpointing"]["dir"] = str(train.checkpoint_dir.resolve())
+    elif isinstance(cluster.storage, CoordinatorStorage):
+        raise ConfigError(
+            f"run.storage {train.checkpoint_dir.parent} is an object store, and cluster.storage.kind="
+            "coordinator keeps checkpoints on the coordinator's node: use one or the other"
+        )
+    storage = train.run.storage
+    if storage is not None and not is_uri(storage.uri):
+        absolute["run"]["storage"]["uri"] = str(Path(storage.uri).expanduser().resolve())
     if train.run.resume_from is not None:
         absolute["run"]["resume_from"] = str(train.run.resume_from.resolve())
     if train.checkpointing.export_hf_dir is not None:
         absolute["checkpointing"]["export_hf_dir"] = str(train.checkpointing.export_hf_dir.resolve())
     spec = JobSpec(cluster=cluster, train=parse_config(absolute, check_components=False))
+    check_submitted_paths()
     _check_world_sizes(spec)
     try:
         check_tracker(tracker_config(spec), spec.run_dir)

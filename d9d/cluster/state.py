@@ -7,10 +7,9 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from d9d.core.files import atomic_write_text
+from d9d.core.storage import Location, move_tree, write_text
 
 SUMMARY_FILE = "run_summary.json"
 _log = logging.getLogger(__name__)
@@ -78,6 +77,8 @@ class JobStatus:
     last_loss: float | None
     last_failure: str | None = None
     error: str | None = None
+    # The ranks' training state is in host memory (`TrainingJob.sleep`); the state is then PAUSED.
+    asleep: bool = False
 
 
 @dataclass
@@ -118,7 +119,7 @@ class RunSummary:
         return cls(**values)
 
 
-def read_launches(path: Path) -> list[dict[str, Any]] | None:
+def read_launches(path: Location) -> list[dict[str, Any]] | None:
     """The launch records of a `run_summary.json` (an older file without `launches` is one record); None
     when the file exists but cannot be read."""
     try:
@@ -135,7 +136,7 @@ def read_launches(path: Path) -> list[dict[str, Any]] | None:
     return [data]
 
 
-def record_launch(run_dir: Path, summary: RunSummary) -> None:
+def record_launch(run_dir: Location, summary: RunSummary) -> None:
     """Add (or update) this launch's record in `run_dir/run_summary.json`.
 
     Every launch keeps its own record under `launches`, so a failed relaunch never erases what an earlier
@@ -146,9 +147,9 @@ def record_launch(run_dir: Path, summary: RunSummary) -> None:
     record = summary.to_json()
     launches = read_launches(path)
     if launches is None:
-        aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
+        aside = path.parent / f"{path.name}.unreadable-{int(time.time())}"
         _log.warning("%s cannot be read; moved to %s", path, aside.name)
-        path.replace(aside)
+        move_tree(path, aside)
         launches = []
     for i, old in enumerate(launches):
         if summary.launch_id and old.get("launch_id") == summary.launch_id:
@@ -156,10 +157,10 @@ def record_launch(run_dir: Path, summary: RunSummary) -> None:
             break
     else:
         launches.append(record)
-    atomic_write_text(path, json.dumps({**record, "launches": launches}, indent=1))
+    write_text(path, json.dumps({**record, "launches": launches}, indent=1))
 
 
-def launch_record(run_dir: Path, launch_id: str) -> RunSummary | None:
+def launch_record(run_dir: Location, launch_id: str) -> RunSummary | None:
     """This launch's record in `run_summary.json`, if it has one."""
     for record in read_launches(run_dir / SUMMARY_FILE) or []:
         if record.get("launch_id") == launch_id:

@@ -15,7 +15,9 @@ from ray.job_submission import JobStatus as RayJobStatus
 from ray.job_submission import JobSubmissionClient
 
 from d9d.cluster.names import NAMESPACE
+from d9d.cluster.reach import pin_relative_paths
 from d9d.cluster.spec import load_job
+from d9d.engine.config import apply_overrides, read_config_file
 
 RUN_KEY = "d9d_run"
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -55,6 +57,7 @@ def submit(
 ) -> Submission:
     """Validate the job here, then run `d9d train` on the cluster with `working_dir` uploaded."""
     spec = load_job(config, overrides, num_workers=num_workers, cpu=cpu)
+    pinned = pin_relative_paths(apply_overrides(read_config_file(config), overrides), spec)
     root = (working_dir or Path.cwd()).resolve()
     try:
         relative = config.resolve().relative_to(root)
@@ -63,7 +66,7 @@ def submit(
             f"config {config} is not inside the working directory {root}; pass --working-dir"
         ) from None
     command = ["python", "-m", "d9d.cli.main", "train", str(relative)]
-    for item in overrides:
+    for item in [*overrides, *pinned.overrides]:
         command += ["--set", item]
     if num_workers is not None:
         command += ["--num-workers", str(num_workers)]
@@ -72,7 +75,10 @@ def submit(
     client = JobSubmissionClient(address)
     submission_id = client.submit_job(
         entrypoint=shlex.join(command),
-        runtime_env={"working_dir": str(root), "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}},
+        runtime_env={
+            "working_dir": str(root),
+            "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), **pinned.env},
+        },
         metadata={RUN_KEY: spec.run_name},
         submission_id=f"d9d-{spec.run_name}-{int(time.time() * 1000)}",
     )

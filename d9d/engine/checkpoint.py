@@ -12,6 +12,10 @@ Layout under the checkpoint root:
     latest                # name of the last committed step directory (replaced atomically)
     damaged/              # damaged commits moved out of the way (never deleted, never written into)
 
+The root is a `d9d.core.storage.Location`: a local directory, or an object store URI (`run.storage`), where
+every file is one PUT and there is no rename; the order below (files, then the manifest, then `latest`) is
+the whole commit protocol there.
+
 A step is committed once its manifest exists, and the manifest is written only after every rank reported
 its files. A crash in the middle of a save therefore leaves the previous commit as the newest; the
 half-written directory is removed when that step is saved again.
@@ -37,7 +41,6 @@ import hashlib
 import io
 import json
 import logging
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,16 +63,16 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from d9d.core.context import DistributedContext
 from d9d.core.dist_ops import all_gather_object, gather_object
-from d9d.core.files import atomic_write_bytes, atomic_write_text
+from d9d.core.storage import AnyLocation, Location, move_tree, remove_tree, write_file, write_text
 from d9d.engine.checkpoint_io import (
     METADATA,
-    HashingWriter,
     SafeLoadPlanner,
-    SafeReader,
     WrittenFile,
     hashed_bytes,
+    hashing_writer,
     load_state_file,
     read_dcp_metadata,
+    safe_reader,
 )
 from d9d.engine.checkpoint_io import CheckpointError as CheckpointError  # re-exported: the engine's error
 from d9d.engine.checkpoint_io import UnsafeCheckpointError as UnsafeCheckpointError
@@ -96,7 +99,7 @@ def rank_state_name(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def sha256_of(path: Path) -> str:
+def sha256_of(path: Location) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -104,7 +107,7 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_latest(root: Path) -> Path | None:
+def read_latest(root: AnyLocation) -> AnyLocation | None:
     """The committed step directory named by `latest`, or None when there is no `latest`."""
     pointer = root / LATEST
     if not pointer.exists():
@@ -117,16 +120,16 @@ def read_latest(root: Path) -> Path | None:
     return step_dir
 
 
-def is_committed(step_dir: Path) -> bool:
+def is_committed(step_dir: Location) -> bool:
     return (step_dir / MANIFEST).is_file()
 
 
-def committed_steps(root: Path) -> list[Path]:
+def committed_steps(root: Location) -> list[Location]:
     """Step directories with a manifest, oldest first."""
     return sorted(p for p in root.glob("step-*") if p.is_dir() and is_committed(p))
 
 
-def commit(root: Path, step: int, reports: Sequence[RankCheckpointReport], keep_last: int) -> Path:
+def commit(root: Location, step: int, reports: Sequence[RankCheckpointReport], keep_last: int) -> Location:
     """Check every rank's files are there at their reported sizes, write the manifest, move `latest`,
     prune old steps. The hashes are the ones the ranks computed while writing: nothing is read back."""
     step_dir = root / step_dir_name(step)
@@ -138,13 +141,14 @@ def commit(root: Path, step: int, reports: Sequence[RankCheckpointReport], keep_
                 raise CheckpointError(f"rank {report.rank}: {path} is missing or not {f.size_bytes} bytes")
             files[f.relative_path] = {"rank": report.rank, "size": f.size_bytes, "sha256": f.sha256}
     manifest = {"step": step, "ranks": sorted(r.rank for r in reports), "files": files}
-    atomic_write_text(step_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), fsync=True)
-    atomic_write_text(root / LATEST, step_dir.name, fsync=True)
+    # Written last, in this order: on an object store (no rename) these two writes are the commit.
+    write_text(step_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    write_text(root / LATEST, step_dir.name)
     prune(root, keep_last)
     return step_dir
 
 
-def prune(root: Path, keep_last: int) -> None:
+def prune(root: Location, keep_last: int) -> None:
     """Keep the newest `keep_last` committed steps; drop older committed and uncommitted step dirs."""
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
     committed = [p for p in steps if is_committed(p)]
@@ -154,17 +158,17 @@ def prune(root: Path, keep_last: int) -> None:
         if p in keep:
             continue
         if is_committed(p) or (newest is not None and p.name < newest.name):
-            shutil.rmtree(p, ignore_errors=True)
+            remove_tree(p)
 
 
 # -- verification ------------------------------------------------------------------------------------------
 
 # Directories verified by this process, keyed by the stat of the manifest and of every file it lists: a
 # rank that verified a commit while choosing it does not hash it again when it loads it.
-_verified: dict[Path, tuple[tuple[str, int, int], ...]] = {}
+_verified: dict[Location, tuple[tuple[str, int, int], ...]] = {}
 
 
-def _stat_key(step_dir: Path, names: Sequence[str]) -> tuple[tuple[str, int, int], ...]:
+def _stat_key(step_dir: Location, names: Sequence[str]) -> tuple[tuple[str, int, int], ...]:
     key = []
     for name in (MANIFEST, *names):
         st = (step_dir / name).stat()
@@ -172,7 +176,7 @@ def _stat_key(step_dir: Path, names: Sequence[str]) -> tuple[tuple[str, int, int
     return tuple(key)
 
 
-def read_manifest(step_dir: Path) -> dict[str, Any]:
+def read_manifest(step_dir: Location) -> dict[str, Any]:
     path = step_dir / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -188,7 +192,7 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
     return result
 
 
-def verify_manifest(step_dir: Path) -> dict[str, Any]:
+def verify_manifest(step_dir: Location) -> dict[str, Any]:
     """Check every file of a committed step against its manifest (size, then sha256); return the manifest.
 
     Costs one sequential read and hash of the step directory, once per process: ~1.7 s per GiB measured
@@ -222,13 +226,13 @@ def verify_manifest(step_dir: Path) -> dict[str, Any]:
 class Selection:
     """The commit to resume from, and what was passed over on the way (each with the reason)."""
 
-    step_dir: Path | None
+    step_dir: Location | None
     step: int
-    skipped: tuple[tuple[Path, str], ...] = ()
+    skipped: tuple[tuple[Location, str], ...] = ()
     warnings: tuple[str, ...] = ()
 
 
-def select_commit(root: Path, on_damaged: OnDamaged = "fallback") -> Selection:
+def select_commit(root: Location, on_damaged: OnDamaged = "fallback") -> Selection:
     """The newest committed step whose files verify.
 
     `latest` is a hint: when it is missing, unreadable or names something else, the newest verified commit
@@ -250,7 +254,7 @@ def select_commit(root: Path, on_damaged: OnDamaged = "fallback") -> Selection:
                 warnings.append(f"{pointer} names {named!r}, which is not a committed step directory")
     elif commits:
         warnings.append(f"{pointer} is missing; looking for the newest verified commit")
-    skipped: list[tuple[Path, str]] = []
+    skipped: list[tuple[Location, str]] = []
     for step_dir in reversed(commits):
         try:
             manifest = verify_manifest(step_dir)
@@ -279,11 +283,10 @@ def select_commit(root: Path, on_damaged: OnDamaged = "fallback") -> Selection:
     return Selection(None, 0, (), tuple(warnings))
 
 
-def quarantine(step_dir: Path) -> Path:
+def quarantine(step_dir: Location) -> Location:
     """Move a damaged commit out of the step sequence (kept for inspection, never written into)."""
     target = step_dir.parent / DAMAGED / f"{step_dir.name}-{time.strftime('%Y%m%dT%H%M%S')}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    step_dir.rename(target)
+    move_tree(step_dir, target)
     return target
 
 
@@ -350,7 +353,7 @@ class Checkpointer:
     def __init__(
         self,
         ctx: DistributedContext,
-        root: Path,
+        root: Location,
         reporter: RunReporter,
         trainable_only: bool = False,
         identity: RunIdentity | None = None,
@@ -363,13 +366,13 @@ class Checkpointer:
         self.identity = identity
         self.train_config = train_config
 
-    def _prepare(self, step_dir: Path) -> str | None:
+    def _prepare(self, step_dir: Location) -> str | None:
         """Main rank: make `step_dir` writable, or say why it must not be written."""
         self.root.mkdir(parents=True, exist_ok=True)
         if not step_dir.exists():
             return None
         if not is_committed(step_dir):
-            shutil.rmtree(step_dir)  # leftovers of an interrupted save of the same step
+            remove_tree(step_dir)  # leftovers of an interrupted save of the same step
             return None
         try:
             verify_manifest(step_dir)
@@ -388,14 +391,14 @@ class Checkpointer:
         stages: StageOptimizers,
         engine_state: Mapping[str, Any],
         rank_state: Mapping[str, Any],
-    ) -> Path:
+    ) -> Location:
         step_dir = self.root / step_dir_name(step)
         problem = self._prepare(step_dir) if self.ctx.is_main_process else None
         problems = all_gather_object(problem) if self.ctx.is_distributed else [problem]
         refusal = next((p for p in problems if p is not None), None)
         if refusal is not None:
             raise CheckpointError(refusal)
-        writer = HashingWriter(step_dir)
+        writer = hashing_writer(step_dir)
         dcp_save(
             {"app": _ModelAndOptimizerState(stages, self.trainable_only)},
             checkpoint_id=str(step_dir),
@@ -410,7 +413,7 @@ class Checkpointer:
             if self.train_config is not None:
                 own[TRAIN_CONFIG] = (json.dumps(self.train_config, indent=1) + "\n").encode()
         for name, data in own.items():
-            atomic_write_bytes(step_dir / name, data, fsync=True)
+            write_file(step_dir / name, data)
             files[name] = hashed_bytes(data)
         report = RankCheckpointReport(
             step=step,
@@ -426,10 +429,10 @@ class Checkpointer:
         self.ctx.barrier()
         return step_dir
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Location | None:
         return self.reporter.latest_checkpoint()
 
-    def load_engine_state(self, step_dir: Path) -> dict[str, Any]:
+    def load_engine_state(self, step_dir: Location) -> dict[str, Any]:
         state = load_state_file(step_dir / ENGINE_STATE)
         if not isinstance(state, dict):
             raise CheckpointError(f"{step_dir / ENGINE_STATE} holds a {type(state).__name__}, not a mapping")
@@ -437,7 +440,7 @@ class Checkpointer:
 
     def load(
         self,
-        step_dir: Path,
+        step_dir: Location,
         stages: StageOptimizers,
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Restore model + optimizer in place; return (engine state, this rank's state or None).
@@ -451,7 +454,7 @@ class Checkpointer:
             dcp_load(
                 {"app": _ModelAndOptimizerState(stages, self.trainable_only)},
                 checkpoint_id=str(step_dir),
-                storage_reader=SafeReader(step_dir),
+                storage_reader=safe_reader(step_dir),
                 planner=SafeLoadPlanner(),
             )
         except (Exception, CheckpointException) as e:
@@ -468,7 +471,7 @@ class LocalRunReporter:
 
     def __init__(
         self,
-        checkpoint_root: Path,
+        checkpoint_root: Location,
         keep_last: int,
         metrics_sink: Any | None = None,
         on_damaged: OnDamaged = "fallback",
@@ -491,5 +494,5 @@ class LocalRunReporter:
     def commit_checkpoint(self, step: int, reports: Sequence[RankCheckpointReport]) -> None:
         commit(self.root, step, reports, self.keep_last)
 
-    def latest_checkpoint(self) -> Path | None:
+    def latest_checkpoint(self) -> Location | None:
         return select_commit(self.root, self.on_damaged).step_dir

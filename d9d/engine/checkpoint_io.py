@@ -29,6 +29,8 @@ from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (
@@ -39,6 +41,8 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.serialization import _get_layout
+
+from d9d.core.storage import Location, StoragePath
 
 METADATA = ".metadata"
 
@@ -129,6 +133,71 @@ class _HashingFileSystem(FileSystem):
                 self.written[Path(new_path).name] = record
 
 
+class _StorageFileSystem(FsspecFileSystem):
+    """DCP's fsspec file system bound to a `StoragePath`'s configured store. DCP re-initializes its path on
+    every save and load (`reset(checkpoint_id)`), which builds the file system from the URI alone and so
+    would drop the storage options (endpoint, credentials); this one keeps them."""
+
+    def __init__(self, path: StoragePath) -> None:
+        super().__init__()
+        self.fs = path.storage.fs
+
+    def init_path(self, path: str | os.PathLike[str], **kwargs: Any) -> str | os.PathLike[str]:
+        return path
+
+
+class _HashingFsspecFileSystem(_StorageFileSystem):
+    """The same record as `_HashingFileSystem`, for files written through fsspec (object stores)."""
+
+    def __init__(self, path: StoragePath) -> None:
+        super().__init__(path)
+        self._lock = threading.Lock()
+        self.written: dict[str, WrittenFile] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(cast(IO[bytes], raw))
+            yield stream
+            stream.flush()
+        with self._lock:
+            self.written[PurePosixPath(str(path)).name] = WrittenFile(stream.size, stream.sha256)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            record = self.written.pop(PurePosixPath(str(path)).name, None)
+            if record is not None:
+                self.written[PurePosixPath(str(new_path)).name] = record
+
+
+class HashingFsspecWriter(FsspecWriter):
+    """`HashingWriter` for a `StoragePath`: DCP's fsspec writer, hashing as it writes, never overwriting."""
+
+    def __init__(self, path: StoragePath) -> None:
+        super().__init__(str(path), overwrite=False, **dict(path.storage.options))
+        hashing = _HashingFsspecFileSystem(path)
+        self._hashing = hashing
+        self.fs = hashing  # type: ignore[assignment]  # DCP's own fsspec writer replaces `fs` the same way
+
+    @property
+    def written(self) -> dict[str, WrittenFile]:
+        return dict(self._hashing.written)
+
+
+def hashing_writer(path: Location) -> HashingWriter | HashingFsspecWriter:
+    """The hashing DCP writer for a local directory or a storage URI."""
+    match path:
+        case Path():
+            return HashingWriter(path)
+        case StoragePath():
+            return HashingFsspecWriter(path)
+
+
 class HashingWriter(FileSystemWriter):
     """DCP's file writer; refuses a directory that already holds `.metadata` (a committed or half-committed
     save is never written over) and reports what it wrote in `written`."""
@@ -198,7 +267,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         return allowed
 
 
-def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
+def read_dcp_metadata(path: Location) -> dcp_metadata.Metadata:
     """Unpickle a DCP `.metadata` file with nothing but the metadata types resolvable."""
     try:
         with path.open("rb") as f:
@@ -216,17 +285,40 @@ def read_dcp_metadata(path: Path) -> dcp_metadata.Metadata:
     return metadata
 
 
+def _safe_metadata(directory: Location, load_id: Any, kwargs: dict[str, Any]) -> dcp_metadata.Metadata:
+    rank = kwargs.get("rank")  # set only when ranks saved without collectives (own metadata files)
+    metadata = read_dcp_metadata(directory / (METADATA if rank is None else f"__{rank}{METADATA}"))
+    if metadata.storage_meta is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    metadata.storage_meta.load_id = load_id
+    return metadata
+
+
 class SafeReader(FileSystemReader):
     """DCP's file reader with `.metadata` read through the allow-list."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        rank = kwargs.get("rank")  # set only when ranks saved without collectives (own metadata files)
-        path = Path(self.path) / (METADATA if rank is None else f"__{rank}{METADATA}")
-        metadata = read_dcp_metadata(path)
-        if metadata.storage_meta is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return _safe_metadata(Path(self.path), self.load_id, kwargs)
+
+
+class SafeFsspecReader(FsspecReader):
+    """`SafeReader` for a `StoragePath` (DCP's fsspec reader, `.metadata` through the allow-list)."""
+
+    def __init__(self, path: StoragePath) -> None:
+        super().__init__(str(path), **dict(path.storage.options))
+        self.fs = _StorageFileSystem(path)  # type: ignore[assignment]  # as DCP's own fsspec reader does
+        self._location = path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        return _safe_metadata(self._location, self.load_id, kwargs)
+
+
+def safe_reader(path: Location) -> SafeReader | SafeFsspecReader:
+    match path:
+        case Path():
+            return SafeReader(path)
+        case StoragePath():
+            return SafeFsspecReader(path)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -245,10 +337,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def load_state_file(path: Path) -> Any:
+def load_state_file(path: Location) -> Any:
     """A `torch.save`d engine/rank state file, loaded weights-only (tensors, containers, numbers)."""
     try:
-        return torch.load(path, weights_only=True)
+        source = path if isinstance(path, Path) else io.BytesIO(path.read_bytes())
+        return torch.load(source, weights_only=True)
     except FileNotFoundError:
         raise UnsafeCheckpointError(f"{path} is missing") from None
     except Exception as e:

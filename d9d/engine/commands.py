@@ -3,6 +3,14 @@
 Rank 0 asks the reporter for pending commands and broadcasts them, so every rank applies the same commands
 at the same step. While paused, the ranks keep polling at the boundary (still applying updates and
 checkpoint requests) until a resume or a stop arrives.
+
+Sleep (`d9d.engine.offload`) is a deeper pause: SLEEP pauses the ranks (`paused()` is reported first) and
+then moves the training state to host memory; WAKE brings it back and leaves the ranks paused; RESUME
+wakes and runs; STOP wakes (the run's end saves and exports) and stops. Between SLEEP and WAKE/RESUME,
+the last one in a batch wins, as for PAUSE and RESUME. A checkpoint requested while asleep is saved at the
+wake: the state to save is on the host until then. States, as seen from outside: running → (PAUSE) paused
+→ (SLEEP) asleep → (WAKE) paused → (RESUME) running; SLEEP while running goes straight to asleep, RESUME
+while asleep straight to running.
 """
 
 from __future__ import annotations
@@ -40,6 +48,14 @@ class CommandTarget(Protocol):
 
     def resumed(self) -> None: ...
 
+    def sleep(self) -> None:
+        """Move the training state to host memory (the ranks are paused)."""
+        ...
+
+    def wake(self) -> None:
+        """Bring the training state back to the device."""
+        ...
+
 
 class Decision(enum.Enum):
     RUN = "run"
@@ -70,6 +86,8 @@ class CommandHandler:
         self.target = target
         self.poll_s = poll_s
         self.sleep = sleep
+        self.asleep = False  # the training state is in host memory
+        self._sleep_wanted = False  # by the last batch; acted on once the ranks are paused
 
     def at_boundary(self) -> bool:
         """Apply pending commands; wait while paused. True: run the next step; False: stop training."""
@@ -85,15 +103,21 @@ class CommandHandler:
             if not paused:
                 paused = True
                 self.target.paused()
+            if self._sleep_wanted and not self.asleep:
+                self.target.sleep()
+                self.asleep = True
             self.sleep(self.poll_s)
 
     def apply(self, commands: Sequence[Command], paused: bool) -> Decision:
         """Apply one batch in order. A pause in the batch wins over an earlier resume (and vice versa);
-        while paused, only a resume or a stop ends the pause."""
+        while paused, only a resume or a stop ends the pause. Sleeping itself waits for `at_boundary` to
+        report the pause; waking happens here, before a requested checkpoint is saved."""
         running = not paused
+        asleep = self.asleep
         for command in commands:
             match command.kind:
                 case CommandKind.STOP:
+                    self._wake()
                     return Decision.STOP
                 case CommandKind.CHECKPOINT_NOW:
                     self.target.request_checkpoint()
@@ -104,6 +128,19 @@ class CommandHandler:
                 case CommandKind.PAUSE:
                     pass  # already paused: a resume in the same batch still ends the pause
                 case CommandKind.RESUME:
-                    running = True
-        self.target.save_requested_checkpoint()
+                    running, asleep = True, False
+                case CommandKind.SLEEP:
+                    running, asleep = False, True
+                case CommandKind.WAKE:
+                    asleep = False
+        self._sleep_wanted = asleep
+        if not asleep:
+            self._wake()
+        if not self.asleep:  # asleep, a requested checkpoint waits for the wake
+            self.target.save_requested_checkpoint()
         return Decision.RUN if running else Decision.PAUSE
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.target.wake()
+            self.asleep = False

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.core.storage import Location, StorageError, location
 from d9d.engine.components import (
     AdamW,
     CausalLMTaskComponent,
@@ -26,6 +27,7 @@ from d9d.engine.components import (
     TaskComponent,
 )
 from d9d.engine.errors import ConfigError, format_validation_error
+from d9d.engine.parallel_checks import check_context_parallel, check_pipeline_parallel
 from d9d.engine.registry import ModelComponent, validate_components
 from d9d.parallel.compile import CompileConfig
 from d9d.parallel.grad_sync import GradSyncConfig
@@ -42,6 +44,33 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class StorageConfig(_Section):
+    """The durable root of runs (`run.storage`): a local or NFS directory, or an fsspec URI (`s3://bucket/
+    prefix`, `gs://...`, `memory://...`). `options` go to the fsspec file system (for S3, e.g.
+    `endpoint_url`, `key`, `secret`; credentials are better left to the environment). A run keeps its
+    checkpoints, manifests, `latest` and `run_summary.json` under `<uri>/<run.name>/`."""
+
+    uri: str = Field(min_length=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any) -> Any:
+        return {"uri": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _check_opens(self) -> Self:
+        self.root("check")
+        return self
+
+    def root(self, run_name: str) -> Location:
+        """This run's durable directory; an unknown protocol or a missing `storage` extra fails here."""
+        try:
+            return location(self.uri, self.options) / run_name
+        except StorageError as e:
+            raise ValueError(f"run.storage.uri {self.uri!r}: {e}") from None
+
+
 class RunConfig(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)
     description: str = ""
@@ -54,6 +83,8 @@ class RunConfig(_Section):
     # A committed step directory (of a run with the same identity) to start from while this run's own
     # checkpoint directory holds no commit (`--resume-from`); once the run commits, its own commits win.
     resume_from: Path | None = None
+    # The durable root for checkpoints and the run summary (`StorageConfig`); None: they stay in run.dir.
+    storage: StorageConfig | None = None
 
     @property
     def resolved_dir(self) -> Path:
@@ -248,6 +279,12 @@ class TrainConfig(_Section):
                 ) from e
         return self
 
+    @model_validator(mode="after")
+    def _check_context_parallel(self) -> Self:
+        check_context_parallel(self.mesh, self.model, self.data, self.task)
+        check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
+        return self
+
     @property
     def schedule(self) -> ScheduleConfig:
         return self.pipelining if self.pipelining is not None else OneFOneBSchedule()
@@ -257,8 +294,16 @@ class TrainConfig(_Section):
         return self.run.resolved_dir
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return self.checkpointing.dir if self.checkpointing.dir is not None else self.run_dir / "checkpoints"
+    def storage_root(self) -> Location:
+        """Where the run's durable files go: `run.storage` / run.name, or run.dir without one."""
+        storage = self.run.storage
+        return storage.root(self.run.name) if storage is not None else self.run_dir
+
+    @property
+    def checkpoint_dir(self) -> Location:
+        if self.checkpointing.dir is not None:
+            return self.checkpointing.dir
+        return self.storage_root / "checkpoints"
 
 
 __all__ = [

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
+
+from d9d.core.storage import Location
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class StepFinished:
 @dataclass(frozen=True)
 class CheckpointSaved:
     step: int
-    path: Path
+    path: Location
 
 
 @dataclass(frozen=True)

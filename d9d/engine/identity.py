@@ -18,9 +18,9 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from d9d.core.storage import Location
 from d9d.engine.config import TrainConfig
 
 IDENTITY_FILE = "identity.json"
@@ -65,7 +65,7 @@ class RunIdentity:
         return json.dumps({"fingerprint": self.fingerprint, "values": self.values}, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, source: Path) -> RunIdentity:
+    def from_json(cls, text: str, source: Location) -> RunIdentity:
         try:
             data = json.loads(text)
             values = data["values"]
@@ -103,7 +103,7 @@ def run_identity(config: TrainConfig) -> RunIdentity:
     return RunIdentity({k: v for k, v in values.items() if not _excluded(k)})
 
 
-def read_identity(step_dir: Path) -> RunIdentity | None:
+def read_identity(step_dir: Location) -> RunIdentity | None:
     """The identity a commit was written under, or None for a commit from before identities existed."""
     path = step_dir / IDENTITY_FILE
     if not path.is_file():
@@ -111,7 +111,7 @@ def read_identity(step_dir: Path) -> RunIdentity | None:
     return RunIdentity.from_json(path.read_text(), path)
 
 
-def check_identity(step_dir: Path, config: TrainConfig) -> RunIdentity | None:
+def check_identity(step_dir: Location, config: TrainConfig) -> RunIdentity | None:
     """Raise `IdentityError` listing the keys where `config` differs from the run `step_dir` belongs to;
     return the stored identity (None when the commit has none)."""
     stored = read_identity(step_dir)

@@ -4,15 +4,21 @@ The data provider yields microbatches until it returns none; the inference task 
 microbatch's outputs (`process_outputs`) and reports a globally reduced `result`. Progress (data position
 and task state) is saved every `save_period` steps under the run directory, so an interrupted evaluation
 resumes where it stopped instead of starting over.
+
+With `pipeline_parallel > 1` each step's microbatches flow through d9d.pipeline's forward-only schedule
+(`pipelining`, default `inference`); the task sees the outputs on the ranks holding the last stage, and
+the others contribute nothing to its result. With context parallelism every microbatch is split over the
+cp ranks first, as in training.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from d9d.core.context import DistributedContext
@@ -29,11 +35,16 @@ from d9d.engine.components import (
     build_inference_task,
 )
 from d9d.engine.config import DeterminismConfig, RunConfig, TimeoutsConfig, _Section
+from d9d.engine.parallel_checks import check_context_parallel, check_pipeline_parallel
 from d9d.engine.providers import DataSetup
 from d9d.engine.registry import ModelComponent, build_model
 from d9d.engine.stages import build_stages
 from d9d.parallel.compile import CompileConfig
+from d9d.parallel.context import ContextParallelGroup, shard_microbatch
 from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.runtime.executor import PipelineExecutor
+from d9d.pipeline.schedule.config import InferenceSchedule, build_schedule
+from d9d.pipeline.setup import PipelineSetup
 
 STATE_FILE = "inference_state.pt"
 
@@ -51,12 +62,39 @@ class InferenceConfig(_Section):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     # Save progress every N microbatch steps (None: never; an interrupted run starts over).
     save_period: int | None = Field(None, ge=1)
+    # The forward-only schedule when mesh.pipeline_parallel > 1 (None: `inference`, one stage per rank) ...
+    pipelining: InferenceSchedule | None = None
+    # ... and how many microbatches each step sends through it (None: pipeline_parallel, which keeps every
+    # stage busy once the pipeline is full). A step that gets fewer (the end of the data) runs those.
+    microbatches_per_step: int | None = Field(None, ge=1)
+
+    @property
+    def schedule(self) -> InferenceSchedule:
+        return self.pipelining if self.pipelining is not None else InferenceSchedule()
+
+    @property
+    def num_microbatches(self) -> int:
+        if self.microbatches_per_step is not None:
+            return self.microbatches_per_step
+        return self.mesh.pipeline_parallel
+
+    @model_validator(mode="after")
+    def _check_parallelism(self) -> Self:
+        if self.mesh.pipeline_parallel > 1:
+            try:
+                build_schedule(self.schedule, self.mesh.pipeline_parallel, self.num_microbatches)
+            except ValueError as e:
+                raise ValueError(
+                    f"pipelining ({self.schedule.kind}, mesh.pipeline_parallel="
+                    f"{self.mesh.pipeline_parallel}, microbatches_per_step={self.num_microbatches}): {e}"
+                ) from e
+        check_context_parallel(self.mesh, self.model, self.data, self.task)
+        check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
+        return self
 
 
 class Inference:
     def __init__(self, config: InferenceConfig, ctx: DistributedContext) -> None:
-        if ctx.params.pipeline_parallel != 1:
-            raise NotImplementedError("pipelined inference runs through d9d.pipeline's inference schedule")
         self.config = config
         self.ctx = ctx
         self.state_path = config.run.resolved_dir / STATE_FILE
@@ -65,24 +103,37 @@ class Inference:
         self.data = build_data(config.data)
         self.seeds = seeds
         self.module: nn.Module | None = None
+        self.pipeline: PipelineSetup | None = None
+        self.stages: dict[int, nn.Module] = {}
+        self._executors: dict[int, PipelineExecutor] = {}
+        self.cp = ContextParallelGroup.from_context(ctx) if ctx.params.context_parallel > 1 else None
+        # Tensor-parallel ranks compute the same outputs: only tp coordinate 0 gives them to the task, so a
+        # result reduced over the world counts every token once.
+        self.reports_outputs = not ctx.is_distributed or ctx.coordinates(MeshDomain.REGULAR)["tp"] == 0
         self.steps = 0
 
     def setup(self) -> None:
         c, ctx = self.config, self.ctx
         dp_size = ctx.params.data_parallel
+        microbatches = c.num_microbatches if ctx.params.pipeline_parallel > 1 else 1
         self.data.setup(
             DataSetup(
                 dp_rank=ctx.coordinates(MeshDomain.BATCH)["dp"],
                 dp_size=dp_size,
                 microbatch_size=c.microbatch_size,
-                gradient_accumulation=1,
-                global_batch_size=c.microbatch_size * dp_size,
+                gradient_accumulation=microbatches,
+                global_batch_size=c.microbatch_size * dp_size * microbatches,
                 seed=c.determinism.seed,
             )
         )
+        infos = [PipelineStageInfo()]
+        if ctx.params.pipeline_parallel > 1:
+            # Collective (P2P groups): every rank builds it at this point, as training does.
+            self.pipeline = PipelineSetup.create(ctx, c.schedule, microbatches)
+            infos = self.pipeline.local_stages
         stages = build_stages(
             build_model(c.model),
-            [PipelineStageInfo()],
+            infos,
             ctx,
             parameter_seed=self.seeds.parameters,
             compile_config=c.compile,
@@ -90,6 +141,7 @@ class Inference:
         )
         seed_everything(self.seeds.activations)
         self.module = stages.modules[0]
+        self.stages = stages.by_index
         if self.state_path.is_file():
             state: dict[str, Any] = torch.load(self.state_path, weights_only=True)
             self.steps = int(state["steps"])
@@ -114,10 +166,15 @@ class Inference:
             microbatches = self.data.next_step()
             if not self._any_rank_has(bool(microbatches)):
                 break
-            for microbatch in microbatches:
-                microbatch = tree_to(microbatch, self.ctx.device, non_blocking=True)
-                outputs = module(**self.task.forward_inputs(microbatch))
-                self.task.process_outputs(outputs, microbatch)
+            local = [self._prepare(mb) for mb in microbatches]
+            if self.pipeline is not None:
+                if local:
+                    self._pipelined(local)
+            else:
+                for microbatch in local:
+                    outputs = module(**self.task.forward_inputs(microbatch))
+                    if self.reports_outputs:
+                        self.task.process_outputs(outputs, microbatch)
             self.steps += 1
             period = self.config.save_period
             if period is not None and self.steps % period == 0:
@@ -126,6 +183,41 @@ class Inference:
         if self.ctx.is_main_process and self.state_path.exists():
             self.state_path.unlink()  # finished: a later run evaluates anew
         return result
+
+    def _prepare(self, microbatch: Any) -> Any:
+        microbatch = tree_to(microbatch, self.ctx.device, non_blocking=True)
+        if self.cp is None:
+            return microbatch
+        if not isinstance(microbatch, Mapping):
+            raise TypeError(
+                f"context parallelism splits mapping microbatches, got {type(microbatch).__name__}"
+            )
+        return shard_microbatch(microbatch, self.cp)
+
+    def _pipelined(self, microbatches: list[Any]) -> None:
+        """One forward-only pipeline step; the ranks of one pipeline read the same data, so they agree on
+        the number of microbatches (fewer than configured at the end of the data: a program for those)."""
+        setup = self.pipeline
+        assert setup is not None
+        count = len(microbatches)
+        executor = self._executors.get(count)
+        if executor is None:
+            # The same stage-to-stage channels serve any microbatch count: only the program differs.
+            executor = PipelineExecutor(
+                build_schedule(self.config.schedule, self.ctx.params.pipeline_parallel, count),
+                self.stages,
+                pp_rank=setup.pp_rank,
+                device=self.ctx.device,
+                channels=setup.channels,
+                pp_group=setup.pp_group,
+            )
+            self._executors[count] = executor
+
+        def consume(outputs: Any, microbatch: int) -> None:
+            if self.reports_outputs:
+                self.task.process_outputs(outputs, microbatches[microbatch])
+
+        executor.forward_step([self.task.forward_inputs(mb) for mb in microbatches], consume)
 
     def _any_rank_has(self, flag: bool) -> bool:
         """Ranks may run out of data at different steps (uneven shards); stop when all have."""

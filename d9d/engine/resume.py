@@ -19,9 +19,9 @@ Rules (docs/engine.md, "Resume semantics and checkpoint trust model"):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
+from d9d.core.storage import Location
 from d9d.engine.checkpoint import (
     CheckpointError,
     committed_steps,
@@ -40,7 +40,7 @@ class ResumeError(CheckpointError):
 @dataclass(frozen=True)
 class ResumeDecision:
     action: Literal["fresh", "resume", "finished"]
-    step_dir: Path | None  # the verified commit to continue from
+    step_dir: Location | None  # the verified commit to continue from
     step: int  # its step (0 when fresh)
     source: Literal["none", "own", "resume_from"]
     warnings: tuple[str, ...] = ()
@@ -68,7 +68,7 @@ def check_resume(config: TrainConfig) -> ResumeDecision:
 
 def decide_resume(
     config: TrainConfig,
-    own: Path | None,
+    own: Location | None,
     *,
     new_launch: bool,
     warnings: tuple[str, ...] = (),

@@ -9,7 +9,9 @@ Rules the engine follows (and launchers may rely on):
 - `reporter.commands()` is called only on global rank 0, once per step boundary; rank 0 broadcasts the
   result so every rank applies the same command at the same step.
 - When a PAUSE stops the ranks at a boundary, rank 0 reports a `health` point `{"paused": 1.0}` at that
-  step: launchers tell "paused" from "pause requested" by it.
+  step: launchers tell "paused" from "pause requested" by it. A SLEEP pauses the same way; once the
+  training state is in host memory rank 0 reports `{"asleep": 1.0, ...}`, and `{"asleep": 0.0, ...}` once
+  a WAKE (or a RESUME or STOP, which wake first) brought it back.
 - A checkpoint step is written by every rank into `<checkpoint_root>/step-<N>/`; each rank then calls
   `checkpoint_written` with its files (a launcher without shared storage uploads them there). After every
   rank returned from it, rank 0 gathers all reports and calls `commit_checkpoint`, which writes the manifest
@@ -24,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+from d9d.core.storage import Location
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class CommandKind(enum.StrEnum):
     CHECKPOINT_NOW = "checkpoint_now"
     UPDATE = "update"
     STOP = "stop"
+    SLEEP = "sleep"  # pause, then move the training state to host memory (d9d.engine.offload)
+    WAKE = "wake"  # bring the state back; the ranks stay paused until a RESUME
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class CheckpointFile:
 class RankCheckpointReport:
     step: int
     rank: int
-    step_dir: Path
+    step_dir: Location
     files: tuple[CheckpointFile, ...]
 
 
@@ -108,7 +114,7 @@ class RunReporter(Protocol):
         """Every rank's part of `step` is written: make it the step to resume from (rank 0 only)."""
         ...
 
-    def latest_checkpoint(self) -> Path | None:
+    def latest_checkpoint(self) -> Location | None:
         """The committed step directory to resume from, if any (every rank calls it at start-up): the newest
         commit whose files verify against its manifest (`d9d.engine.checkpoint.select_commit`)."""
         ...

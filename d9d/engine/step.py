@@ -23,6 +23,7 @@ from d9d.core.pytree import tree_map_tensors, tree_to
 from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput, TrainTask
 from d9d.parallel import clip_grad_norm_
+from d9d.parallel.context import ContextParallelGroup, shard_microbatch
 from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, collect_synced_params
 from d9d.pipeline.runtime.executor import PipelineExecutor
 
@@ -106,6 +107,29 @@ class PipelinedStepRunner:
         return result.loss_sum.detach().double(), result.weight.detach().double()
 
 
+class ContextShardedStepRunner:
+    """Context parallelism: every microbatch is split over the cp ranks (`d9d.parallel.context`) before the
+    wrapped runner, its task and its model see it, so each rank's loss and loss weight cover its own tokens
+    and `global_loss` counts every token once."""
+
+    def __init__(self, inner: StepRunner, cp: ContextParallelGroup) -> None:
+        self.inner = inner
+        self.cp = cp
+        self.loss_pp_rank = inner.loss_pp_rank
+
+    def forward_backward(self, microbatches: Sequence[PyTree]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.forward_backward([shard_for_context(mb, self.cp) for mb in microbatches])
+
+
+def shard_for_context(microbatch: PyTree, cp: ContextParallelGroup) -> dict[str, Any]:
+    if not isinstance(microbatch, Mapping):
+        raise TypeError(
+            f"context parallelism splits mapping microbatches (input_ids, labels, ...), got "
+            f"{type(microbatch).__name__}"
+        )
+    return shard_microbatch(microbatch, cp)
+
+
 class SynchronizedGradientReducer:
     """Data-parallel gradients: the synchronizer reduces buckets during backward; `finish` waits and scales.
 
@@ -170,7 +194,9 @@ def global_loss(ctx: DistributedContext, loss_sum: torch.Tensor, weight: torch.T
     """[loss sum, weight] (float64) summed over every rank that computes a distinct loss.
 
     Runners return zeros where no loss is computed (pipeline ranks without the last stage), and
-    tensor-parallel ranks compute the same loss, so only tp coordinate 0 contributes.
+    tensor-parallel ranks compute the same loss, so only tp coordinate 0 contributes. Context-parallel ranks
+    hold disjoint tokens of each sequence (`ContextShardedStepRunner`), so their sums add up to each token
+    once — as do tokens/s, which divide this total by the step time.
     """
     totals = torch.stack([loss_sum, weight]).double()
     if not ctx.is_distributed:

@@ -29,6 +29,7 @@ from d9d.engine.runtime import RunReporter
 from d9d.engine.stages import Stages, build_stages
 from d9d.engine.state import EngineState, TrainProgress
 from d9d.engine.step import (
+    ContextShardedStepRunner,
     GradientClipper,
     GradientReducer,
     PipelinedStepRunner,
@@ -38,6 +39,7 @@ from d9d.engine.step import (
     data_group,
 )
 from d9d.metrics import AsyncMetricCollector, ComposeMetric
+from d9d.parallel.context import ContextParallelGroup
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.optim import PipelinedLRScheduler, PipelinedOptimizer
 from d9d.pipeline.setup import PipelineSetup
@@ -123,6 +125,8 @@ def build_train_parts(
         runner = PipelinedStepRunner(pipeline.executor(stages.by_index), task, ctx.device, metrics)
     else:
         runner = SequentialStepRunner(stages.modules[0], task, ctx.device, metrics)
+    if ctx.params.context_parallel > 1:
+        runner = ContextShardedStepRunner(runner, ContextParallelGroup.from_context(ctx))
     return TrainParts(
         seeds=seeds,
         grad_accumulation=grad_accumulation,

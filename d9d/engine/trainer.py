@@ -29,9 +29,10 @@ from d9d.engine.events import (
     StepStarted,
     TrainingFinished,
 )
+from d9d.engine.offload import HostOffload, SleepReport, WakeReport, training_state_tensors
 from d9d.engine.progress import StepProgress
 from d9d.engine.resume import decide_resume
-from d9d.engine.runtime import RankResult, RunReporter
+from d9d.engine.runtime import MetricPoint, RankResult, RunReporter
 from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
 from d9d.engine.step import global_loss, to_device
@@ -59,6 +60,7 @@ class Trainer:
         self._checkpoint_requested = False
         self._last_saved: int | None = None
         self._finished_at_start = False
+        self._offload = HostOffload(ctx.device)
 
     @property
     def parts(self) -> TrainParts:
@@ -261,6 +263,36 @@ class Trainer:
     def resumed(self) -> None:
         self.ctx.logger.info("resumed at step %d", self.progress.step)
 
+    @property
+    def asleep(self) -> bool:
+        """The training state is in host memory (between a sleep and its wake)."""
+        return self._offload.asleep
+
+    def sleep(self) -> None:
+        """Parameters, gradients, buffers and optimizer state to host memory (`d9d.engine.offload`)."""
+        parts = self.parts
+        report = self._offload.sleep(
+            training_state_tensors(parts.stages.modules, parts.optimizer.optimizers.values())
+        )
+        self.ctx.logger.info("asleep at step %d: %s", self.progress.step, _describe_sleep(report))
+        values = {"asleep": 1.0, "sleep_s": report.seconds, "offloaded_bytes": float(report.offloaded_bytes)}
+        if report.device_allocated_before is not None and report.device_allocated_after is not None:
+            values["device_allocated_before"] = float(report.device_allocated_before)
+            values["device_allocated_after"] = float(report.device_allocated_after)
+        self._report_health(values)
+
+    def wake(self) -> None:
+        report = self._offload.wake()
+        self.ctx.logger.info("awake at step %d: %s", self.progress.step, _describe_wake(report))
+        values = {"asleep": 0.0, "wake_s": report.seconds}
+        if report.device_allocated_after is not None:
+            values["device_allocated_after_wake"] = float(report.device_allocated_after)
+        self._report_health(values)
+
+    def _report_health(self, values: dict[str, float]) -> None:
+        if self.ctx.is_main_process:
+            self.reporter.metrics(MetricPoint(self.progress.step, 0, values, "health", time.time()))
+
     def save_checkpoint(self) -> None:
         step = self.progress.step
         self._checkpoint_requested = False
@@ -275,3 +307,25 @@ class Trainer:
         )
         self._last_saved = step
         self.events.publish(CheckpointSaved(step, path))
+
+
+def _describe_sleep(report: SleepReport) -> str:
+    text = (
+        f"{report.offloaded_bytes / 2**20:.1f} MiB in {report.storages} storages to host "
+        f"in {report.seconds:.3f} s"
+    )
+    if report.device_allocated_before is not None and report.device_allocated_after is not None:
+        text += (
+            f"; device memory allocated {report.device_allocated_before / 2**20:.1f} MiB -> "
+            f"{report.device_allocated_after / 2**20:.1f} MiB"
+        )
+    if report.kept_bytes:
+        text += f"; {report.kept_bytes / 2**20:.1f} MiB not resizable, kept on the device"
+    return text
+
+
+def _describe_wake(report: WakeReport) -> str:
+    text = f"{report.restored_bytes / 2**20:.1f} MiB back on the device in {report.seconds:.3f} s"
+    if report.device_allocated_after is not None:
+        text += f"; device memory allocated {report.device_allocated_after / 2**20:.1f} MiB"
+    return text

@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    from d9d.cli.commands.train import add_override_option
+    from d9d.cli.commands.train import add_job_options
 
     parser = subparsers.add_parser("submit", help="submit a job to a Ray cluster through the Jobs API")
     parser.add_argument(
@@ -40,17 +40,5 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--address", help="dashboard address, e.g. http://head:8265 (default: RAY_ADDRESS)")
     parser.add_argument("--working-dir", type=Path, help="directory uploaded with the job (default: .)")
-    add_override_option(parser)
-    parser.add_argument(
-        "--num-workers",
-        type=int,
-        help="rank actors (the world size); a value other than the mesh's changes only the data-parallel "
-        "degree (default: cluster.num_workers, else the mesh's world size)",
-    )
-    parser.add_argument(
-        "--cpu", action="store_true", help="CPU ranks on gloo even if the config asks for GPUs"
-    )
-    parser.add_argument(
-        "--resume-from", type=Path, metavar="PATH", help="committed step directory to start the run from"
-    )
+    add_job_options(parser)
     parser.set_defaults(handler=_run)

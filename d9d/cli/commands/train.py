@@ -107,11 +107,9 @@ def add_override_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("train", help="train on Ray rank actors (local Ray unless --address)")
-    parser.add_argument("config", type=Path, help="job file: the engine config plus a `cluster:` section")
+def add_job_options(parser: argparse.ArgumentParser) -> None:
+    """What `d9d train` and `d9d submit` both take to shape the job: overrides, world size, CPU, resume."""
     add_override_option(parser)
-    parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)")
     parser.add_argument(
         "--num-workers",
         type=int,
@@ -122,13 +120,20 @@ def register(subparsers: Any) -> None:
         "--cpu", action="store_true", help="CPU ranks on gloo even if the config asks for GPUs"
     )
     parser.add_argument(
-        "--detach", action="store_true", help="return once started; the run outlives this process"
-    )
-    parser.add_argument(
         "--resume-from",
         type=Path,
         metavar="PATH",
         help="a committed step directory to start this run from (same run identity; see docs/engine.md)",
+    )
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("train", help="train on Ray rank actors (local Ray unless --address)")
+    parser.add_argument("config", type=Path, help="job file: the engine config plus a `cluster:` section")
+    add_job_options(parser)
+    parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)")
+    parser.add_argument(
+        "--detach", action="store_true", help="return once started; the run outlives this process"
     )
     parser.add_argument(
         "--verbose",

@@ -313,7 +313,7 @@ class Controller:
         """Record the launch before anything runs: if the driver and this coordinator die together (the
         driver is killed), the run directory still tells that the launch happened and never ended."""
         self.summary.status = JobState.STARTING.value
-        record_launch(self._spec.run_dir, self.summary)
+        record_launch(self._spec.storage_root, self.summary)
 
     def finish(self, state: JobState) -> RunSummary:
         """Enter the terminal state and write `run_summary.json`."""
@@ -328,7 +328,7 @@ class Controller:
         s.losses = dict(sorted(self._metrics.losses.items()))
         s.final_loss = s.losses[max(s.losses)] if s.losses else None
         s.ended_at = time.time()
-        record_launch(self._spec.run_dir, s)
+        record_launch(self._spec.storage_root, s)
         return s
 
     # == what the ranks report ===========================================================================

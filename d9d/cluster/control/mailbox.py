@@ -13,6 +13,7 @@ class CommandMailbox:
     seq: int = 0  # of the last command posted
     delivered: int = 0  # the highest seq rank 0 has fetched; a new attempt's rank 0 starts after it
     paused: bool = False
+    asleep: bool = False  # asked to sleep (implies paused); a WAKE leaves it paused, a RESUME runs
     stop: bool = False  # end at the next step boundary (or before the next attempt)
     kill: bool = False  # end now: ranks are killed, nothing is saved
     _resize_to: int | None = None
@@ -21,8 +22,12 @@ class CommandMailbox:
         match command.kind:
             case CommandKind.PAUSE:
                 self.paused = True
+            case CommandKind.SLEEP:
+                self.paused = self.asleep = True
+            case CommandKind.WAKE:
+                self.asleep = False
             case CommandKind.RESUME:
-                self.paused = False
+                self.paused = self.asleep = False
             case CommandKind.STOP:
                 self.stop = True
             case CommandKind.CHECKPOINT_NOW | CommandKind.UPDATE:

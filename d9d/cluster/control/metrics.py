@@ -32,6 +32,13 @@ def reports_pause(point: MetricPoint) -> bool:
     return point.kind == "health" and point.rank == 0 and "paused" in point.values
 
 
+def reports_sleep(point: MetricPoint) -> bool | None:
+    """Rank 0 says its training state went to host memory (True) or came back (False); None: neither."""
+    if point.kind == "health" and point.rank == 0 and "asleep" in point.values:
+        return point.values["asleep"] > 0
+    return None
+
+
 class MetricsHub:
     def __init__(self, writer: MetricsWriter, buffer: int = _BUFFER) -> None:
         self._writer = writer
@@ -40,11 +47,15 @@ class MetricsHub:
         self.seq = 0  # of the last point buffered
         self.losses: dict[int, float] = {}  # rank 0's loss per step, as last trained
         self.last_step = 0
+        self.asleep = False  # as rank 0 last reported
 
     def add(self, point: MetricPoint) -> None:
         step = loss_step(point)
         if step is not None:
             self.losses[step] = float(point.values["loss"])
+        asleep = reports_sleep(point)
+        if asleep is not None:
+            self.asleep = asleep
         self.seq += 1
         self._buffer.append((self.seq, point))
         if point.rank == CLUSTER_RANK or self._replays.fresh(point):

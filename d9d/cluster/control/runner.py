@@ -93,8 +93,9 @@ class AttemptRunner:
         # only once metric points can be written as they arrive.
         await asyncio.to_thread(self.metrics.wait_ready, self.spec.init_timeout_s)
         at.live.progress = time.monotonic()
-        if self.mailbox.paused:  # the new rank 0 pauses at its first step boundary
-            self.mailbox.post(Command(CommandKind.PAUSE))
+        self.metrics.asleep = False  # a new attempt's state is on the device until its ranks sleep
+        if self.mailbox.paused:  # the new rank 0 pauses (or sleeps) at its first step boundary
+            self.mailbox.post(Command(CommandKind.SLEEP if self.mailbox.asleep else CommandKind.PAUSE))
         runs = {asyncio.ensure_future(a.run.remote(launch)): r for r, (a, launch) in enumerate(launches)}
         self.machine.to(JobState.RUNNING)
         await self.changes.notify()

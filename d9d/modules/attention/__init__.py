@@ -13,7 +13,12 @@ from d9d.modules.attention.backends import (
     build_sdpa_backend,
 )
 from d9d.modules.attention.gqa import GroupedQueryAttention
-from d9d.modules.attention.mask import AttentionMask, PaddingSide, segment_ids_from_position_ids
+from d9d.modules.attention.mask import (
+    AttentionMask,
+    PaddingSide,
+    ShardedQueries,
+    segment_ids_from_position_ids,
+)
 
 __all__ = [
     "ATTENTION_BACKEND_ENV",
@@ -27,6 +32,7 @@ __all__ = [
     "SdpaBackend",
     "SdpaBackendName",
     "SdpaCall",
+    "ShardedQueries",
     "TorchSdpa",
     "build_sdpa_backend",
     "segment_ids_from_position_ids",

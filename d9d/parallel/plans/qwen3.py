@@ -22,6 +22,7 @@ from d9d.models.qwen3.tasks import Qwen3StageModel
 from d9d.modules.heads import CausalLMHead
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe import MoELayer
+from d9d.parallel.context import ContextParallelGroup, parallelize_context_attention
 from d9d.parallel.expert import parallelize_expert_parallel
 from d9d.parallel.fsdp import parallelize_fsdp, parallelize_hsdp
 from d9d.parallel.plans.config import ParallelPlanConfig
@@ -48,10 +49,12 @@ def parallelize_qwen3(
 ) -> None:
     """Apply expert, tensor and data parallelism to one pipeline stage of a Qwen3 / Qwen3-MoE task model.
 
-    Works for any mix of `data_parallel_replicate × data_parallel_shard × expert_parallel ×
-    tensor_parallel` (context parallel ranks share the data-parallel dims of the dense domain).
-    Sequence parallelism needs the sequence length divisible by tp and no pipeline parallelism (stage
-    boundaries carry full sequences). `mp_policy` is handed to FSDP when the plan shards.
+    Works for any mix of `data_parallel_replicate × data_parallel_shard × context_parallel × expert_parallel ×
+    tensor_parallel` (context parallel ranks share the data-parallel dims of the dense domain, so their
+    gradients are reduced with the dp ranks'; attention gathers keys/values over cp).
+    Sequence parallelism needs the sequence length divisible by tp; under pipeline parallelism a stage
+    that is not the last gathers the sequence back before its boundary, so stage boundaries carry full
+    sequences as without it. `mp_policy` is handed to FSDP when the plan shards.
 
     The expert-parallel backend is chosen for activations on `ctx.device` in `activation_dtype` (default:
     `mp_policy.param_dtype` when set, else the model's floating-point parameter dtype, which a model built
@@ -60,9 +63,19 @@ def parallelize_qwen3(
     config = config or ParallelPlanConfig()
     sequence_parallel = config.sequence_parallel
     reshard_after_forward = config.fsdp_reshard_after_forward
-    if sequence_parallel and ctx.params.pipeline_parallel > 1:
-        raise ValueError("sequence_parallel=True is not supported together with pipeline_parallel > 1")
     layers = list(model.model.decoder_layers().values())
+    if ctx.params.context_parallel > 1:
+        # Batches arrive split by `d9d.parallel.context.shard_microbatch`; attention spans the whole sequence.
+        head = model.head()
+        if head is not None and not isinstance(head, CausalLMHead):
+            raise ValueError(
+                f"context parallelism splits the sequence, but the {type(head).__name__} of "
+                f"{type(model).__name__} pools over it; it supports per-token (causal LM) heads only"
+            )
+        backbone = model.model
+        backbone.attention_backend = parallelize_context_attention(
+            backbone, ContextParallelGroup.from_context(ctx), backbone.attention_backend
+        )
     if any(isinstance(layer.mlp, MoELayer) for layer in layers):
         expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
         dtype = activation_dtype or _compute_dtype(model, mp_policy)
@@ -129,6 +142,12 @@ def _tensor_parallel(
             return (split_to_group(args[0], 1, group), *args[1:])
 
         layers[0].register_forward_pre_hook(split)
+        if backbone.norm is None:  # not the last stage: the next stage receives the whole sequence
+
+            def gather_boundary(_m: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+                return gather_from_group(out, 1, group)
+
+            backbone.register_forward_hook(gather_boundary)
     for layer in layers:
         parallelize_norm_tp(layer.input_layernorm, tp_mesh, sequence_parallel=sp)
         parallelize_attention_tp(layer.self_attn, tp_mesh, sequence_parallel=sp)

@@ -1,0 +1,248 @@
+"""Long-context training on one GPU: the longest sequence the Qwen3-0.6B shape trains at with cp = 1, and
+tokens/s at 32k.
+
+    python benchmarks/long_context.py [--start 4096] [--max 262144] [--throughput-seq 32768]
+        [--steps 4] [--warmup 2] [--eager] [--row-timeout 900] [--out FILE]
+    python benchmarks/long_context.py --cpu-smoke      # a tiny shape on CPU: checks the script, no numbers
+
+Every row trains the real engine (`d9d.engine.Trainer`: bf16 parameters, fused AdamW, no clipping, the
+engine's default regional compile on CUDA unless `--eager`) on one row of random tokens of the given
+length (batch 1, `microbatch_size` 1), in its own subprocess so an out-of-memory row cannot poison the
+next. The search doubles the length from `--start` until a row runs out of memory (or `--max`); the
+longest row that trained is the answer. Then `--throughput-seq` is timed over `--steps` steps after
+`--warmup`. Attention is the `auto` backend (flash_attn / SDPA causal on plain causal rows). Context
+parallelism over several GPUs divides the activations by cp (the K/V of the whole sequence excepted,
+docs/parallelism.md); those numbers belong to the multi-GPU benchmark.
+
+Needs CUDA except with `--cpu-smoke`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+QWEN3_0_6B = {
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "num_layers": 28,
+    "num_attention_heads": 16,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+}
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 64,
+}
+
+
+class LongRows:
+    """One row of `seq_len` random tokens per microbatch, fresh every step."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(frozen=True, extra="forbid")
+        seq_len: int
+        vocab_size: int
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.generator = torch.Generator().manual_seed(0)
+
+    def setup(self, setup: Any) -> None:
+        self.s = setup
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for _ in range(self.s.gradient_accumulation):
+            ids = torch.randint(
+                0,
+                self.config.vocab_size,
+                (self.s.microbatch_size, self.config.seq_len + 1),
+                generator=self.generator,
+            )
+            out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Any) -> None:
+        return None
+
+
+def train_row(seq_len: int, steps: int, warmup: int, eager: bool, smoke: bool) -> dict[str, Any]:
+    """In the child: train `warmup + steps` steps at `seq_len`; median step time, tokens/s, peak memory."""
+    from d9d.core import DeviceMeshParameters, DistributedContext
+    from d9d.engine.checkpoint import LocalRunReporter
+    from d9d.engine.config import parse_config
+    from d9d.engine.events import StepFinished, StepStarted
+    from d9d.engine.trainer import Trainer
+
+    cuda = torch.cuda.is_available() and not smoke
+    if not cuda and not smoke:
+        raise RuntimeError("this benchmark needs CUDA (or --cpu-smoke)")
+    arch = TINY if smoke else QWEN3_0_6B
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    config = parse_config(
+        {
+            "run": {"name": "long-context", "dir": tempfile.mkdtemp(prefix="d9d-long-")},
+            "batching": {"global_batch_size": 1, "microbatch_size": 1},
+            "trainer": {"total_steps": warmup + steps},
+            "logging": {"progress_bar": "off", "period": 1000},
+            "checkpointing": {"save_at_end": False},
+            "gradient_clipping": {"max_norm": None},
+            "model": {
+                "provider": "qwen3",
+                "options": {
+                    "architecture": {**arch, "max_position_embeddings": max(40960, seq_len)},
+                    "dtype": "float32" if smoke else "bfloat16",
+                },
+            },
+            "data": {
+                "provider": "long_context:LongRows",
+                "options": {"seq_len": seq_len, "vocab_size": arch["vocab_size"]},
+            },
+            "optimizer": {"provider": "adamw", "options": {"lr": 1e-4, "weight_decay": 0.0}},
+            "compile": {"enabled": False if eager else None},  # None: the engine's default
+        }
+    )
+    ctx = DistributedContext.create(DeviceMeshParameters(), backend="nccl" if cuda else "gloo")
+    trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
+    starts: dict[int, float] = {}
+    times: list[float] = []
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def on_start(event: StepStarted) -> None:
+        sync()
+        starts[event.step] = time.perf_counter()
+
+    def on_finish(event: StepFinished) -> None:  # the loss is a host float: the step is done
+        if event.step > warmup:
+            times.append(time.perf_counter() - starts[event.step])
+
+    trainer.events.subscribe(StepStarted, on_start)
+    trainer.events.subscribe(StepFinished, on_finish)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.setup()
+    trainer.train()
+    step = sorted(times)[len(times) // 2]
+    return {
+        "seq_len": seq_len,
+        "median_step_s": step,
+        "tokens_per_s": seq_len / step,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    }
+
+
+def child_main(args: argparse.Namespace) -> None:
+    try:
+        result = train_row(args.one_row, args.steps, args.warmup, args.eager, args.cpu_smoke)
+    except torch.OutOfMemoryError as e:
+        result = {"seq_len": args.one_row, "oom": True, "error": str(e)[:300]}
+    except Exception as e:  # the parent's table shows it; the traceback goes to stderr
+        traceback.print_exc()
+        result = {"seq_len": args.one_row, "error": f"{type(e).__name__}: {e}"[:600]}
+    Path(args.row_out).write_text(json.dumps(result))
+
+
+def spawn(seq_len: int, args: argparse.Namespace, steps: int, warmup: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, __file__, "--one-row", str(seq_len), "--row-out", str(out)]
+        cmd += ["--steps", str(steps), "--warmup", str(warmup)]
+        cmd += ["--eager"] * args.eager + ["--cpu-smoke"] * args.cpu_smoke
+        proc = subprocess.Popen(cmd, start_new_session=True)  # own session: a timeout ends compile workers
+        try:
+            proc.wait(timeout=args.row_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"seq_len": seq_len, "error": f"timed out after {args.row_timeout} s"}
+        if not out.exists():
+            # a CUDA OOM can also kill the process outright (e.g. inside NCCL or the allocator)
+            return {
+                "seq_len": seq_len,
+                "error": f"exited with code {proc.returncode} before writing a result",
+            }
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--start", type=int, default=4096)
+    parser.add_argument("--max", type=int, default=262144)
+    parser.add_argument("--throughput-seq", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--eager", action="store_true", help="no regional torch.compile (default: on CUDA)")
+    parser.add_argument("--row-timeout", type=float, default=900.0)
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, short lengths")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--one-row", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one_row is not None:
+        child_main(args)
+        return
+    if args.cpu_smoke:
+        args.start, args.max, args.throughput_seq = 64, 128, 128
+    search: list[dict[str, Any]] = []
+    seq = args.start
+    while seq <= args.max:
+        row = spawn(seq, args, steps=1, warmup=1)  # the second step has the optimizer state allocated
+        search.append(row)
+        print(json.dumps(row), flush=True)
+        if "error" in row:
+            break
+        seq *= 2
+    trained = [r["seq_len"] for r in search if "error" not in r]
+    throughput = spawn(args.throughput_seq, args, steps=args.steps, warmup=args.warmup)
+    print(json.dumps(throughput), flush=True)
+    report = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu_smoke else "cpu",
+        "torch": torch.__version__,
+        "shape": "tiny (smoke)" if args.cpu_smoke else "Qwen3-0.6B",
+        "compile": "off" if args.eager else "engine default (on for CUDA)",
+        "longest_trained_seq": max(trained) if trained else None,
+        "first_failure": next((r for r in search if "error" in r), None),
+        "search": search,
+        "throughput": throughput,
+    }
+    print(json.dumps({k: report[k] for k in ("longest_trained_seq", "throughput")}, indent=2))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Config-time checks of parallelism combinations, so an unsupported job fails before any process group.
+
+Shared by training (`TrainConfig`) and inference (`InferenceConfig`); every message names the keys.
+"""
+
+from __future__ import annotations
+
+from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.engine.builtin.models import CausalLMProvider
+from d9d.engine.components import (
+    CausalLMTaskComponent,
+    ModelPlugin,
+    PerplexityTaskComponent,
+    Qwen3Model,
+    Qwen3MoEModel,
+    TextData,
+)
+from d9d.engine.registry import PeftModel
+from d9d.pipeline.api import PipelineStageInfo, balance_layers
+
+_CP_KEYS = "mesh.context_parallel_shard × mesh.context_parallel_replicate"
+
+ModelChoice = Qwen3Model | Qwen3MoEModel | PeftModel | ModelPlugin
+
+
+def _base(model: ModelChoice) -> tuple[Qwen3Model | Qwen3MoEModel | ModelPlugin, str]:
+    """The model component that builds the network (PEFT wraps one), and its key."""
+    if isinstance(model, PeftModel):
+        return model.options.base, "model.options.base"
+    return model, "model"
+
+
+def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stages_per_rank: int) -> None:
+    """The built-in causal LMs must split into `pipeline_parallel × stages_per_rank` stages of at least one
+    layer each, and cannot share tied embeddings across stages (the embedding is on the first, the head on
+    the last)."""
+    pp = mesh.pipeline_parallel
+    if pp == 1:
+        return
+    base, field = _base(model)
+    if isinstance(base, ModelPlugin):
+        return  # a plug-in's stages are its own business
+    where = f"mesh.pipeline_parallel = {pp}"
+    architecture = CausalLMProvider(base.options).model_config
+    if architecture.tie_word_embeddings:
+        raise ValueError(
+            f"{where}: {field} has tie_word_embeddings (from {field}.options.architecture or the source "
+            "checkpoint's config.json), which needs the embedding and the LM head on one stage; untie "
+            "them or use pipeline_parallel = 1"
+        )
+    stages = pp * stages_per_rank
+    try:
+        for stage in range(stages):
+            balance_layers(architecture.num_layers, PipelineStageInfo(stage, stages))
+    except ValueError as e:
+        raise ValueError(
+            f"{where} with {stages_per_rank} stage(s) per rank (pipelining.stages_per_rank): {field}'s "
+            f"{architecture.num_layers} layers: {e}"
+        ) from e
+
+
+def check_context_parallel(
+    mesh: DeviceMeshParameters, model: ModelChoice, data: object, task: object
+) -> None:
+    """Context parallelism (`cp` > 1) needs a model whose plan installs context-parallel attention (the
+    built-in Qwen3 / Qwen3-MoE, also under PEFT) with a kernel that takes arbitrary masks, a per-token task
+    (causal LM / perplexity: the batch is split along the sequence), and sequences that split into 2·cp
+    chunks."""
+    cp = mesh.context_parallel
+    if cp == 1:
+        return
+    where = f"{_CP_KEYS} = {cp}"
+    base, field = (
+        (model.options.base, "model.options.base") if isinstance(model, PeftModel) else (model, "model")
+    )
+    if isinstance(base, ModelPlugin):
+        raise ValueError(
+            f"{where}: {field}.provider {base.provider!r} is a plug-in; context parallelism needs a "
+            "model whose parallel plan installs context-parallel attention (the built-in 'qwen3' or "
+            "'qwen3_moe')"
+        )
+    backend = (base.options.architecture or {}).get("attention_backend", "auto")
+    if backend == "flash_attn":
+        raise ValueError(
+            f"{where}: {field}.options.architecture.attention_backend 'flash_attn' takes plain causal "
+            "masks only, and a context-parallel rank's queries are two chunks of the sequence; use "
+            "'auto', 'flex' or 'torch'"
+        )
+    if not isinstance(task, CausalLMTaskComponent | PerplexityTaskComponent):
+        raise ValueError(
+            f"{where}: task.provider must be 'causal_lm' (training) or 'perplexity' (inference): context "
+            "parallelism splits every per-token tensor along the sequence, which a plug-in task's "
+            "outputs may not follow"
+        )
+    if isinstance(data, TextData) and data.options.pad_to_multiple_of % (2 * cp):
+        raise ValueError(
+            f"{where}: data.options.pad_to_multiple_of={data.options.pad_to_multiple_of} must be a "
+            f"multiple of 2·cp = {2 * cp}, so every batch's sequence length splits into 2·cp equal chunks"
+        )
