@@ -1,7 +1,8 @@
 """`TrainingJob`: start and steer a run from any Ray driver — `d9d train`, a notebook on a `ray://` client,
 or a script inside the cluster. All state lives in the coordinator actor; this object is a thin handle, so
 losing it (or the whole driver, with `cluster.detach: true`) does not stop training, and
-`TrainingJob.attach(run_name)` picks the run up again.
+`TrainingJob.attach(run_name)` picks the run up again; when the coordinator itself died, `attach` and
+`TrainingJob.resume_run` start a new one from the run's journal (`d9d.cluster.control.journal`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from d9d.cluster.checkpoints import check_launch
 from d9d.cluster.config import ENGINE_ENTRYPOINT
+from d9d.cluster.control.journal import find_run_dir, journal_path, read_journal, spec_of
 from d9d.cluster.coordinator import Coordinator
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
 from d9d.cluster.placement import run_placement_groups
@@ -80,18 +82,62 @@ class TrainingJob:
         self._lost: RunSummary | None = None  # what this driver recorded when the coordinator died
 
     @classmethod
-    def attach(cls, run_name: str, address: str | None = None) -> TrainingJob:
-        """A handle to a run that is already going (started elsewhere, detached)."""
+    def attach(
+        cls, run_name: str, address: str | None = None, *, run_dir: Path | None = None, check: bool = True
+    ) -> TrainingJob:
+        """A handle to a run that is already going (started elsewhere, detached). When no coordinator of it
+        lives (it died with its process, its node, the Ray head, or a non-detached driver), one is started
+        again from the run's journal and the run resumes from its newest commit (`resume_run`); `run_dir`
+        says where the run directory is when it is not `runs/<run_name>`."""
         connect(address)
-        handle: Any = ray.get_actor(coordinator_name(run_name), namespace=NAMESPACE)
+        try:
+            handle: Any = ray.get_actor(coordinator_name(run_name), namespace=NAMESPACE)
+            spec: JobSpec = ray.get(handle.spec.remote())
+        except (ValueError, RayActorError):  # none, or a dead one whose name Ray has not released yet
+            return cls.resume_run(run_dir or run_name, address, check=check, run_name=run_name)
         job = cls.__new__(cls)
-        spec: JobSpec = ray.get(handle.spec.remote())
         job.spec = spec
         job._handle = handle
         job._seq = 0
         job._launch_id = ""  # another driver's launch: it records its own end
         job._lost = None
         return job
+
+    @classmethod
+    def resume_run(
+        cls,
+        run: str | Path,
+        address: str | None = None,
+        *,
+        detach: bool | None = None,
+        check: bool = True,
+        run_name: str | None = None,
+    ) -> TrainingJob:
+        """Start a new coordinator for a run whose coordinator died before the run ended, from the journal
+        in its run directory (`run`: the run directory, or a run name under `runs/`): the job as it ran,
+        continuing its attempt numbering and commit history, resuming from the newest verified commit.
+        `detach` overrides `cluster.detach`; `run_name`, when given, must be the journal's run. Raises
+        `RuntimeError` when there is nothing to resume."""
+        directory = find_run_dir(run)
+        journal = read_journal(directory)
+        if journal is None:
+            raise RuntimeError(
+                f"{journal_path(directory)} does not exist: no coordinator ever ran there (start the run "
+                "with d9d train, or name its run directory)"
+            )
+        if run_name is not None and journal.run_name != run_name:
+            raise RuntimeError(
+                f"{journal_path(directory)} is the journal of run {journal.run_name!r}, not of {run_name!r}"
+            )
+        if journal.ended:
+            raise RuntimeError(
+                f"run {journal.run_name} already ended ({journal.state.value}); nothing to resume "
+                "(d9d train starts it again from its newest commit)"
+            )
+        spec = spec_of(journal, directory)
+        if detach is not None:
+            spec = JobSpec(cluster=spec.cluster.model_copy(update={"detach": detach}), train=spec.train)
+        return cls(spec).start(address, check=check)
 
     @property
     def run_name(self) -> str:

@@ -8,13 +8,16 @@ the parts in `d9d.cluster.control`:
 - `AttemptRunner` and `WorkerGroup`: start the ranks of one attempt, watch them, tear them down;
 - `health`: the failure detectors a running attempt is checked against;
 - `FailurePolicy`: retry with backoff or give up; `ScalingPolicy`: shrink to what fits, grow at commits;
-- `MetricsHub`: numbered points for clients and the tracker writer; `CommandMailbox`: client requests.
+- `MetricsHub`: numbered points for clients and the tracker writer; `CommandMailbox`: client requests;
+- `journal`: the run's state on disk, so that a new coordinator can continue when this one dies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -24,6 +27,7 @@ import ray
 
 from d9d.cluster.checkpoints import CheckpointStore, CommittedStep
 from d9d.cluster.control.controller import Controller
+from d9d.cluster.control.journal import CommitRecord, Journal, spec_data, unfinished_journal, write_journal
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.metrics import MetricsHub, loss_step, reports_pause
 from d9d.cluster.control.signal import Changes
@@ -34,6 +38,7 @@ from d9d.cluster.state import JobState, JobStatus, RunSummary
 from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankCheckpointReport
 
 _COMMAND_POLL_S = 10.0
+_JOURNAL_POLL_S = 60.0  # the journal is written on changes; this only bounds a missed wake-up
 _log = logging.getLogger(__name__)
 
 
@@ -52,15 +57,66 @@ class Coordinator:
         )
         self._main: asyncio.Task[None] | None = None
         self._done = False  # terminal, summary written, tracker closed
+        self._journal = self._open_journal(launch_id)
+        self._journaled: tuple[object, ...] = ()
+        self._journal_task: asyncio.Task[None] | None = None
+
+    def _open_journal(self, launch_id: str) -> Journal:
+        """This coordinator's journal, continuing the one of a coordinator of this run that died: the
+        attempt numbering goes on (the engine resumes attempt > 0 from the run's own commits, as after
+        any restart), and so do the commit history and the losses up to the newest commit."""
+        spec = self._spec
+        previous = unfinished_journal(spec.run_dir, spec.run_name)
+        context = ray.get_runtime_context()
+        journal = Journal(
+            run_name=spec.run_name,
+            launch_id=launch_id,
+            spec=spec_data(spec),
+            state=JobState.PENDING,
+            launches=[launch_id],
+            node_id=context.get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+        )
+        if previous is not None:
+            newest = previous.latest_commit
+            losses = {s: v for s, v in previous.losses.items() if newest is not None and s <= newest}
+            journal = journal.model_copy(
+                update={
+                    "attempts": previous.attempts,
+                    "commits": previous.commits,
+                    "losses": losses,
+                    "launches": [*previous.launches, launch_id],
+                }
+            )
+            self._control.attempts = previous.attempts
+            self._metrics.losses.update(losses)
+            if newest is not None:
+                self._metrics.step_seen(newest)
+            _log.warning(
+                "run %s: continuing after a coordinator that died (launch %s, %d attempts, newest commit %s)",
+                spec.run_name,
+                previous.launch_id,
+                previous.attempts,
+                newest,
+            )
+        write_journal(spec.run_dir, journal)
+        return journal
 
     # == client API ======================================================================================
 
     async def start(self) -> None:
         if self._main is None:
-            self._main = asyncio.get_running_loop().create_task(self._run_job())
+            loop = asyncio.get_running_loop()
+            self._journal_task = loop.create_task(self._keep_journal())
+            self._main = loop.create_task(self._run_job())
 
     async def spec(self) -> JobSpec:
         return self._spec
+
+    async def journal(self) -> Journal:
+        """What this coordinator last wrote to `<run dir>/coordinator.json` (its pid and node included)."""
+        return self._journal
 
     async def status(self) -> JobStatus:
         c = self._control
@@ -162,6 +218,8 @@ class Coordinator:
     async def commit(self, attempt: int, step: int, reports: Sequence[RankCheckpointReport]) -> None:
         at = self._require_current(attempt)
         await asyncio.to_thread(self._store.commit, step, reports, at.plan.world_size)
+        record = CommitRecord(step=step, attempt=attempt, world_size=at.plan.world_size, at=time.time())
+        self._journal = self._journal.model_copy(update={"commits": [*self._journal.commits, record]})
         self._control.committed(at, step)
         await self._changes.notify()
 
@@ -184,9 +242,45 @@ class Coordinator:
             await asyncio.to_thread(self._metrics.close, JobState(final.status))
             self._done = True
             await self._changes.notify()
+            if self._journal_task is not None:
+                # The terminal state is on disk before the actor may go; the writer logs its own errors.
+                with contextlib.suppress(Exception):
+                    await self._journal_task
             if self._spec.cluster.detach:
                 await asyncio.sleep(self._spec.cluster.linger_s)
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    async def _keep_journal(self) -> None:
+        """Rewrite the journal whenever what it records changed: an attempt started, a commit was made or
+        rank 0 reported the committed step's loss, the job changed state. Runs until the job ended."""
+        while True:
+            await self._changes.wait_until(lambda: self._journal_key() != self._journaled, _JOURNAL_POLL_S)
+            key = self._journal_key()
+            if key != self._journaled:
+                await self._persist_journal()
+                self._journaled = key
+            if self._done:
+                return
+
+    def _journal_key(self) -> tuple[object, ...]:
+        newest = self._journal.latest_commit
+        reported = newest is not None and self._metrics.last_step >= newest
+        return (self._control.attempts, newest, reported, self._control.machine.state, self._done)
+
+    async def _persist_journal(self) -> None:
+        newest = self._journal.latest_commit
+        losses = {s: v for s, v in self._metrics.losses.items() if newest is not None and s <= newest}
+        self._journal = self._journal.model_copy(
+            update={
+                "attempts": self._control.attempts,
+                "state": self._control.machine.state,
+                "losses": losses,
+            }
+        )
+        try:  # off the event loop: the fsync may take long on a network disk
+            await asyncio.to_thread(write_journal, self._spec.run_dir, self._journal)
+        except OSError as e:  # a full or unreachable disk must not end the run it journals
+            _log.error("run %s: cannot write the coordinator journal: %s", self._spec.run_name, e)
 
     def _require_current(self, attempt: int) -> Attempt:
         at = self._control.current(attempt)

@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -385,26 +386,22 @@ class Checkpointer:
             "(resume from it instead, or start a new run under another run.name or run.dir)"
         )
 
-    def save(
-        self,
-        step: int,
-        stages: StageOptimizers,
-        engine_state: Mapping[str, Any],
-        rank_state: Mapping[str, Any],
-    ) -> Location:
+    def begin(self, step: int) -> Location:
+        """Every rank (a collective): check that `step` may be written and return its directory."""
         step_dir = self.root / step_dir_name(step)
         problem = self._prepare(step_dir) if self.ctx.is_main_process else None
         problems = all_gather_object(problem) if self.ctx.is_distributed else [problem]
         refusal = next((p for p in problems if p is not None), None)
         if refusal is not None:
             raise CheckpointError(refusal)
-        writer = hashing_writer(step_dir)
-        dcp_save(
-            {"app": _ModelAndOptimizerState(stages, self.trainable_only)},
-            checkpoint_id=str(step_dir),
-            storage_writer=writer,
-        )
-        files: dict[str, WrittenFile] = writer.written
+        return step_dir
+
+    def app_state(self, stages: StageOptimizers) -> dict[str, Any]:
+        """The model and optimizer state as DCP saves it (tensors still on their devices)."""
+        return {"app": _ModelAndOptimizerState(stages, self.trainable_only).state_dict()}
+
+    def own_files(self, engine_state: Mapping[str, Any], rank_state: Mapping[str, Any]) -> dict[str, bytes]:
+        """This rank's files besides DCP's, serialized now (the state keeps changing after the save step)."""
         own: dict[str, bytes] = {rank_state_name(self.ctx.rank): _serialized(rank_state)}
         if self.ctx.is_main_process:
             own[ENGINE_STATE] = _serialized(engine_state)
@@ -412,22 +409,57 @@ class Checkpointer:
                 own[IDENTITY_FILE] = self.identity.to_json().encode()
             if self.train_config is not None:
                 own[TRAIN_CONFIG] = (json.dumps(self.train_config, indent=1) + "\n").encode()
+        return own
+
+    def write(
+        self,
+        step: int,
+        step_dir: Location,
+        app_state: Mapping[str, Any],
+        own: Mapping[str, bytes],
+        process_group: ProcessGroup | None = None,
+    ) -> RankCheckpointReport:
+        """Write this rank's files of `step`, hashing them on the way; nothing is committed yet.
+
+        `process_group` carries DCP's collectives (the default group when None); an asynchronous save
+        passes a group of its own because it writes from another thread (`d9d.engine.async_save`)."""
+        writer = hashing_writer(step_dir)
+        dcp_save(
+            dict(app_state), checkpoint_id=str(step_dir), storage_writer=writer, process_group=process_group
+        )
+        files: dict[str, WrittenFile] = writer.written
         for name, data in own.items():
             write_file(step_dir / name, data)
             files[name] = hashed_bytes(data)
-        report = RankCheckpointReport(
+        return RankCheckpointReport(
             step=step,
             rank=self.ctx.rank,
             step_dir=step_dir,
             files=tuple(CheckpointFile(n, f.size, f.sha256) for n, f in sorted(files.items())),
         )
+
+    def commit(self, report: RankCheckpointReport) -> Location:
+        """Every rank, after its files of the step are written: report them; rank 0 commits (collective)."""
         self.reporter.checkpoint_written(report)
         reports = gather_object(report, dst=0) if self.ctx.is_distributed else [report]
         if self.ctx.is_main_process:
             assert reports is not None
-            self.reporter.commit_checkpoint(step, reports)
+            self.reporter.commit_checkpoint(report.step, reports)
         self.ctx.barrier()
-        return step_dir
+        return report.step_dir
+
+    def save(
+        self,
+        step: int,
+        stages: StageOptimizers,
+        engine_state: Mapping[str, Any],
+        rank_state: Mapping[str, Any],
+    ) -> Location:
+        """A synchronous save: write every rank's files, then commit."""
+        step_dir = self.begin(step)
+        app = {"app": _ModelAndOptimizerState(stages, self.trainable_only)}
+        report = self.write(step, step_dir, app, self.own_files(engine_state, rank_state))
+        return self.commit(report)
 
     def latest(self) -> Location | None:
         return self.reporter.latest_checkpoint()

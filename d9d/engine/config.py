@@ -164,6 +164,11 @@ class LoggingConfig(_Section):
 
 
 class CheckpointingConfig(_Section):
+    # `async` is a Python keyword: the field is `async_save`, its key in job files and dumps is `async`.
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
+
     # Default: <run dir>/checkpoints.
     dir: Path | None = None
     # Save every `period` steps (None: only at the end when save_at_end).
@@ -178,6 +183,9 @@ class CheckpointingConfig(_Section):
     # A newest commit whose files do not match its manifest: resume from the previous verified commit
     # (fallback, with a warning naming the file) or stop with that error (fail).
     on_damaged: Literal["fallback", "fail"] = "fallback"
+    # Write periodic checkpoints in the background: the step stalls only while the state is copied to
+    # (pinned) host memory (d9d.engine.async_save). None: on when training on CUDA, off on CPU.
+    async_save: bool | None = Field(None, alias="async")
 
 
 class GradientClippingConfig(_Section):

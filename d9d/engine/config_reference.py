@@ -214,7 +214,8 @@ class _Walk:
 def _model_rows(model: type[BaseModel], prefix: str, walk: _Walk, stack: tuple[type, ...]) -> list[Row]:
     rows: list[Row] = []
     for name, field in model.model_fields.items():
-        path = f"{prefix}.{name}" if prefix else name
+        key = field.alias or name  # what a job file spells (`checkpointing.async` is field `async_save`)
+        path = f"{prefix}.{key}" if prefix else key
         rows.extend(_field_rows(path, field, walk, (*stack, model)))
         schema = _MAPPING_SCHEMAS.get((model, name))
         if schema is not None:

@@ -18,6 +18,8 @@ from typing import Any
 from torch import nn
 
 from d9d.core.context import DistributedContext
+from d9d.core.storage import Location
+from d9d.engine.async_save import STALL_METRIC, AsyncSaver, report_metrics, resolve_async
 from d9d.engine.commands import CommandHandler, broadcast_commands
 from d9d.engine.config import TrainConfig
 from d9d.engine.events import (
@@ -61,6 +63,7 @@ class Trainer:
         self._last_saved: int | None = None
         self._finished_at_start = False
         self._offload = HostOffload(ctx.device)
+        self._saver: AsyncSaver | None = None
 
     @property
     def parts(self) -> TrainParts:
@@ -76,6 +79,8 @@ class Trainer:
     def setup(self) -> None:
         self.ctx.set_timeout(timedelta(seconds=self.config.timeouts.init_s))
         self._parts = build_train_parts(self.config, self.ctx, self.reporter, self.events, self.progress)
+        if resolve_async(self.config.checkpointing.async_save, self.ctx.device):
+            self._saver = AsyncSaver(self._parts.checkpointer, self.ctx, self._committed)
         self._resume()
 
     def _resume(self) -> None:
@@ -132,6 +137,7 @@ class Trainer:
                         # The attempt's first step is done (loading, compilation): hung ranks surface quickly.
                         self.ctx.set_timeout(timedelta(seconds=c.timeouts.step_s))
                         log_compile_warmup(self.ctx, self.parts.stages)
+                        self._reserve_checkpoint_buffers()
                         first_step = False
                     self._after_step(self.progress.step)
             self._finish(finished)
@@ -168,6 +174,8 @@ class Trainer:
 
     def _after_step(self, step: int) -> None:
         c = self.config
+        if self._saver is not None:
+            self._saver.poll()  # commits a background save once every rank has written it
         if c.gc.period is not None and step % c.gc.period == 0:
             gc.collect()
         self._evaluate(step, final=False)
@@ -188,6 +196,8 @@ class Trainer:
         wanted = not finished or c.checkpointing.save_at_end
         if wanted and self.progress.step > 0 and self._last_saved != self.progress.step:
             self.save_checkpoint()
+        if self._saver is not None:
+            self._saver.wait()  # the run ends with every save committed
         if finished and c.checkpointing.export_hf_dir is not None and not self._finished_at_start:
             self.parts.model.export(self.modules, self.ctx, c.checkpointing.export_hf_dir)
             self.ctx.logger.info("exported the model to %s", c.checkpointing.export_hf_dir)
@@ -242,7 +252,7 @@ class Trainer:
 
     def save_requested_checkpoint(self) -> None:
         if self._checkpoint_requested and self.progress.step > 0:
-            self.save_checkpoint()
+            self.save_checkpoint(commit=True)
 
     def update(self, values: Mapping[str, Any]) -> None:
         unknown = set(values) - {"lr"}
@@ -257,6 +267,8 @@ class Trainer:
             self.ctx.logger.info("learning rate set to %g", new_lr)
 
     def paused(self) -> None:
+        if self._saver is not None:
+            self._saver.wait()  # a paused run holds no save written but uncommitted (every rank pauses here)
         self.ctx.logger.info("paused at step %d", self.progress.step)
         self.parts.reports.paused(self.progress.step)
 
@@ -270,6 +282,8 @@ class Trainer:
 
     def sleep(self) -> None:
         """Parameters, gradients, buffers and optimizer state to host memory (`d9d.engine.offload`)."""
+        if self._saver is not None:
+            self._saver.wait()  # a save in flight commits before the state leaves the device
         parts = self.parts
         report = self._offload.sleep(
             training_state_tensors(parts.stages.modules, parts.optimizer.optimizers.values())
@@ -293,19 +307,40 @@ class Trainer:
         if self.ctx.is_main_process:
             self.reporter.metrics(MetricPoint(self.progress.step, 0, values, "health", time.time()))
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, *, commit: bool = False) -> None:
+        """Save the current step. With `checkpointing.async` the write goes on in the background and is
+        committed later (`d9d.engine.async_save`), unless `commit`: then it is committed before returning
+        (a command's request: whoever asked expects the commit)."""
         step = self.progress.step
         self._checkpoint_requested = False
         if self._last_saved == step:
-            return  # committed already (a request right after a periodic save, or the resumed step)
+            if commit and self._saver is not None:
+                self._saver.wait()
+            return  # saved already (a request right after a periodic save, or the resumed step)
         parts = self.parts
-        path = parts.checkpointer.save(
-            step,
-            parts.optimizer.pair_with(parts.stages.by_index),
-            parts.state.state_dict(),
-            parts.state.rank_state_dict(),
-        )
+        stages = parts.optimizer.pair_with(parts.stages.by_index)
+        engine_state, rank_state = parts.state.state_dict(), parts.state.rank_state_dict()
+        if self._saver is not None:
+            self._saver.save(step, stages, engine_state, rank_state)
+            self._last_saved = step  # being written: never started again, committed by the saver
+            if commit:
+                self._saver.wait()
+            return
+        start = time.perf_counter()
+        path = parts.checkpointer.save(step, stages, engine_state, rank_state)
         self._last_saved = step
+        stall = time.perf_counter() - start
+        report_metrics(self.ctx, parts.checkpointer, step, {STALL_METRIC: stall})
+        self._committed(step, path)
+
+    def _reserve_checkpoint_buffers(self) -> None:
+        """Periodic async saves: their host buffers are allocated after the first step, not in the first
+        checkpoint step (the optimizer state exists only once a step has run)."""
+        if self._saver is not None and self.config.checkpointing.period is not None:
+            parts = self.parts
+            self._saver.reserve(parts.optimizer.pair_with(parts.stages.by_index))
+
+    def _committed(self, step: int, path: Location) -> None:
         self.events.publish(CheckpointSaved(step, path))
 
 

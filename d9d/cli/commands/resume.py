@@ -1,0 +1,77 @@
+"""`d9d resume RUN`: continue a run whose coordinator died before the run ended (its process was killed,
+its node or the Ray head was lost, a non-detached driver went away with it).
+
+The run's journal (`<run dir>/coordinator.json`, written by every coordinator) holds the job as it ran; a
+new coordinator starts from it, continues the attempt numbering and the commit history, and the ranks
+resume from the newest verified commit. RUN is a run directory or a run name under `runs/`. The run is
+followed to its end, as by `d9d train`, unless `--detach`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+def _run(args: argparse.Namespace) -> int:
+    from d9d.cluster import TrainingJob
+    from d9d.cluster.checkpoints import RunFinished
+    from d9d.cluster.follow import follow
+    from d9d.engine.checkpoint import CheckpointError
+
+    run: str | Path = args.run_dir or args.run
+    try:
+        job = TrainingJob.resume_run(run, args.address, detach=True if args.detach else None)
+    except RunFinished as e:
+        print(f"d9d resume: {e}", file=sys.stderr)
+        return 0
+    except (CheckpointError, RuntimeError, ValueError) as e:
+        print(f"d9d resume: {e}", file=sys.stderr)
+        return 2
+    name = job.run_name
+    if args.detach:
+        print(f"run {name} resumed (detached); follow it with TrainingJob.attach({name!r})")
+        return 0
+    # Followed here even when the run is detached (`cluster.detach` from its journal): its coordinator
+    # then outlives this command, as it outlived the driver that started it.
+    print(f"run {name} resumed", flush=True)
+    signal.signal(signal.SIGTERM, _raise_terminated)  # as `d9d train`: stop the ranks, write the summary
+    try:
+        summary = follow(job)
+    except (KeyboardInterrupt, _Terminated):
+        if job.spec.cluster.detach:
+            print(f"d9d resume: no longer following run {name}; it goes on", file=sys.stderr)
+            return 0
+        print(f"d9d resume: stopping run {name}", file=sys.stderr, flush=True)
+        job.stop(force=True)
+        summary = job.result(timeout=30)
+    return 1 if summary.status == "failed" else 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "resume", help="continue a run whose coordinator died, from the journal in its run directory"
+    )
+    parser.add_argument("run", help="run name (its directory is runs/RUN unless --run-dir) or run directory")
+    parser.add_argument(
+        "--run-dir", type=Path, help="the run directory (default: RUN if it is one, else runs/RUN)"
+    )
+    parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)")
+    parser.add_argument(
+        "--detach",
+        action="store_true",
+        help="return once resumed (the coordinator becomes detached: the run outlives this process)",
+    )
+    parser.set_defaults(handler=_run)
