@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,10 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.on_damaged: OnDamaged = on_damaged
         self._incoming: dict[tuple[int, str], _Incoming] = {}
+        # A commit of the attempt that just failed may still be running in its thread when the restart
+        # clears uncommitted steps (a warm restart gets there in tens of milliseconds): one at a time, so
+        # the clear never deletes the files of a commit that is writing its manifest.
+        self._commit_lock = threading.Lock()
 
     def latest(self) -> CommittedStep | None:
         """The newest commit whose files verify (hashed once per coordinator process)."""
@@ -76,6 +81,10 @@ class CheckpointStore:
         Files uploaded through the coordinator were hashed as their chunks arrived; files the ranks wrote
         to shared storage were hashed by the ranks as they wrote them. Nothing is read back.
         """
+        with self._commit_lock:
+            return self._commit(step, reports, world_size)
+
+    def _commit(self, step: int, reports: Sequence[RankCheckpointReport], world_size: int) -> Location:
         ranks = sorted(r.rank for r in reports)
         if ranks != list(range(world_size)):
             missing = sorted(set(range(world_size)) - set(ranks))
@@ -101,6 +110,10 @@ class CheckpointStore:
         """Before an attempt: move damaged commits newer than the newest verified one to `damaged/` (they
         are never written into; their steps will be saved afresh) and drop never-committed step
         directories newer than it (an interrupted attempt's)."""
+        with self._commit_lock:
+            self._clear_uncommitted()
+
+    def _clear_uncommitted(self) -> None:
         selection = select_commit(self.root, self.on_damaged)
         for path, why in selection.skipped:
             moved = quarantine(path)

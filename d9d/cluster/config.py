@@ -77,6 +77,9 @@ class ClusterConfig(_Section):
     # Where each rank's stdout/stderr goes: "files" (<run dir>/logs/rank<r>.log; the console shows only the
     # coordinator's progress) or "forward" (to the driver through Ray, as `d9d train --verbose` sets).
     rank_output: Literal["files", "forward"] = "files"
+    # Warm standby rank actors kept started (imports done), each in a one-bundle placement group of its own
+    # with a rank's resources; a restart uses them in place of cold processes (docs/cluster.md).
+    standby_ranks: int = Field(0, ge=0)
     # Detach the coordinator from the driver: closing `d9d train` or the notebook does not stop training.
     detach: bool = False
     # A detached coordinator stays this long after the job ended so clients can fetch the result.

@@ -9,6 +9,14 @@ A rank's stdout and stderr (its own prints, logging, warnings, native libraries 
 descriptors) go to `<run dir>/logs/rank<r>.log`, appended across restarts, so the driver's console shows
 only the coordinator's progress; `cluster.rank_output: forward` (`d9d train --verbose`) leaves them to Ray,
 which forwards them to the driver prefixed `(RankActor pid=...)`.
+
+A rank reports how long its setup took as one health point (`SETUP_KEYS`): the process group, the build
+(until the engine asks for the latest checkpoint) and the load (until rank 0's first step boundary). The
+point's wall time is the end of the last of them, so the coordinator can place them on its own clock for
+the recovery-phase split (`d9d.cluster.control.recovery`).
+
+A warm standby is the same actor started ahead of time: `warm` imports the entrypoint's modules (torch, the
+engine) so a restart that uses it skips the interpreter start and the imports (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import datetime
 import importlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +39,14 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported
 
 from d9d.cluster.reporter import CoordinatorTransfer, RayRunReporter
 from d9d.core.context import init_process_group
-from d9d.engine.runtime import RankResult, RankRuntime
+from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime
 
 RANK_LOG_DIR = "logs"
+# Setup durations of one rank (seconds), in order; a key is left out when its end was not seen.
+SETUP_PROCESS_GROUP = "setup_process_group_s"  # run() entered -> process group ready
+SETUP_BUILD = "setup_build_s"  # -> the engine asks for the latest checkpoint
+SETUP_LOAD = "setup_load_s"  # -> rank 0's first step boundary (the checkpoint is loaded)
+SETUP_KEYS = (SETUP_PROCESS_GROUP, SETUP_BUILD, SETUP_LOAD)
 
 
 def rank_log_path(run_dir: Path, rank: int) -> Path:
@@ -97,6 +111,89 @@ class RankLaunch:
     rank_output: Literal["files", "forward"] = "files"
 
 
+@dataclass(frozen=True)
+class StandbyReady:
+    """What a warm standby says once its imports are done."""
+
+    pid: int
+    node_id: str
+    ready_at: float  # wall clock
+
+
+class PhasedReporter(RayRunReporter):
+    """The rank's reporter, which also notes when the engine ends its build (asks for the latest
+    checkpoint) and its load (rank 0's first step boundary) and reports the setup point once.
+
+    Rank 0 reports at its first step boundary; the other ranks, which never see a boundary, when their
+    first `latest_checkpoint` returns (without a load duration)."""
+
+    def __init__(
+        self, launch: RankLaunch, coordinator: Any, *, run_at: float, process_group_at: float
+    ) -> None:
+        rt = launch.runtime
+        super().__init__(
+            coordinator,
+            rt.attempt,
+            rt.rank,
+            launch.command_seq,
+            launch.transfer,
+            heartbeat_interval_s=launch.heartbeat_interval_s,
+        )
+        self._setup_rank = rt.rank
+        self._run_at = run_at
+        self._pg_at = process_group_at
+        self._built_at: float | None = None
+        self._reported = False
+
+    def latest_checkpoint(self) -> Path | None:
+        if self._built_at is None:
+            self._built_at = time.time()
+        path = super().latest_checkpoint()
+        if self._setup_rank != 0:
+            self._report_setup(self._built_at, loaded_at=None)
+        return path
+
+    def commands(self, step: int) -> Any:
+        if not self._reported:
+            self._report_setup(self._built_at, loaded_at=time.time(), step=step)
+        return super().commands(step)
+
+    def _report_setup(self, built_at: float | None, loaded_at: float | None, step: int = 0) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        values = {SETUP_PROCESS_GROUP: self._pg_at - self._run_at}
+        if built_at is not None:
+            values[SETUP_BUILD] = built_at - self._pg_at
+            if loaded_at is not None:
+                values[SETUP_LOAD] = loaded_at - built_at
+        elif loaded_at is not None:  # the engine never asked for a checkpoint: all of it was its build
+            values[SETUP_BUILD] = loaded_at - self._pg_at
+        end = self._pg_at + sum(v for k, v in values.items() if k != SETUP_PROCESS_GROUP)
+        self.metrics(MetricPoint(step, self._setup_rank, values, "health", end))
+
+
+def setup_marks(point: MetricPoint) -> tuple[float, float, float | None, float | None] | None:
+    """(run entered, process group ready, build done, load done) in wall-clock seconds from a rank's setup
+    point; None for any other point."""
+    if point.kind != "health" or SETUP_PROCESS_GROUP not in point.values:
+        return None
+    durations = [point.values.get(k) for k in SETUP_KEYS]
+    known = [d for d in durations if d is not None]
+    marks: list[float | None] = []
+    at = point.wall_time - sum(known)
+    run_at = at
+    for d in durations:
+        if d is None:
+            marks.append(None)
+            continue
+        at += d
+        marks.append(at)
+    pg_at = marks[0]
+    assert pg_at is not None
+    return run_at, pg_at, marks[1], marks[2]
+
+
 def resolve_entrypoint(path: str) -> Any:
     module_name, _, attr = path.partition(":")
     obj: Any = importlib.import_module(module_name)
@@ -108,12 +205,22 @@ def resolve_entrypoint(path: str) -> Any:
 class RankActor:
     def __init__(self, coordinator: Any) -> None:
         self._coordinator = coordinator
+        self._warm: StandbyReady | None = None
         self._store: TCPStore | None = None
         # Ray starts workers at nice 15 (RAY_worker_niceness) so its own daemons stay responsive; a rank is
         # the job's critical path and should not lose its core to every other process on the node. Going
         # back to 0 needs CAP_SYS_NICE (root in most containers); without it the rank keeps Ray's value.
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, 0)
+
+    def warm(self, entrypoint: str) -> StandbyReady:
+        """Standby: import what a rank would import first (the entrypoint's module pulls in torch and the
+        engine), then wait for `run`. The CUDA runtime is left uninitialized: the devices a rank may see
+        (`CUDA_VISIBLE_DEVICES`) are decided at launch and are fixed once CUDA starts."""
+        if self._warm is None:
+            resolve_entrypoint(entrypoint)
+            self._warm = StandbyReady(os.getpid(), ray.get_runtime_context().get_node_id(), time.time())
+        return self._warm
 
     def node(self) -> RankNode:
         ctx = ray.get_runtime_context()
@@ -145,6 +252,7 @@ class RankActor:
             return self._run(launch)
 
     def _run(self, launch: RankLaunch) -> RankResult:
+        run_at = time.time()
         rt = launch.runtime
         os.environ.update(
             RANK=str(rt.rank),
@@ -157,13 +265,8 @@ class RankActor:
         if launch.cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = launch.cuda_visible_devices
         self._init_process_group(launch)
-        reporter = RayRunReporter(
-            self._coordinator,
-            rt.attempt,
-            rt.rank,
-            launch.command_seq,
-            launch.transfer,
-            heartbeat_interval_s=launch.heartbeat_interval_s,
+        reporter = PhasedReporter(
+            launch, self._coordinator, run_at=run_at, process_group_at=time.time()
         ).start()
         try:
             entrypoint = resolve_entrypoint(launch.entrypoint)

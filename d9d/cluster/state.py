@@ -90,12 +90,16 @@ class RunSummary:
     steps: int
     restarts: int
     recovery_times_s: list[float] = field(default_factory=list)
+    # Per recovery (same order): seconds per phase, see `d9d.cluster.control.recovery.PHASES`.
+    recovery_phases_s: list[dict[str, float]] = field(default_factory=list)
     final_loss: float | None = None
     tokens_per_s: float | None = None
     resizes: int = 0
     world_sizes: list[int] = field(default_factory=list)  # per attempt
     resumed_from: list[int | None] = field(default_factory=list)  # checkpoint step per attempt
     failures: list[str] = field(default_factory=list)
+    standby_pids: list[int] = field(default_factory=list)  # every warm standby started, in order
+    standby_ranks_used: list[int] = field(default_factory=list)  # per attempt: ranks taken from standbys
     losses: dict[int, float] = field(default_factory=dict)  # per step, as finally trained
     error: str | None = None
     # Which launch of the run this is (`TrainingJob.start` picks it): a file holds one record per launch.

@@ -23,10 +23,12 @@ from d9d.cluster.control.health import Liveness
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.metrics import CLUSTER_RANK, MetricsHub
 from d9d.cluster.control.outcome import Failed, Finished, Outcome, Resize, Stopped
+from d9d.cluster.control.recovery import RecoveryClock, detect_seconds
 from d9d.cluster.control.runner import AttemptRunner
 from d9d.cluster.control.scaling import ScalingPolicy
 from d9d.cluster.control.signal import Changes
-from d9d.cluster.control.workers import Attempt, WorkerGroup
+from d9d.cluster.control.standby import Standby, StandbyPool
+from d9d.cluster.control.workers import Attempt, Reservation, WorkerGroup
 from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, RunSummary, StateMachine, record_launch
@@ -140,7 +142,8 @@ class Controller:
         c = spec.cluster
         self.failures = FailurePolicy(c.max_failures, c.restart_backoff_s, c.max_backoff_s)
         self._scaling = ScalingPolicy.for_job(spec)
-        group = WorkerGroup(spec, mailbox, self._scaling)
+        self._standby = StandbyPool(spec, self._standby_ready)
+        group = WorkerGroup(spec, mailbox, self._scaling, self._standby)
         self._workers: Workers = workers or group
         self._runner: Runs = runner or AttemptRunner(
             spec, group, mailbox, metrics, self.machine, changes, self._result
@@ -150,6 +153,10 @@ class Controller:
         self.latest_step: int | None = None  # of the latest committed checkpoint
         # When the first failure of the current chain was seen, until a step past the checkpoint completes.
         self._failure_time: float | None = None
+        # The same recovery's phase timestamps (`recovery.py`); then, once its first step was seen, waiting
+        # for the ranks' setup points before its phases go into the summary.
+        self._recovery: RecoveryClock | None = None
+        self._phases_pending: RecoveryClock | None = None
         # A grow decided at a commit, held until rank 0 has reported that step: the teardown would otherwise
         # drop the step's metric points still queued on the ranks (the new ranks resume after it).
         self._grow_after: tuple[int, int] | None = None  # (workers, committed step)
@@ -157,13 +164,16 @@ class Controller:
     # == the loop ========================================================================================
 
     async def run(self) -> JobState:
-        state = await self._enter(self._reserve_or_stop(self._spec.initial_workers, growing=False))
-        while not isinstance(state, End):
-            state = await self._enter(await self._step(state))
-        if state.error is not None:
-            self.summary.error = state.error
-        await self.teardown()
-        return state.state
+        try:
+            state = await self._enter(self._reserve_or_stop(self._spec.initial_workers, growing=False))
+            while not isinstance(state, End):
+                state = await self._enter(await self._step(state))
+            if state.error is not None:
+                self.summary.error = state.error
+            await self.teardown()
+            return state.state
+        finally:
+            await self._standby.close()
 
     async def _enter(self, state: ControllerState) -> ControllerState:
         entered = job_state_of(state)
@@ -187,6 +197,7 @@ class Controller:
                     # recovery: it is measured from the first failure of the chain.
                     if self._failure_time is None:
                         self._failure_time = time.monotonic()
+                    self._failure_detected(attempt)
                     _log.warning("run %s attempt failed: %s", self._spec.run_name, outcome.reason)
                 return after_attempt(outcome, self.failures, self._spec.initial_workers)
             case Restart():
@@ -205,11 +216,18 @@ class Controller:
         if state.growing:
             self._scaling.resize_reserved(state.target, plan.world_size, self._workers.alive())
         at.resumed_from = await asyncio.to_thread(self._prepare_store)
+        self.summary.standby_ranks_used.append(len(pg.standbys) if isinstance(pg, Reservation) else 0)
+        if self._recovery is not None:
+            self._recovery.placed = time.time()
+            self._recovery.metrics_seq = self._metrics.seq
+            self._recovery.world_size = plan.world_size
         await self._started(at)
         return Run(self.attempt)
 
     async def _restart(self, state: Restart) -> Reserve | End:
         await self.teardown()
+        if self._recovery is not None:
+            self._recovery.torn_down = time.time()
         if state.growing:
             self.summary.resizes += 1
         match state.decision:
@@ -218,7 +236,53 @@ class Controller:
             case Retry(backoff_s):
                 if backoff_s > 0:
                     await self._changes.wait_until(lambda: self._mailbox.stop, backoff_s)
+                if self._recovery is not None:
+                    self._recovery.reserving = time.time()
                 return self._reserve_or_stop(state.target, growing=state.growing)
+
+    # == recovery phases and warm standbys ===============================================================
+
+    def _failure_detected(self, at: Attempt) -> None:
+        now = time.time()
+        if self._recovery is None:
+            self._flush_phases()  # the previous recovery's rank points had time enough
+            detect = detect_seconds(at.live.heartbeats, time.monotonic())
+            self._recovery = RecoveryClock(detected=now, detect_s=detect)
+        else:
+            self._recovery.failed_again(now)
+
+    def _recovered(self) -> None:
+        """The first step after a failure was seen: its phases wait for the ranks' setup points."""
+        clock = self._recovery
+        if clock is None:
+            return
+        clock.first_step = time.time()
+        self._recovery = None
+        self._phases_pending = clock
+        self._collect_phases()
+
+    def _collect_phases(self) -> None:
+        clock = self._phases_pending
+        if clock is None:
+            return
+        clock.note_points(self._metrics.since(clock.metrics_seq))
+        clock.metrics_seq = self._metrics.seq
+        if clock.complete:
+            self._flush_phases()
+
+    def _flush_phases(self) -> None:
+        """Record the pending recovery's phases with what arrived (a rank's missing point gives its phases
+        to the next known one)."""
+        clock, self._phases_pending = self._phases_pending, None
+        if clock is not None:
+            clock.note_points(self._metrics.since(clock.metrics_seq))
+            self.summary.recovery_phases_s.append({k: round(v, 4) for k, v in clock.phases().items()})
+
+    async def _standby_ready(self, standby: Standby) -> None:
+        self.summary.standby_pids.append(standby.ready.pid)
+        ready = {"standby_ranks_ready": float(self._standby.ready_count)}
+        self._metrics.add(MetricPoint(self._metrics.last_step, CLUSTER_RANK, ready, "health", time.time()))
+        await self._changes.notify()
 
     def _prepare_store(self) -> int:
         self._store.clear_uncommitted()
@@ -255,6 +319,7 @@ class Controller:
         """Enter the terminal state and write `run_summary.json`."""
         if not self.machine.state.terminal:
             self.machine.to(state)
+        self._flush_phases()
         s = self.summary
         s.status = self.machine.state.value
         s.steps = self._metrics.last_step
@@ -276,11 +341,14 @@ class Controller:
         """A step completed; the first one past the checkpoint after a failure ends the recovery."""
         self._metrics.step_seen(step)
         self._grow_when_reported()
+        self._collect_phases()
         at = self.attempt
         if at is None or at.live.step_done or step <= at.resumed_from:
             return
         at.live.step_done = True
+        self._standby.refill()  # after the first step: starting standbys never slows a (re)start down
         if self._failure_time is not None:
+            self._recovered()
             recovery = time.monotonic() - self._failure_time
             self._failure_time = None
             self.summary.recovery_times_s.append(recovery)

@@ -1,5 +1,9 @@
 """The worker group of one attempt, the only part of the controller that talks to Ray: it reserves a
-placement group, starts one rank actor per bundle, and tears them all down."""
+placement group, starts one rank actor per bundle, and tears them all down.
+
+With warm standbys (`d9d.cluster.control.standby`), the group is reserved for the cold ranks only and the
+ready standbys taken make up the rest; which rank each actor becomes is decided over all of them by node
+(`assign_bundles`), as for bundles of one group."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from d9d.cluster.config import CoordinatorStorage
 from d9d.cluster.control.health import Liveness
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.scaling import ScalingPolicy
+from d9d.cluster.control.standby import Standby, StandbyPool, release
 from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.names import NAMESPACE, rank_name, wait_names_free
 from d9d.cluster.placement import (
@@ -44,20 +49,36 @@ class NoResources(RuntimeError):
 
 
 @dataclass
+class Reservation:
+    """What an attempt holds: a placement group for its cold ranks (None: every rank is a standby) and the
+    standbys it took, each with its own one-bundle group."""
+
+    pg: PlacementGroup | None
+    standbys: list[Standby] = field(default_factory=list)
+
+
+@dataclass
 class Attempt:
     index: int
     plan: WorldPlan
-    pg: PlacementGroup
+    pg: Reservation
     resumed_from: int  # checkpoint step (0: from scratch)
     live: Liveness
     actors: list[Any] = field(default_factory=list)
 
 
 class WorkerGroup:
-    def __init__(self, spec: JobSpec, mailbox: CommandMailbox, scaling: ScalingPolicy) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        mailbox: CommandMailbox,
+        scaling: ScalingPolicy,
+        standby: StandbyPool | None = None,
+    ) -> None:
         self._spec = spec
         self._mailbox = mailbox
         self._scaling = scaling
+        self._standby = standby or StandbyPool(spec)
 
     def capacity(self) -> int:
         return node_capacity(ray.nodes(), self._spec.cluster.resources)
@@ -68,26 +89,36 @@ class WorkerGroup:
     def alive(self) -> frozenset[str]:
         return frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
-    async def reserve(self, target: int) -> tuple[WorldPlan, PlacementGroup] | None:
-        """A placement group for the largest valid world size ≤ target that the cluster can hold (None:
-        the job was stopped meanwhile)."""
+    async def reserve(self, target: int) -> tuple[WorldPlan, Reservation] | None:
+        """A placement group for the largest valid world size ≤ target that the cluster can hold, less the
+        ready standbys it takes (None: the job was stopped meanwhile)."""
         c = self._spec.cluster
+        await self._standby.withdraw_pending()  # a pending standby group must not take our bundles
         candidates = self._scaling.candidates(target, self.capacity())
         bundle = bundle_for(c.resources)
         for plan in candidates:
-            pg = placement_group(
-                [dict(bundle) for _ in range(plan.world_size)],
-                strategy=c.placement_strategy,
-                name=placement_group_name(self._spec.run_name, uuid.uuid4().hex[:12]),
+            standbys = self._standby.take(plan.world_size, self.alive())
+            cold = plan.world_size - len(standbys)
+            pg = (
+                placement_group(
+                    [dict(bundle) for _ in range(cold)],
+                    strategy=c.placement_strategy,
+                    name=placement_group_name(self._spec.run_name, uuid.uuid4().hex[:12]),
+                )
+                if cold
+                else None
             )
+            reservation = Reservation(pg, standbys)
             try:
-                placed = await self._placed(pg, plan, smaller_exists=plan is not candidates[-1])
+                placed = pg is None or await self._placed(pg, plan, smaller_exists=plan is not candidates[-1])
             except BaseException:  # cancelled, or Ray failed: the group must not outlive this call
-                remove_placement_group(pg)
+                self._standby.put_back(standbys)
+                self._release(Reservation(pg))
                 raise
             if placed:
-                return plan, pg
-            remove_placement_group(pg)
+                return plan, reservation
+            self._standby.put_back(standbys)
+            self._release(Reservation(pg))
             if self._mailbox.stop:
                 return None
         raise NoResources(
@@ -109,17 +140,36 @@ class WorkerGroup:
         ready.cancel()
         return False
 
+    def _release(self, reservation: Reservation) -> None:
+        """Give a reservation back; standbys it took are killed (they may have been given a rank)."""
+        for standby in reservation.standbys:
+            release(standby)
+        if reservation.pg is not None:
+            remove_placement_group(reservation.pg)
+
     async def start(self, at: Attempt) -> list[tuple[Any, RankLaunch]]:
-        """Start the rank actors on their bundles and say how each joins the job."""
+        """Start the rank actors on their bundles (standbys taken are running already) and say how each
+        joins the job."""
         spec = self._spec
         c = spec.cluster
-        table = placement_group_table(at.pg)
-        bundles = assign_bundles([table["bundles_to_node_id"][i] for i in range(at.plan.world_size)])
+        res = at.pg
+        cold = at.plan.world_size - len(res.standbys)
+        # Slots: the cold group's bundles, then the standbys; each slot's node decides its rank.
+        slot_nodes: list[str] = []
+        if res.pg is not None:
+            table = placement_group_table(res.pg)
+            slot_nodes = [table["bundles_to_node_id"][i] for i in range(cold)]
+        slot_nodes += [s.ready.node_id for s in res.standbys]
+        slots = assign_bundles(slot_nodes)
         me = ray.get_runtime_context().current_actor
         actor_cls = ray.remote(RankActor)
-        for rank, bundle in enumerate(bundles):
+        for rank, slot in enumerate(slots):
+            if slot >= cold:
+                at.actors.append(res.standbys[slot - cold].actor)
+                continue
+            assert res.pg is not None  # there are cold slots
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=at.pg, placement_group_bundle_index=bundle
+                placement_group=res.pg, placement_group_bundle_index=slot
             )
             at.actors.append(
                 actor_cls.options(
@@ -178,8 +228,8 @@ class WorkerGroup:
         )
 
     async def teardown(self, at: Attempt) -> None:
-        """Kill every rank (a survivor may be blocked in a collective that can never finish, so nobody is
-        asked to exit cleanly) and give the bundles back."""
+        """Kill every rank, those that were standbys included (a survivor may be blocked in a collective
+        that can never finish, so nobody is asked to exit cleanly), and give the bundles back."""
         try:
             for actor in at.actors:
                 with contextlib.suppress(Exception):  # already dead
@@ -188,4 +238,4 @@ class WorkerGroup:
                 names = [rank_name(self._spec.run_name, r) for r in range(len(at.actors))]
                 await asyncio.to_thread(wait_names_free, names, 30.0)
         finally:
-            remove_placement_group(at.pg)
+            self._release(at.pg)
