@@ -9,6 +9,17 @@ from pathlib import Path
 from typing import Any
 
 CONFIG = Path("examples") / "qwen3_moe_pretrain" / "tiny.yaml"
+RUN_NAME = "tiny-qwen3-moe"  # the config's run.name; runs land in runs/<name>
+
+
+def fresh_run_name(runs: Path) -> str:
+    """The demo's name, or with the first free `-<n>` suffix: a second `make demo` trains a new run
+    instead of finding the first one finished (a run's committed work is never overwritten)."""
+    name, n = RUN_NAME, 1
+    while (runs / name).exists():
+        n += 1
+        name = f"{RUN_NAME}-{n}"
+    return name
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -17,9 +28,15 @@ def _run(args: argparse.Namespace) -> int:
     if not CONFIG.is_file():
         print(f"d9d demo: {CONFIG} not found; run it from the d9d repository root", file=sys.stderr)
         return 2
+    overrides = list(args.overrides)
+    if not any(o.startswith(("run.name=", "run.dir=")) for o in overrides):
+        name = fresh_run_name(Path("runs"))
+        if name != RUN_NAME:
+            print(f"[d9d] demo: runs/{RUN_NAME} exists already; this run is {name}")
+        overrides.append(f"run.name={name}")
     train_args = argparse.Namespace(
         config=CONFIG,
-        overrides=args.overrides,
+        overrides=overrides,
         address=None,
         num_workers=None,
         cpu=True,
