@@ -54,9 +54,11 @@ def connect(
     `runtime_env` (Ray's keys, or a `RuntimeEnvConfig`) becomes the job-level runtime environment of this
     driver: every actor it creates, a run's coordinator and ranks included, gets it. Already connected, it
     changes nothing; a run's own `cluster.runtime_env` reaches its actors either way."""
+    global _job_runtime_env
     if ray.is_initialized():
         return
     env = runtime_env.to_ray() if isinstance(runtime_env, RuntimeEnvConfig) else dict(runtime_env or {})
+    _job_runtime_env = env
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env or None)
@@ -71,7 +73,37 @@ def connect(
 
 def disconnect() -> None:
     """Leave the cluster (and stop the local Ray instance `connect` started)."""
+    global _job_runtime_env
+    _job_runtime_env = None
     ray.shutdown()
+
+
+# The job-level runtime env `connect` joined Ray with; None when Ray was initialized by someone else.
+_job_runtime_env: dict[str, Any] | None = None
+
+
+def _coordinator_runtime_env(env: RuntimeEnvConfig | None) -> dict[str, Any] | None:
+    """The runtime env to create the coordinator with (its ranks inherit it), if it needs one of its own.
+
+    Ray uploads local directories only for a job-level runtime env (`ray.init`); an actor's own may name
+    remote URIs only. So when `connect` joined Ray with this env, the job has it already; when Ray was
+    initialized before (a notebook's own `ray.init`), an env of remote parts only goes on the coordinator,
+    and one with local paths must already be the job's."""
+    if env is None or env.empty or _job_runtime_env == env.to_ray():
+        return None
+    local = env.local_fields()
+    if not local:
+        return env.to_ray()
+    job_env = ray.get_runtime_context().runtime_env
+    missing = [field for field in local if not job_env.get(field)]
+    if missing:
+        raise ConfigError(
+            f"cluster.runtime_env: {', '.join(missing)} name local paths, which Ray uploads only for a whole "
+            "driver (ray.init(runtime_env=...)), and Ray was initialized here without them: call "
+            "d9d.cluster.connect(address, runtime_env=...) (or ray.init with it) before anything else, "
+            "or give remote URIs"
+        )
+    return None
 
 
 class TrainingJob:
@@ -143,10 +175,9 @@ class TrainingJob:
             "max_restarts": 0,
             "lifetime": "detached" if spec.cluster.detach else None,
         }
-        if runtime_env is not None and not runtime_env.empty:
-            # On the coordinator itself (the ranks inherit it), so it holds also when the caller's own
-            # ray.init came first and set another job-level environment.
-            options["runtime_env"] = runtime_env.to_ray()
+        coordinator_env = _coordinator_runtime_env(runtime_env)
+        if coordinator_env is not None:
+            options["runtime_env"] = coordinator_env
         head = _head_node_id()
         if head is not None:
             # The head outlives worker nodes (in coordinator-storage mode it also holds the checkpoints);

@@ -1,9 +1,11 @@
 """`cluster.runtime_env`: what Ray sets up on every node before the run's coordinator and rank actors start
 (local packages, a working directory, pip packages, environment variables).
 
-The keys are a subset of Ray's own `runtime_env` and mean the same. The run's coordinator is created with
-this environment and the rank actors inherit it from the coordinator, so it reaches them however the
-driver joined Ray (a `ray.init` of its own, `connect`, a Ray client, a Ray job).
+The keys are a subset of Ray's own `runtime_env` and mean the same. When d9d joins Ray (`d9d train`,
+`TrainingJob.start`, `connect`) it becomes the driver's job-level runtime env, which every actor of the
+driver inherits, the coordinator and through it the ranks. Ray uploads local directories only at that
+level: a driver that called `ray.init` itself must pass them there (an env of remote URIs, pip and env
+vars only is put on the coordinator instead). `d9d submit` makes it the Ray job's runtime env.
 
 Local paths are resolved against the working directory of the process that loads the job file and must
 exist there; they are uploaded by Ray from that process. The driver checks the job (it imports the
@@ -83,6 +85,13 @@ class RuntimeEnvConfig(BaseModel):
     def to_ray(self) -> dict[str, Any]:
         """The `runtime_env` dict Ray takes (set fields only)."""
         return {k: v for k, v in self.model_dump(mode="json").items() if v}
+
+    def local_fields(self) -> list[str]:
+        """The fields naming local paths (Ray uploads those only for a job-level runtime env)."""
+        fields = ["py_modules"] if any(not _is_uri(m) for m in self.py_modules) else []
+        if self.working_dir is not None and not _is_uri(self.working_dir):
+            fields.append("working_dir")
+        return fields
 
     def import_paths(self) -> list[str]:
         """What the workers' sys.path gains from the local entries: a package directory's parent, the
