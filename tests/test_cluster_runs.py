@@ -181,6 +181,32 @@ def _wait_for(command: Any, needle: str, what: str, timeout_s: float = 180) -> s
         time.sleep(1)
 
 
+def test_a_ray_job_submit_run_is_found_through_its_coordinator(ray_head: Head, tmp_path: Path) -> None:  # noqa: F811
+    """`ray job submit -- d9d train`: no d9d metadata on the job; found through the Ray job that created
+    the run's coordinator."""
+    runs = tmp_path / "runs"
+    slow: dict[str, Any] = {"model": {"options": {"step_sleep_s": 0.1}}}
+    work = tmp_path / "work"
+    work.mkdir()
+    _write(work / "job.yaml", toy_job("raw", runs / "raw", steps=100_000, **slow))
+    submitted = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", ray_head.dashboard, "--working-dir", str(work),
+         "--no-wait", "--", "python", "-m", "d9d.cli.main", "train", "job.yaml"],
+        cwd=work, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    by_dashboard = ("--address", ray_head.dashboard, "--runs-root", str(tmp_path / "elsewhere"))
+    status = _wait_for(
+        lambda: (lambda out: out.stdout + out.stderr)(_d9d("status", "raw", *by_dashboard, cwd=work)),
+        "raw/coordinator: ALIVE",
+        "the ray job submit run was never found",
+        timeout_s=300,
+    )
+    assert " RUNNING" in status
+    stopped = _d9d("stop", "raw", *by_dashboard, cwd=work)
+    assert stopped.returncode == 0 and "STOPPED" in stopped.stdout, stopped.stderr
+
+
 def test_a_detached_run_is_found_through_its_record(ray_head: Head, tmp_path: Path) -> None:  # noqa: F811
     runs = tmp_path / "runs"
     slow: dict[str, Any] = {"model": {"options": {"step_sleep_s": 0.1}}}
@@ -208,28 +234,3 @@ def test_a_detached_run_is_found_through_its_record(ray_head: Head, tmp_path: Pa
     assert json.loads((runs / "bg" / "run_summary.json").read_text())["status"] == "stopped"
     logs = _d9d("logs", "bg", *lookup, cwd=tmp_path)
     assert logs.returncode == 0 and "rank0.log" in logs.stdout
-
-
-def test_a_ray_job_submit_run_is_found_through_its_coordinator(ray_head: Head, tmp_path: Path) -> None:  # noqa: F811
-    """`ray job submit -- d9d train`: no d9d metadata on the job; found through the Ray job that created
-    the run's coordinator."""
-    runs = tmp_path / "runs"
-    slow: dict[str, Any] = {"model": {"options": {"step_sleep_s": 0.1}}}
-    work = tmp_path / "work"
-    work.mkdir()
-    _write(work / "job.yaml", toy_job("raw", runs / "raw", steps=100_000, **slow))
-    submitted = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", ray_head.dashboard, "--working-dir", str(work),
-         "--no-wait", "--", "python", "-m", "d9d.cli.main", "train", "job.yaml"],
-        cwd=work, env=_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert submitted.returncode == 0, submitted.stderr
-    by_dashboard = ("--address", ray_head.dashboard, "--runs-root", str(tmp_path / "elsewhere"))
-    status = _wait_for(
-        lambda: _d9d("status", "raw", *by_dashboard, cwd=work).stdout,
-        "raw/coordinator: ALIVE",
-        "the ray job submit run was never found",
-    )
-    assert " RUNNING" in status
-    stopped = _d9d("stop", "raw", *by_dashboard, cwd=work)
-    assert stopped.returncode == 0 and "STOPPED" in stopped.stdout, stopped.stderr
