@@ -99,17 +99,20 @@ def register_run(spec: JobSpec, launch_id: str) -> None:
     """Write `<run dir>/run.json` for this launch (best effort: a driver that cannot write the run
     directory, e.g. a Ray client outside the cluster, still has the named coordinator)."""
     context = ray.get_runtime_context()
+    address: str | None = None
+    job_id: str | None = None
     try:
-        address: str | None = context.gcs_address
-    except Exception:  # a Ray client has no GCS address of its own
-        address = None
+        job_id = context.get_job_id()
+        address = context.gcs_address
+    except Exception:  # a Ray client has no GCS address of its own: the named coordinator still works
+        _log.debug("run %s: no Ray address to record", spec.run_name, exc_info=True)
     record = RunRecord(
         run_name=spec.run_name,
         run_dir=str(spec.run_dir),
         launch_id=launch_id,
         started_at=time.time(),
         ray_address=address,
-        ray_job_id=context.get_job_id(),
+        ray_job_id=job_id,
         submission_id=submission_id_of_this_driver(),
         detach=spec.cluster.detach,
         driver=f"{socket.gethostname()}:{os.getpid()}",
