@@ -117,11 +117,13 @@ def find(run: str, address: str, submission_id: str | None = None) -> Submission
     (`ray job submit -- d9d train ...`)."""
     client = JobSubmissionClient(address)
     listed = client.list_jobs()
-    ids = {run, submission_id}
-    jobs = [j for j in listed if j.submission_id in ids or (j.metadata or {}).get(RUN_KEY) == run]
+    ids = {run} if submission_id is None else {run, submission_id}
+    # Drivers that were not submitted (`d9d train`, a notebook) are listed too, without a submission id.
+    submitted = [j for j in listed if j.submission_id]
+    jobs = [j for j in submitted if j.submission_id in ids or (j.metadata or {}).get(RUN_KEY) == run]
     if not jobs:
         creator = coordinator_job_id(run, address)
-        jobs = [j for j in listed if creator is not None and j.job_id == creator and j.submission_id]
+        jobs = [j for j in submitted if creator is not None and j.job_id == creator]
     if not jobs:
         raise LookupError(f"no Ray job for run {run!r} at {address}")
     job = max(jobs, key=lambda j: j.start_time or 0)
