@@ -29,6 +29,8 @@ from d9d.cluster.coordinator import Coordinator
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
 from d9d.cluster.placement import run_placement_groups
 from d9d.cluster.rank import resolve_entrypoint
+from d9d.cluster.registry import register_run
+from d9d.cluster.runtime_env import RuntimeEnvConfig, import_paths
 from d9d.cluster.sink import build_sink
 from d9d.cluster.spec import JobSpec, build_job, load_job
 from d9d.cluster.state import JobState, JobStatus, RunSummary, launch_record, record_launch
@@ -42,21 +44,68 @@ COORDINATOR_LOST = "coordinator lost"
 _CALL_S = 10.0  # server-side wait per long-poll call; clients loop around it
 
 
-def connect(address: str | None = None, *, local_cpus: int = 1) -> None:
+def connect(
+    address: str | None = None,
+    *,
+    local_cpus: int = 1,
+    runtime_env: RuntimeEnvConfig | Mapping[str, Any] | None = None,
+) -> None:
     """Join the cluster at `address` (or RAY_ADDRESS); with neither, start a local Ray instance big enough
-    for `local_cpus` rank CPUs even on a small laptop (Ray's CPUs are a scheduling unit, not cores)."""
+    for `local_cpus` rank CPUs even on a small laptop (Ray's CPUs are a scheduling unit, not cores).
+
+    `runtime_env` (Ray's keys, or a `RuntimeEnvConfig`) becomes the job-level runtime environment of this
+    driver: every actor it creates, a run's coordinator and ranks included, gets it. Already connected, it
+    changes nothing; a run's own `cluster.runtime_env` reaches its actors either way."""
+    global _job_runtime_env
     if ray.is_initialized():
         return
+    env = runtime_env.to_ray() if isinstance(runtime_env, RuntimeEnvConfig) else dict(runtime_env or {})
+    _job_runtime_env = env
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        ray.init(address=address, runtime_env=env or None)
     else:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, local_cpus), include_dashboard=False)
+        ray.init(
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, local_cpus),
+            include_dashboard=False,
+            runtime_env=env or None,
+        )
 
 
 def disconnect() -> None:
     """Leave the cluster (and stop the local Ray instance `connect` started)."""
+    global _job_runtime_env
+    _job_runtime_env = None
     ray.shutdown()
+
+
+# The job-level runtime env `connect` joined Ray with; None when Ray was initialized by someone else.
+_job_runtime_env: dict[str, Any] | None = None
+
+
+def _coordinator_runtime_env(env: RuntimeEnvConfig | None) -> dict[str, Any] | None:
+    """The runtime env to create the coordinator with (its ranks inherit it), if it needs one of its own.
+
+    Ray uploads local directories only for a job-level runtime env (`ray.init`); an actor's own may name
+    remote URIs only. So when `connect` joined Ray with this env, the job has it already; when Ray was
+    initialized before (a notebook's own `ray.init`), an env of remote parts only goes on the coordinator,
+    and one with local paths must already be the job's."""
+    if env is None or env.empty or _job_runtime_env == env.to_ray():
+        return None
+    local = env.local_fields()
+    if not local:
+        return env.to_ray()
+    job_env = ray.get_runtime_context().runtime_env
+    missing = [field for field in local if not job_env.get(field)]
+    if missing:
+        raise ConfigError(
+            f"cluster.runtime_env: {', '.join(missing)} name local paths, which Ray uploads only for a whole "
+            "driver (ray.init(runtime_env=...)), and Ray was initialized here without them: call "
+            "d9d.cluster.connect(address, runtime_env=...) (or ray.init with it) before anything else, "
+            "or give remote URIs"
+        )
+    return None
 
 
 class TrainingJob:
@@ -154,7 +203,12 @@ class TrainingJob:
         if check:
             preflight_job(spec)
         check_launch(spec)  # identity, run.resume, damaged commits, finished runs: before Ray is touched
-        connect(address, local_cpus=int(spec.max_workers * spec.cluster.resources.cpus + 0.999))
+        runtime_env = spec.cluster.runtime_env
+        connect(
+            address,
+            local_cpus=int(spec.max_workers * spec.cluster.resources.cpus + 0.999),
+            runtime_env=runtime_env,
+        )
         name = coordinator_name(spec.run_name)
         _release_finished(spec.run_name)
         # Ranks of an earlier launch whose coordinator died go with it, asynchronously; their names must be
@@ -167,6 +221,9 @@ class TrainingJob:
             "max_restarts": 0,
             "lifetime": "detached" if spec.cluster.detach else None,
         }
+        coordinator_env = _coordinator_runtime_env(runtime_env)
+        if coordinator_env is not None:
+            options["runtime_env"] = coordinator_env
         head = _head_node_id()
         if head is not None:
             # The head outlives worker nodes (in coordinator-storage mode it also holds the checkpoints);
@@ -185,6 +242,7 @@ class TrainingJob:
                 "attach to it with TrainingJob.attach or choose another run.name"
             ) from e
         ray.get(self._handle.start.remote())
+        register_run(spec, self._launch_id)  # `d9d status/logs/stop/list` find the run by its name
         return self
 
     def status(self) -> JobStatus:
@@ -357,7 +415,13 @@ class TrainingJob:
 def preflight_job(spec: JobSpec) -> None:
     """Checks on the driver that a rank would otherwise fail on, on every attempt: the entrypoint
     imports; with the built-in engine, the engine's own preflight (data files, tokenizer, model and mesh
-    sizes, plug-in modules, the source checkpoint). Raises `ConfigError` naming the field or file."""
+    sizes, plug-in modules, the source checkpoint). Raises `ConfigError` naming the field or file. The
+    local packages of `cluster.runtime_env` are importable meanwhile, as they will be on the ranks."""
+    with import_paths(spec.cluster.runtime_env):
+        _preflight_imports(spec)
+
+
+def _preflight_imports(spec: JobSpec) -> None:
     entrypoint = spec.cluster.entrypoint
     try:
         resolve_entrypoint(entrypoint)  # exactly what each rank does first

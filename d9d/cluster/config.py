@@ -9,6 +9,8 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from d9d.cluster.runtime_env import RuntimeEnvConfig
+
 # The built-in engine; a custom entrypoint reads the provider sections its own way.
 ENGINE_ENTRYPOINT = "d9d.engine.launch:run_rank"
 # A rank is declared dead after this many heartbeat intervals at the least: one late beat (a GC pause, a
@@ -84,6 +86,9 @@ class ClusterConfig(_Section):
     detach: bool = False
     # A detached coordinator stays this long after the job ended so clients can fetch the result.
     linger_s: float = Field(600.0, ge=0)
+    # Ray runtime environment of the coordinator and the ranks (local packages, pip, env vars); see
+    # d9d.cluster.runtime_env. `d9d submit` moves it to the Ray job's own runtime environment.
+    runtime_env: RuntimeEnvConfig | None = None
 
     @model_validator(mode="after")
     def _check_workers(self) -> Self:

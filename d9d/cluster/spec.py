@@ -19,6 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 from d9d.cluster.config import ENGINE_ENTRYPOINT, ClusterConfig, CoordinatorStorage
 from d9d.cluster.elastic import WorldPlan, plan_for, valid_plans
 from d9d.cluster.reach import check_submitted_paths
+from d9d.cluster.runtime_env import import_paths
 from d9d.core.storage import Location, is_uri
 from d9d.engine.config import (
     ConfigError,
@@ -127,7 +128,8 @@ def build_job(data: dict[str, Any], *, num_workers: int | None = None, cpu: bool
         raise ConfigError(format_validation_error(e, prefix="cluster")) from None
     # The engine's provider protocols are checked for the built-in engine; a custom entrypoint defines
     # what its provider sections mean.
-    train = parse_config(data, check_components=cluster.entrypoint == ENGINE_ENTRYPOINT)
+    with import_paths(cluster.runtime_env):  # plug-ins may live in the runtime env's local packages
+        train = parse_config(data, check_components=cluster.entrypoint == ENGINE_ENTRYPOINT)
     absolute = train.model_dump(mode="json")
     absolute["run"]["dir"] = str(train.run_dir.resolve())
     if isinstance(train.checkpoint_dir, Path):

@@ -14,9 +14,10 @@ from typing import Any
 from ray.job_submission import JobStatus as RayJobStatus
 from ray.job_submission import JobSubmissionClient
 
-from d9d.cluster.names import NAMESPACE
+from d9d.cluster.names import NAMESPACE, coordinator_name
 from d9d.cluster.reach import pin_relative_paths
-from d9d.cluster.spec import load_job
+from d9d.cluster.runtime_env import RuntimeEnvConfig, merge_runtime_env, parse_runtime_env
+from d9d.cluster.spec import build_job
 from d9d.engine.config import apply_overrides, read_config_file
 
 RUN_KEY = "d9d_run"
@@ -54,11 +55,37 @@ def submit(
     working_dir: Path | None = None,
     num_workers: int | None = None,
     cpu: bool = False,
+    runtime_env: RuntimeEnvConfig | None = None,
 ) -> Submission:
-    """Validate the job here, then run `d9d train` on the cluster with `working_dir` uploaded."""
-    spec = load_job(config, overrides, num_workers=num_workers, cpu=cpu)
-    pinned = pin_relative_paths(apply_overrides(read_config_file(config), overrides), spec)
-    root = (working_dir or Path.cwd()).resolve()
+    """Validate the job here, then run `d9d train` on the cluster with `working_dir` uploaded.
+
+    The job's `cluster.runtime_env`, with `runtime_env` (the command line's) merged over it, becomes the
+    Ray job's runtime environment: Ray uploads its local parts from here, and the driver on the cluster
+    and every actor it starts run in it. The cluster-side `d9d train` is told to add none of its own (the
+    local paths of the job file do not exist there)."""
+    data = apply_overrides(read_config_file(config), overrides)
+    if runtime_env is not None:
+        cluster = dict(data.get("cluster") or {})
+        base = parse_runtime_env(cluster.get("runtime_env") or {}, "cluster.runtime_env")
+        cluster["runtime_env"] = merge_runtime_env(base, runtime_env).model_dump(mode="json")
+        data["cluster"] = cluster
+    spec = build_job(data, num_workers=num_workers, cpu=cpu)
+    pinned = pin_relative_paths(data, spec)
+    env = spec.cluster.runtime_env or RuntimeEnvConfig()
+    if env.working_dir is not None and "://" in env.working_dir:
+        raise ValueError(
+            f"cluster.runtime_env.working_dir {env.working_dir} is remote; d9d submit uploads a local "
+            "working directory holding the job file (--working-dir)"
+        )
+    if (
+        working_dir is not None
+        and env.working_dir is not None
+        and working_dir.resolve() != Path(env.working_dir)
+    ):
+        raise ValueError(
+            f"--working-dir {working_dir} and cluster.runtime_env.working_dir {env.working_dir} disagree"
+        )
+    root = (working_dir or (Path(env.working_dir) if env.working_dir else None) or Path.cwd()).resolve()
     try:
         relative = config.resolve().relative_to(root)
     except ValueError:
@@ -66,7 +93,7 @@ def submit(
             f"config {config} is not inside the working directory {root}; pass --working-dir"
         ) from None
     command = ["python", "-m", "d9d.cli.main", "train", str(relative)]
-    for item in [*overrides, *pinned.overrides]:
+    for item in [*overrides, *pinned.overrides, "cluster.runtime_env=null"]:
         command += ["--set", item]
     if num_workers is not None:
         command += ["--num-workers", str(num_workers)]
@@ -76,8 +103,9 @@ def submit(
     submission_id = client.submit_job(
         entrypoint=shlex.join(command),
         runtime_env={
+            **env.to_ray(),
             "working_dir": str(root),
-            "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), **pinned.env},
+            "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), **env.env_vars, **pinned.env},
         },
         metadata={RUN_KEY: spec.run_name},
         submission_id=f"d9d-{spec.run_name}-{int(time.time() * 1000)}",
@@ -85,10 +113,19 @@ def submit(
     return Submission(submission_id, spec.run_name, RayJobStatus.PENDING.value, "")
 
 
-def find(run: str, address: str) -> Submission:
-    """The newest submission of run `run` (or the submission with that id)."""
+def find(run: str, address: str, submission_id: str | None = None) -> Submission:
+    """The newest submission of run `run`: tagged with its name (`d9d submit`), the submission with that id
+    (or with `submission_id`, from the run's record), or the Ray job that created the run's coordinator
+    (`ray job submit -- d9d train ...`)."""
     client = JobSubmissionClient(address)
-    jobs = [j for j in client.list_jobs() if j.submission_id == run or (j.metadata or {}).get(RUN_KEY) == run]
+    listed = client.list_jobs()
+    ids = {run} if submission_id is None else {run, submission_id}
+    # Drivers that were not submitted (`d9d train`, a notebook) are listed too, without a submission id.
+    submitted = [j for j in listed if j.submission_id]
+    jobs = [j for j in submitted if j.submission_id in ids or (j.metadata or {}).get(RUN_KEY) == run]
+    if not jobs:
+        creator = coordinator_job_id(run, address)
+        jobs = [j for j in submitted if creator is not None and j.job_id == creator]
     if not jobs:
         raise LookupError(f"no Ray job for run {run!r} at {address}")
     job = max(jobs, key=lambda j: j.start_time or 0)
@@ -106,6 +143,21 @@ def rank_actors(run: str, address: str) -> list[tuple[str, str]]:
     )
     prefix = f"{run}/"
     return sorted((a.name, a.state) for a in actors if a.name and a.name.startswith(prefix))
+
+
+def coordinator_job_id(run: str, address: str) -> str | None:
+    """The Ray job that created the run's coordinator (the live one if there is one), from the state API."""
+    from ray.util.state import list_actors
+
+    name = coordinator_name(run)
+    actors: list[Any] = list_actors(
+        address=address, filters=[("ray_namespace", "=", NAMESPACE), ("name", "=", name)], limit=1000
+    )
+    if not actors:
+        return None
+    actor = next((a for a in actors if a.state == "ALIVE"), actors[-1])
+    job_id: str | None = actor.job_id
+    return job_id
 
 
 def logs(submission_id: str, address: str) -> str:

@@ -1,4 +1,6 @@
-"""`d9d stop RUN`: stop the run's latest Ray job (its rank actors go with it) and wait until it ended."""
+"""`d9d stop RUN`: stop a run found by its name and wait until it ended: its Ray job (`ray job stop`: the
+driver kills the ranks and writes the summary), else its live coordinator (ranks killed at once, as
+`ray job stop` does)."""
 
 from __future__ import annotations
 
@@ -6,22 +8,32 @@ import argparse
 import sys
 from typing import Any
 
+_STOP_WAIT_S = 120.0
+
 
 def _run(args: argparse.Namespace) -> int:
     from d9d.cluster import submit as jobs
+    from d9d.cluster.lookup import attach, locate
 
-    address = jobs.dashboard_address(args.address)
-    try:
-        sub = jobs.find(args.run, address)
-    except Exception as e:
-        print(f"d9d stop: {e}", file=sys.stderr)
+    loc = locate(args.run, args.address, args.run_dir, args.runs_root)
+    if loc.submission is not None:
+        sub, address = loc.submission, jobs.dashboard_address(args.address)
+        print(f"run {sub.run_name}: Ray job {sub.submission_id} {jobs.stop(sub.submission_id, address)}")
+        return 0
+    job = attach(loc)
+    if job is None:
+        where = "it has ended" if loc.ended else "no Ray job or live coordinator found"
+        print(f"d9d stop: run {args.run!r}: {where}", file=sys.stderr)
         return 1
-    print(f"run {sub.run_name}: Ray job {sub.submission_id} {jobs.stop(sub.submission_id, address)}")
+    job.stop(force=True)
+    summary = job.result(timeout=_STOP_WAIT_S)
+    print(f"run {args.run}: {summary.status} after {summary.steps} steps")
     return 0
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("stop", help="stop a run submitted to a Ray cluster")
-    parser.add_argument("run", help="run name (or a submission id)")
-    parser.add_argument("--address", help="dashboard address (default: RAY_ADDRESS or http://127.0.0.1:8265)")
+    from d9d.cli.commands.status import add_lookup_options
+
+    parser = subparsers.add_parser("stop", help="stop a run, found by its name")
+    add_lookup_options(parser)
     parser.set_defaults(handler=_run)

@@ -1,0 +1,198 @@
+"""Finding a run by its name, however it was started (`d9d train`, `--detach`, `d9d submit`, `ray job
+submit`, a notebook).
+
+Two registrations, written when a run starts:
+
+- the coordinator actor is named `<run>/coordinator` in Ray's `d9d` namespace (d9d.cluster.names): while it
+  lives, any driver of the cluster reaches the run through it, and the Ray state API says which Ray job
+  created it (so a `ray job submit` run maps to its submission);
+- `<run dir>/run.json` (`RunRecord`): the run's name, the launch, the cluster's address and the Ray job
+  (its submission id when the driver runs as a Ray job). It outlives the cluster; with the
+  `run_summary.json` next to it (written at the end of every launch), it says how the run ended.
+
+`d9d status/logs/stop RUN` and `d9d list` read both.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from d9d.cluster.state import SUMMARY_FILE, read_launches
+from d9d.core.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from d9d.cluster.spec import JobSpec
+
+RECORD_FILE = "run.json"
+DEFAULT_RUNS_ROOT = Path("runs")
+# Set by Ray's job supervisor for a job's driver: the job's runtime env and metadata (with its submission id).
+_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+_SUBMISSION_KEY = "job_submission_id"
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_name: str
+    run_dir: str
+    launch_id: str
+    started_at: float  # wall clock
+    ray_address: str | None  # the cluster's GCS address, for `ray.init` / `d9d ... --address`
+    ray_job_id: str | None  # the Ray job of the driver that started the run
+    submission_id: str | None  # when that driver is a Ray job (`d9d submit`, `ray job submit`)
+    detach: bool
+    driver: str  # host:pid of the driver
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunRecord:
+        def text(key: str) -> str | None:
+            value = data.get(key)
+            return value if isinstance(value, str) else None
+
+        return cls(
+            run_name=str(data["run_name"]),
+            run_dir=str(data["run_dir"]),
+            launch_id=text("launch_id") or "",
+            started_at=float(data.get("started_at") or 0.0),
+            ray_address=text("ray_address"),
+            ray_job_id=text("ray_job_id"),
+            submission_id=text("submission_id"),
+            detach=bool(data.get("detach")),
+            driver=text("driver") or "",
+        )
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What `d9d list` shows for one run: from the live coordinator, else from the files."""
+
+    run_name: str
+    state: str  # a JobState value, or "started" when a launch has no recorded end and no live coordinator
+    step: int | None
+    last_loss: float | None
+    run_dir: str | None
+    source: str  # "coordinator" or "files"
+
+
+def submission_id_of_this_driver() -> str | None:
+    raw = os.environ.get(_JOB_CONFIG_ENV)
+    if not raw:
+        return None
+    try:
+        metadata = json.loads(raw).get("metadata") or {}
+    except (ValueError, AttributeError):
+        return None
+    value = metadata.get(_SUBMISSION_KEY)
+    return value if isinstance(value, str) else None
+
+
+def register_run(spec: JobSpec, launch_id: str) -> None:
+    """Write `<run dir>/run.json` for this launch (best effort: a driver that cannot write the run
+    directory, e.g. a Ray client outside the cluster, still has the named coordinator)."""
+    context = ray.get_runtime_context()
+    address: str | None = None
+    job_id: str | None = None
+    try:
+        job_id = context.get_job_id()
+        address = context.gcs_address
+    except Exception:  # a Ray client has no GCS address of its own: the named coordinator still works
+        _log.debug("run %s: no Ray address to record", spec.run_name, exc_info=True)
+    record = RunRecord(
+        run_name=spec.run_name,
+        run_dir=str(spec.run_dir),
+        launch_id=launch_id,
+        started_at=time.time(),
+        ray_address=address,
+        ray_job_id=job_id,
+        submission_id=submission_id_of_this_driver(),
+        detach=spec.cluster.detach,
+        driver=f"{socket.gethostname()}:{os.getpid()}",
+    )
+    try:
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(spec.run_dir / RECORD_FILE, json.dumps(asdict(record), indent=1))
+    except OSError as e:
+        _log.warning("run %s: cannot write %s: %s", spec.run_name, spec.run_dir / RECORD_FILE, e)
+
+
+def read_record(run_dir: Path) -> RunRecord | None:
+    try:
+        data = json.loads((run_dir / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "run_name" not in data or "run_dir" not in data:
+        return None
+    return RunRecord.from_json(data)
+
+
+def records(root: Path) -> list[RunRecord]:
+    """The registered runs whose directories are directly under `root` (the default `runs/`)."""
+    if not root.is_dir():
+        return []
+    found = (read_record(d) for d in sorted(root.iterdir()) if d.is_dir())
+    return [r for r in found if r is not None]
+
+
+def find_record(run: str, run_dir: Path | None = None, root: Path = DEFAULT_RUNS_ROOT) -> RunRecord | None:
+    """The record of run `run`: in `run_dir` if given, else in `root/run`, else any under `root`."""
+    if run_dir is not None:
+        return read_record(run_dir)
+    record = read_record(root / run)
+    if record is not None:
+        return record
+    return next((r for r in records(root) if r.run_name == run), None)
+
+
+def state_from_files(record: RunRecord) -> RunState:
+    """The state of a launch from `run_summary.json`: its record for this launch if it ended."""
+    launches = read_launches(Path(record.run_dir) / SUMMARY_FILE) or []
+    for launch in launches:
+        if launch.get("launch_id") == record.launch_id:
+            losses = launch.get("losses") or {}
+            loss = launch.get("final_loss")
+            if loss is None and losses:
+                loss = losses[max(losses, key=int)]
+            return RunState(
+                record.run_name, str(launch.get("status")), launch.get("steps"), loss, record.run_dir, "files"
+            )
+    return RunState(record.run_name, "started", None, None, record.run_dir, "files")
+
+
+def live_states() -> list[RunState]:
+    """Every run with a live coordinator in the connected cluster (`ray.init` done)."""
+    from ray.util import list_named_actors
+
+    from d9d.cluster.names import NAMESPACE
+    from d9d.cluster.state import JobStatus
+
+    out = []
+    for entry in list_named_actors(all_namespaces=True):
+        name, namespace = entry["name"], entry["namespace"]
+        if namespace != NAMESPACE or not name.endswith("/coordinator"):
+            continue
+        try:
+            handle: Any = ray.get_actor(name, namespace=NAMESPACE)
+            status: JobStatus = ray.get(handle.status.remote(), timeout=30)
+        except Exception:  # died between the listing and the call
+            continue
+        spec: JobSpec = ray.get(handle.spec.remote(), timeout=30)
+        out.append(
+            RunState(
+                status.run_name,
+                status.state.value,
+                status.step,
+                status.last_loss,
+                str(spec.run_dir),
+                "coordinator",
+            )
+        )
+    return out
