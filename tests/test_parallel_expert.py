@@ -212,8 +212,8 @@ def _selection(env: RankEnv) -> None:
     for _ in range(3):  # one MoE layer after another: the choice is logged once
         build(AutoBackendConfig(), group, device=cpu, dtype=torch.float32)
     assert [r.getMessage() for r in records] == [
-        "expert-parallel backend 'auto' chose all_to_all (the deep_ep package cannot be imported (install "
-        "it: pip install 'd9d[moe]', needs CUDA))"
+        "expert-parallel backend 'auto' chose all_to_all (the deep_ep package cannot be imported (build "
+        "it from source, docs/deploy.md; needs CUDA))"
     ] or (deep_ep_available() and len(records) == 1)
     logger.removeHandler(handler)
     assert isinstance(

@@ -25,7 +25,7 @@ class AllToAllBackendConfig(BaseModel):
 
 
 class DeepEPBackendConfig(BaseModel):
-    """DeepEP kernels: CUDA, bf16 activations, `deep_ep` installed (`pip install d9d[moe]`). Not
+    """DeepEP kernels: CUDA, bf16 activations, `deep_ep` installed (built from source, docs/deploy.md). Not
     installable on the project's GPU image so far: this path is tested with a stand-in module only."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -76,7 +76,7 @@ def build_moe_communication(
 def _deep_ep_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why DeepEP cannot run for these activations, or None when it can."""
     if not deep_ep_available():
-        return "the deep_ep package cannot be imported (install it: pip install 'd9d[moe]', needs CUDA)"
+        return "the deep_ep package cannot be imported (build it from source, docs/deploy.md; needs CUDA)"
     if device.type != "cuda":
         return f"it needs CUDA activations, got device {device}"
     if dtype != torch.bfloat16:
