@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from d9d.cluster.reach import SUBMITTED_PATHS_ENV
 from d9d.engine.config import ConfigError
 from tests.cluster_fixtures import reference_losses, toy_job
 from tests.test_cluster_cli import BIN, REPO, Head, _d9d, _env, _write, ray_head  # noqa: F401
@@ -109,6 +110,10 @@ def test_submit_merges_the_command_line_runtime_env_over_the_job_file(
     jobs.submit(config, "http://head:8265", runtime_env=extra)
 
     sent = _FakeJobs.submitted
+    # Beside the job's own variables: the submitted-paths check (d9d/cluster/reach.py); every path of this
+    # job is absolute, so it pins none.
+    pinned = json.loads(sent["runtime_env"]["env_vars"].pop(SUBMITTED_PATHS_ENV))
+    assert pinned["paths"] == []
     assert sent["runtime_env"] == {
         "py_modules": [str(package)],
         "working_dir": str(tmp_path),
