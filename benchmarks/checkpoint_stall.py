@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from throughput.common import ARCHS, BATCH, SEQ  # benchmarks/ is the script's directory: on sys.path
 
 TINY = {
@@ -49,37 +48,6 @@ TINY = {
     "intermediate_size": 128,
 }
 TINY_BATCH, TINY_SEQ = 2, 32
-
-
-class RandomTokens:
-    """Uniform random token ids, fresh every step (the data position is not part of what is measured)."""
-
-    class Config(BaseModel):
-        model_config = ConfigDict(frozen=True, extra="forbid")
-
-        vocab_size: int = Field(ge=2)
-        seq_len: int = Field(ge=1)
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.generator = torch.Generator().manual_seed(0)
-
-    def setup(self, setup: Any) -> None:
-        self.s = setup
-
-    def next_step(self) -> list[dict[str, torch.Tensor]]:
-        batches = []
-        for _ in range(self.s.gradient_accumulation):
-            shape = (self.s.microbatch_size, self.config.seq_len + 1)
-            ids = torch.randint(0, self.config.vocab_size, shape, generator=self.generator)
-            batches.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
-        return batches
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Any) -> None:
-        return None
 
 
 def job(model: str, mode: str, save_step: int, after: int, run_dir: Path) -> dict[str, Any]:
@@ -100,7 +68,7 @@ def job(model: str, mode: str, save_step: int, after: int, run_dir: Path) -> dic
             },
         },
         "data": {
-            "provider": "checkpoint_stall:RandomTokens",
+            "provider": "throughput.data:RandomTokens",
             "options": {"vocab_size": arch["vocab_size"], "seq_len": seq},
         },
         "optimizer": {"provider": "adamw", "options": {"lr": 1e-4, "weight_decay": 0.0}},

@@ -65,7 +65,7 @@ def builtin_job(nproc: int, steps: int, width: int) -> dict:
 
 def qwen3_job(nproc: int, steps: int) -> dict:
     """GPU: the Qwen3-0.6B shape of `train_throughput.py` (bf16, batch 8 x 2048 random tokens per rank)."""
-    from benchmarks.train_throughput import BATCH, DENSE, SEQ
+    from benchmarks.throughput.common import BATCH, DENSE, SEQ
 
     return {
         "run": {"name": "overhead"},
@@ -76,7 +76,10 @@ def qwen3_job(nproc: int, steps: int) -> dict:
             "provider": "qwen3",
             "options": {"architecture": {**DENSE, "max_position_embeddings": SEQ}, "dtype": "bfloat16"},
         },
-        "data": {"provider": "benchmarks.train_throughput:RandomTokens"},
+        "data": {
+            "provider": "benchmarks.throughput.data:RandomTokens",
+            "options": {"vocab_size": DENSE["vocab_size"], "seq_len": SEQ},
+        },
         "optimizer": {"provider": "adamw", "options": {"lr": 1e-4}},
         "checkpointing": {"period": None, "save_at_end": False},
         "logging": {"progress_bar": "off"},

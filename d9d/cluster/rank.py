@@ -16,7 +16,8 @@ point's wall time is the end of the last of them, so the coordinator can place t
 the recovery-phase split (`d9d.cluster.control.recovery`).
 
 A warm standby is the same actor started ahead of time: `warm` imports the entrypoint's modules (torch, the
-engine) so a restart that uses it skips the interpreter start and the imports (docs/cluster.md).
+engine) so a restart that uses it skips the interpreter start and the imports; on a GPU job it also starts
+CUDA with the devices the job's ranks on its node see (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ class StandbyReady:
     pid: int
     node_id: str
     ready_at: float  # wall clock
+    # GPU jobs: the CUDA_VISIBLE_DEVICES its CUDA runtime started with (fixed from then on); None on CPU.
+    cuda_visible_devices: str | None = None
 
 
 class PhasedReporter(RayRunReporter):
@@ -213,13 +216,26 @@ class RankActor:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, 0)
 
-    def warm(self, entrypoint: str) -> StandbyReady:
+    def warm(self, entrypoint: str, cuda_visible_devices: str | None = None) -> StandbyReady:
         """Standby: import what a rank would import first (the entrypoint's module pulls in torch and the
-        engine), then wait for `run`. The CUDA runtime is left uninitialized: the devices a rank may see
-        (`CUDA_VISIBLE_DEVICES`) are decided at launch and are fixed once CUDA starts."""
+        engine), then wait for `run`.
+
+        With `cuda_visible_devices` (a GPU job: the devices the job's ranks on this node see) CUDA starts
+        now, and with a single device its context is created too. Those devices are fixed for the
+        process's life, so the standby can only become a rank whose launch names the same set
+        (`WorkerGroup.start` checks). With several, the context waits for the rank's own device: a context
+        on the wrong one would hold memory there for good.
+        """
         if self._warm is None:
             resolve_entrypoint(entrypoint)
-            self._warm = StandbyReady(os.getpid(), ray.get_runtime_context().get_node_id(), time.time())
+            if cuda_visible_devices is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+                torch.cuda.init()
+                if torch.cuda.device_count() == 1:
+                    torch.zeros(1, device="cuda:0")  # the context and the caching allocator
+            self._warm = StandbyReady(
+                os.getpid(), ray.get_runtime_context().get_node_id(), time.time(), cuda_visible_devices
+            )
         return self._warm
 
     def node(self) -> RankNode:
@@ -263,6 +279,12 @@ class RankActor:
             MASTER_PORT=str(launch.master_port),
         )
         if launch.cuda_visible_devices is not None:
+            warm = self._warm.cuda_visible_devices if self._warm is not None else None
+            if warm is not None and warm != launch.cuda_visible_devices:
+                raise RuntimeError(  # WorkerGroup.start never launches a standby so; CUDA cannot switch
+                    f"this standby's CUDA started with devices {warm}, the launch needs "
+                    f"{launch.cuda_visible_devices}"
+                )
             os.environ["CUDA_VISIBLE_DEVICES"] = launch.cuda_visible_devices
         self._init_process_group(launch)
         reporter = PhasedReporter(

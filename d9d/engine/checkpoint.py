@@ -37,6 +37,7 @@ reshards DTensors automatically.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -145,6 +146,10 @@ def commit(root: Location, step: int, reports: Sequence[RankCheckpointReport], k
     # Written last, in this order: on an object store (no rename) these two writes are the commit.
     write_text(step_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     write_text(root / LATEST, step_dir.name)
+    # The committer checked every file against the hash its writer computed; choosing this step again in
+    # this process (a restart's resume decision) would only hash the same unchanged bytes once more.
+    with contextlib.suppress(OSError):
+        _verified[step_dir] = _stat_key(step_dir, sorted(files))
     prune(root, keep_last)
     return step_dir
 
@@ -164,8 +169,9 @@ def prune(root: Location, keep_last: int) -> None:
 
 # -- verification ------------------------------------------------------------------------------------------
 
-# Directories verified by this process, keyed by the stat of the manifest and of every file it lists: a
-# rank that verified a commit while choosing it does not hash it again when it loads it.
+# Directories verified (or committed) by this process, keyed by the stat of the manifest and of every file
+# it lists: a rank that verified a commit while choosing it does not hash it again when it loads it, and a
+# coordinator does not hash the step it committed itself when a restart resumes from it.
 _verified: dict[Location, tuple[tuple[str, int, int], ...]] = {}
 
 

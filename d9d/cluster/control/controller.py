@@ -346,7 +346,7 @@ class Controller:
         if at is None or at.live.step_done or step <= at.resumed_from:
             return
         at.live.step_done = True
-        self._standby.refill()  # after the first step: starting standbys never slows a (re)start down
+        self._standby.refill(at.sites)  # after the first step: starting standbys never slows a (re)start down
         if self._failure_time is not None:
             self._recovered()
             recovery = time.monotonic() - self._failure_time

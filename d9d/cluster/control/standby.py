@@ -1,11 +1,19 @@
 """Warm standby rank actors (`cluster.standby_ranks`): started ahead of time, taken by a restart in place of
 cold processes, refilled in the background.
 
-Placement: each standby lives in a one-bundle placement group of its own holding one rank's resources
-(`cluster.resources`), reserved in addition to the running attempt's group. So a standby never holds a bundle
-the active group needs: while the cluster has no spare room for it, its group stays pending and the pool
-simply has fewer standbys. A restart reserves a group for the cold ranks only (world size minus the ready
-standbys it takes); a taken standby's own group then belongs to the attempt and is given back with it.
+Placement on CPU jobs: each standby lives in a one-bundle placement group of its own holding one rank's
+resources (`cluster.resources`), reserved in addition to the running attempt's group. So a standby never
+holds a bundle the active group needs: while the cluster has no spare room for it, its group stays pending
+and the pool simply has fewer standbys. A restart reserves a group for the cold ranks only (world size minus
+the ready standbys it takes); a taken standby's own group then belongs to the attempt and is given back
+with it.
+
+Placement on GPU jobs: a standby is a spare process, not a spare GPU. It holds one rank's CPUs on a node
+the running attempt's ranks use and starts CUDA with the devices they see there (a GPU is the scarce part:
+a standby holding one of its own would idle it, and a one-GPU machine could have none). A restart that
+takes it reserves a rank bundle pinned to the standby's node (`WorkerGroup.reserve`), which holds the GPU
+the standby then drives, freed by the failed attempt's teardown. It covers faults of a process (a crash,
+an OOM kill, a hung collective), not the loss of its node.
 
 Timing: standbys are started (or refilled) once an attempt has completed its first step, so starting them
 never competes with a restart for CPU, and a group still pending is withdrawn before a restart reserves its
@@ -18,13 +26,16 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from d9d.cluster.names import NAMESPACE
 from d9d.cluster.placement import bundle_for, placement_group_name
@@ -42,8 +53,25 @@ def standby_name(run_name: str, token: str) -> str:
 @dataclass(frozen=True)
 class Standby:
     actor: Any
-    pg: PlacementGroup
+    pg: PlacementGroup | None  # CPU jobs: its own rank bundle; GPU jobs: None (its CPUs are the actor's)
     ready: StandbyReady
+
+
+@dataclass(frozen=True)
+class StandbySite:
+    """Where a GPU job's standby goes: a node the attempt's ranks use and the devices they see there."""
+
+    node_id: str
+    cuda_visible_devices: str
+
+
+def standby_sites(rank_sites: Sequence[StandbySite]) -> list[StandbySite]:
+    """The attempt's distinct (node, devices) sites, those with more ranks first: standbys go round-robin
+    over them."""
+    counts: dict[StandbySite, int] = {}
+    for site in rank_sites:
+        counts[site] = counts.get(site, 0) + 1
+    return sorted(counts, key=lambda site: -counts[site])
 
 
 class StandbyPool:
@@ -53,6 +81,7 @@ class StandbyPool:
         self._on_ready = on_ready
         self._ready: list[Standby] = []
         self._pending: set[asyncio.Task[None]] = set()
+        self._started = 0  # standbys started so far: picks the next GPU site round-robin
 
     @property
     def size(self) -> int:
@@ -62,11 +91,18 @@ class StandbyPool:
     def ready_count(self) -> int:
         return len(self._ready)
 
-    def refill(self) -> None:
-        """Start standbys in the background until ready + starting ones make `cluster.standby_ranks`."""
+    def refill(self, rank_sites: Sequence[StandbySite] = ()) -> None:
+        """Start standbys in the background until ready + starting ones make `cluster.standby_ranks`;
+        on a GPU job next to the running attempt's ranks (`rank_sites`, one per rank)."""
         missing = self._size - len(self._ready) - len(self._pending)
+        sites = standby_sites(rank_sites)
+        gpus = self._spec.cluster.resources.gpus > 0
         for _ in range(max(missing, 0)):
-            task = asyncio.get_running_loop().create_task(self._start_one())
+            site = sites[self._started % len(sites)] if gpus and sites else None
+            if gpus and site is None:
+                return  # a GPU job's standby needs a node with the job's GPUs
+            self._started += 1
+            task = asyncio.get_running_loop().create_task(self._start_one(site))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
 
@@ -96,36 +132,45 @@ class StandbyPool:
             release(s)
         self._ready = []
 
-    async def _start_one(self) -> None:
+    async def _start_one(self, site: StandbySite | None) -> None:
         spec = self._spec
         c = spec.cluster
         token = uuid.uuid4().hex[:12]
-        pg = placement_group(
-            [bundle_for(c.resources)], name=placement_group_name(spec.run_name, f"standby-{token}")
-        )
+        pg: PlacementGroup | None = None
         actor: Any = None
         try:
-            await asyncio.wait_for(pg.ready(), c.placement_timeout_s)
+            if site is None:
+                pg = placement_group(
+                    [bundle_for(c.resources)], name=placement_group_name(spec.run_name, f"standby-{token}")
+                )
+                await asyncio.wait_for(pg.ready(), c.placement_timeout_s)
+                strategy: Any = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=0
+                )
+            else:
+                strategy = NodeAffinitySchedulingStrategy(site.node_id, soft=False)
             actor = (
                 ray.remote(RankActor)
                 .options(
                     name=standby_name(spec.run_name, token),
                     namespace=NAMESPACE,
                     num_cpus=c.resources.cpus,
-                    num_gpus=c.resources.gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=0
-                    ),
+                    num_gpus=c.resources.gpus if site is None else 0,
+                    scheduling_strategy=strategy,
                     max_restarts=0,
                 )
                 .remote(ray.get_runtime_context().current_actor)
             )
-            ready: StandbyReady = await asyncio.wait_for(actor.warm.remote(c.entrypoint), spec.init_timeout_s)
+            visible = site.cuda_visible_devices if site is not None else None
+            ready: StandbyReady = await asyncio.wait_for(
+                actor.warm.remote(c.entrypoint, visible), spec.init_timeout_s
+            )
         except BaseException as e:  # cancelled (a restart), no room, or the actor failed: no standby
             if actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
-            remove_placement_group(pg)
+            if pg is not None:
+                remove_placement_group(pg)
             if not isinstance(e, asyncio.CancelledError | TimeoutError):
                 _log.warning("run %s: a standby rank failed to start: %s", spec.run_name, e)
             if isinstance(e, asyncio.CancelledError):
@@ -141,4 +186,5 @@ def release(standby: Standby) -> None:
     """Kill a standby (or the rank it became) and give its bundle back."""
     with contextlib.suppress(Exception):  # already dead
         ray.kill(standby.actor, no_restart=True)
-    remove_placement_group(standby.pg)
+    if standby.pg is not None:
+        remove_placement_group(standby.pg)

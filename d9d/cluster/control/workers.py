@@ -3,12 +3,15 @@ placement group, starts one rank actor per bundle, and tears them all down.
 
 With warm standbys (`d9d.cluster.control.standby`), the group is reserved for the cold ranks only and the
 ready standbys taken make up the rest; which rank each actor becomes is decided over all of them by node
-(`assign_bundles`), as for bundles of one group."""
+(`assign_bundles`), as for bundles of one group. On a GPU job a standby holds no GPU: the restart reserves a
+rank bundle pinned to its node (`Reservation.hold`) and the standby drives the GPU that bundle got."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +19,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
     PlacementGroup,
     placement_group,
     placement_group_table,
@@ -27,7 +31,7 @@ from d9d.cluster.config import CoordinatorStorage
 from d9d.cluster.control.health import Liveness
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.scaling import ScalingPolicy
-from d9d.cluster.control.standby import Standby, StandbyPool, release
+from d9d.cluster.control.standby import Standby, StandbyPool, StandbySite, release
 from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.names import NAMESPACE, rank_name, wait_names_free
 from d9d.cluster.placement import (
@@ -43,6 +47,8 @@ from d9d.cluster.reporter import CoordinatorTransfer
 from d9d.cluster.spec import JobSpec
 from d9d.engine.runtime import RankRuntime
 
+_log = logging.getLogger(__name__)
+
 
 class NoResources(RuntimeError):
     pass
@@ -51,10 +57,18 @@ class NoResources(RuntimeError):
 @dataclass
 class Reservation:
     """What an attempt holds: a placement group for its cold ranks (None: every rank is a standby) and the
-    standbys it took, each with its own one-bundle group."""
+    standbys it took, each with its own one-bundle group (CPU jobs), or, on a GPU job, `hold`: one rank
+    bundle per standby on the standby's node, whose GPU the standby drives."""
 
     pg: PlacementGroup | None
     standbys: list[Standby] = field(default_factory=list)
+    hold: PlacementGroup | None = None
+
+
+@ray.remote(num_cpus=0)
+def _bundle_gpus() -> tuple[str, ...]:
+    """Run in a hold bundle: which GPUs Ray gave it (a bundle's GPUs are fixed when it is reserved)."""
+    return tuple(str(g) for g in ray.get_gpu_ids())
 
 
 @dataclass
@@ -65,6 +79,7 @@ class Attempt:
     resumed_from: int  # checkpoint step (0: from scratch)
     live: Liveness
     actors: list[Any] = field(default_factory=list)
+    sites: list[StandbySite] = field(default_factory=list)  # GPU jobs: each rank's node and devices
 
 
 class WorkerGroup:
@@ -108,17 +123,31 @@ class WorkerGroup:
                 if cold
                 else None
             )
-            reservation = Reservation(pg, standbys)
+            hold = (
+                placement_group(
+                    [dict(bundle) for _ in standbys],
+                    bundle_label_selector=[{NODE_ID_LABEL_KEY: s.ready.node_id} for s in standbys],
+                    name=placement_group_name(self._spec.run_name, f"hold-{uuid.uuid4().hex[:12]}"),
+                )
+                if standbys and c.resources.gpus
+                else None
+            )
+            smaller_exists = plan is not candidates[-1]
             try:
-                placed = pg is None or await self._placed(pg, plan, smaller_exists=plan is not candidates[-1])
-            except BaseException:  # cancelled, or Ray failed: the group must not outlive this call
+                placed = all(
+                    [
+                        g is None or await self._placed(g, plan, smaller_exists=smaller_exists)
+                        for g in (pg, hold)
+                    ]
+                )
+            except BaseException:  # cancelled, or Ray failed: the groups must not outlive this call
                 self._standby.put_back(standbys)
-                self._release(Reservation(pg))
+                self._release(Reservation(pg, hold=hold))
                 raise
             if placed:
-                return plan, reservation
+                return plan, Reservation(pg, standbys, hold)
             self._standby.put_back(standbys)
-            self._release(Reservation(pg))
+            self._release(Reservation(pg, hold=hold))
             if self._mailbox.stop:
                 return None
         raise NoResources(
@@ -144,8 +173,9 @@ class WorkerGroup:
         """Give a reservation back; standbys it took are killed (they may have been given a rank)."""
         for standby in reservation.standbys:
             release(standby)
-        if reservation.pg is not None:
-            remove_placement_group(reservation.pg)
+        for pg in (reservation.pg, reservation.hold):
+            if pg is not None:
+                remove_placement_group(pg)
 
     async def start(self, at: Attempt) -> list[tuple[Any, RankLaunch]]:
         """Start the rank actors on their bundles (standbys taken are running already) and say how each
@@ -161,8 +191,6 @@ class WorkerGroup:
             slot_nodes = [table["bundles_to_node_id"][i] for i in range(cold)]
         slot_nodes += [s.ready.node_id for s in res.standbys]
         slots = assign_bundles(slot_nodes)
-        me = ray.get_runtime_context().current_actor
-        actor_cls = ray.remote(RankActor)
         for rank, slot in enumerate(slots):
             if slot >= cold:
                 at.actors.append(res.standbys[slot - cold].actor)
@@ -171,25 +199,85 @@ class WorkerGroup:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=res.pg, placement_group_bundle_index=slot
             )
-            at.actors.append(
-                actor_cls.options(
-                    name=rank_name(spec.run_name, rank),
-                    namespace=NAMESPACE,
-                    num_cpus=c.resources.cpus,
-                    num_gpus=c.resources.gpus,
-                    scheduling_strategy=strategy,
-                    max_restarts=0,
-                ).remote(me)
-            )
+            at.actors.append(self._cold_actor(rank, strategy))
         nodes: list[RankNode] = await asyncio.wait_for(
             asyncio.gather(*[a.node.remote() for a in at.actors]), spec.init_timeout_s
         )
+        if res.hold is not None:
+            nodes = await self._drive_held_gpus(at, slots, cold, nodes)
         port: int = await at.actors[0].open_store.remote(at.plan.world_size, spec.init_timeout_s)
         placement = device_placement(nodes, gpus=c.resources.gpus > 0)
+        at.sites = [
+            StandbySite(n.node_id, visible)
+            for n, (_, _, visible) in zip(nodes, placement, strict=True)
+            if visible is not None
+        ]
         return [
             (actor, self._launch(at, rank, nodes[0].ip, port, where))
             for rank, (actor, where) in enumerate(zip(at.actors, placement, strict=True))
         ]
+
+    def _cold_actor(self, rank: int, strategy: PlacementGroupSchedulingStrategy) -> Any:
+        c = self._spec.cluster
+        return (
+            ray.remote(RankActor)
+            .options(
+                name=rank_name(self._spec.run_name, rank),
+                namespace=NAMESPACE,
+                num_cpus=c.resources.cpus,
+                num_gpus=c.resources.gpus,
+                scheduling_strategy=strategy,
+                max_restarts=0,
+            )
+            .remote(ray.get_runtime_context().current_actor)
+        )
+
+    async def _drive_held_gpus(
+        self, at: Attempt, slots: list[int], cold: int, nodes: list[RankNode]
+    ) -> list[RankNode]:
+        """GPU job: give each standby the GPUs of its hold bundle. A standby whose CUDA started with other
+        devices than its rank will see (the node's job GPUs changed since) cannot switch: a cold rank
+        takes its hold bundle instead and the standby is released."""
+        spec = self._spec
+        c = spec.cluster
+        res = at.pg
+        assert res.hold is not None
+        held: list[tuple[str, ...]] = await asyncio.wait_for(
+            asyncio.gather(
+                *[
+                    _bundle_gpus.options(
+                        num_gpus=c.resources.gpus,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=res.hold, placement_group_bundle_index=i
+                        ),
+                    ).remote()
+                    for i in range(len(res.standbys))
+                ]
+            ),
+            spec.init_timeout_s,
+        )
+        rank_of = {slot: rank for rank, slot in enumerate(slots)}
+        nodes = list(nodes)
+        for i, gpus in enumerate(held):
+            nodes[rank_of[cold + i]] = dataclasses.replace(nodes[rank_of[cold + i]], gpu_ids=gpus)
+        placement = device_placement(nodes, gpus=True)
+        for i, standby in enumerate(res.standbys):
+            rank = rank_of[cold + i]
+            if placement[rank][2] == standby.ready.cuda_visible_devices:
+                continue
+            _log.warning(
+                "run %s: the standby for rank %d started CUDA with devices %s, the rank sees %s: the rank "
+                "starts cold",
+                spec.run_name,
+                rank,
+                standby.ready.cuda_visible_devices,
+                placement[rank][2],
+            )
+            release(standby)
+            in_hold = PlacementGroupSchedulingStrategy(res.hold, placement_group_bundle_index=i)
+            at.actors[rank] = self._cold_actor(rank, in_hold)
+            nodes[rank] = await asyncio.wait_for(at.actors[rank].node.remote(), spec.init_timeout_s)
+        return nodes
 
     def _launch(
         self, at: Attempt, rank: int, master_addr: str, port: int, where: tuple[int, int, str | None]
