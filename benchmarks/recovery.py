@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,14 +37,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def wait_for_standby(job: TrainingJob, count: int, timeout_s: float = 300.0) -> None:
-    """Block until the coordinator reported `count` ready standbys (points read here are before the kill)."""
+    """Block until the coordinator has `count` ready standbys (its status, not a metric point: the fault
+    watcher may have consumed that point already)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        points, ended = job.poll_metrics(0.2)
-        if any(p.kind == "health" and p.values.get("standby_ranks_ready", 0) >= count for p in points):
+        status = job.status()
+        if status.standby_ready >= count:
             return
-        if ended:
+        if status.state.terminal:
             raise RuntimeError(f"run {job.run_name} ended before its standby was ready")
+        time.sleep(0.2)
     raise TimeoutError(f"no standby of run {job.run_name} became ready within {timeout_s} s")
 
 
@@ -57,6 +60,7 @@ def one_run(
         f"run.dir={tmp / name}",
         f"run.name={name}",
         f"checkpointing.period={period}",
+        "checkpointing.keep_last=1",  # a 0.6B step is ~7 GB: repeats must not fill the disk
         f"cluster.standby_ranks={standby}",
         "cluster.restart_backoff_s=0",
         'logging.tracker={kind: "null"}',
@@ -64,13 +68,16 @@ def one_run(
 
     def kill(job: TrainingJob) -> None:
         if standby:
+            waited = time.monotonic()
             wait_for_standby(job, standby)
+            print(f"  standby ready {time.monotonic() - waited:.1f} s after step {kill_at}", flush=True)
         job.kill_rank(victim)
 
     result = watch_fault(TrainingJob(config, overrides=overrides), kill_at, kill)
     record = json.loads((tmp / name / "run_summary.json").read_text())
     result["phases"] = record["recovery_phases_s"]
     result["standby_ranks_used"] = record["standby_ranks_used"]
+    shutil.rmtree(tmp / name, ignore_errors=True)
     return result
 
 
@@ -124,6 +131,7 @@ def main() -> None:
                 f"status {r['status']}",
                 flush=True,
             )
+            print("  phases:", {k: round(v, 2) for k, v in r["phases"][0].items()} if r["phases"] else None)
 
     print(f"\njob: built-in {args.model} on {args.nproc} ranks, {args.repeats} repeats (medians)")
     print(f"{'':28s}" + "".join(f"{f'standby {n}':>12s}" for n in counts))

@@ -135,6 +135,7 @@ class Coordinator:
             last_failure=c.failures.failures[-1] if c.failures.failures else None,
             error=c.summary.error,
             asleep=self._metrics.asleep and not c.machine.state.terminal,
+            standby_ready=c.standby_ready,
         )
 
     async def send(self, command: Command) -> None:

@@ -216,9 +216,11 @@ class RankActor:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, 0)
 
-    def warm(self, entrypoint: str, cuda_visible_devices: str | None = None) -> StandbyReady:
+    def warm(
+        self, entrypoint: str, cuda_visible_devices: str | None = None, preload: tuple[str, ...] = ()
+    ) -> StandbyReady:
         """Standby: import what a rank would import first (the entrypoint's module pulls in torch and the
-        engine), then wait for `run`.
+        engine, `preload` what it imports later, such as the compiler), then wait for `run`.
 
         With `cuda_visible_devices` (a GPU job: the devices the job's ranks on this node see) CUDA starts
         now, and with a single device its context is created too. Those devices are fixed for the
@@ -228,6 +230,8 @@ class RankActor:
         """
         if self._warm is None:
             resolve_entrypoint(entrypoint)
+            for module in preload:
+                importlib.import_module(module)
             if cuda_visible_devices is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
                 torch.cuda.init()

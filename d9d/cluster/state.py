@@ -79,6 +79,7 @@ class JobStatus:
     error: str | None = None
     # The ranks' training state is in host memory (`TrainingJob.sleep`); the state is then PAUSED.
     asleep: bool = False
+    standby_ready: int = 0  # warm standby ranks ready to be taken by a restart (`cluster.standby_ranks`)
 
 
 @dataclass

@@ -101,6 +101,14 @@ def compile_enabled(config: CompileConfig, device: torch.device) -> bool:
     return config.enabled if config.enabled is not None else device.type == "cuda"
 
 
+def compiler_modules(config: CompileConfig, device_type: str) -> tuple[str, ...]:
+    """Modules a process compiling with `config` imports on its first compile (seconds of imports), for a
+    warm standby to import ahead of time."""
+    if not compile_enabled(config, torch.device(device_type)) or config.backend != "inductor":
+        return ()
+    return ("torch._inductor.compile_fx",)
+
+
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)

@@ -278,6 +278,10 @@ class Controller:
             clock.note_points(self._metrics.since(clock.metrics_seq))
             self.summary.recovery_phases_s.append({k: round(v, 4) for k, v in clock.phases().items()})
 
+    @property
+    def standby_ready(self) -> int:
+        return self._standby.ready_count
+
     async def _standby_ready(self, standby: Standby) -> None:
         self.summary.standby_pids.append(standby.ready.pid)
         ready = {"standby_ranks_ready": float(self._standby.ready_count)}

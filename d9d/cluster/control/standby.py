@@ -41,6 +41,7 @@ from d9d.cluster.names import NAMESPACE
 from d9d.cluster.placement import bundle_for, placement_group_name
 from d9d.cluster.rank import RankActor, StandbyReady
 from d9d.cluster.spec import JobSpec
+from d9d.parallel.compile import compiler_modules
 
 _log = logging.getLogger(__name__)
 
@@ -162,8 +163,9 @@ class StandbyPool:
                 .remote(ray.get_runtime_context().current_actor)
             )
             visible = site.cuda_visible_devices if site is not None else None
+            preload = compiler_modules(spec.train.compile, "cuda" if c.resources.gpus else "cpu")
             ready: StandbyReady = await asyncio.wait_for(
-                actor.warm.remote(c.entrypoint, visible), spec.init_timeout_s
+                actor.warm.remote(c.entrypoint, visible, preload), spec.init_timeout_s
             )
         except BaseException as e:  # cancelled (a restart), no room, or the actor failed: no standby
             if actor is not None:
