@@ -233,8 +233,9 @@ class Uploader:
 def upload_report(
     store: Any, attempt: int, report: RankCheckpointReport, transfer: CoordinatorTransfer
 ) -> int:
-    """Upload every file of a rank's report, then drop this rank's older local steps (the coordinator's node
-    holds everything committed, and the newest step stays here to skip its download on a restart)."""
+    """Upload every file of a rank's report, then drop this rank's local steps older than the one before it:
+    the coordinator's node holds everything committed, and the two newest steps stay here (the newest may
+    never commit) so that a restart on this node does not download this rank's own files again."""
     moved = 0
     step_dir = Path(str(report.step_dir))
     for f in report.files:
@@ -247,9 +248,9 @@ def upload_report(
             transfer.chunk_bytes,
             transfer.max_in_flight,
         )
-    for old in transfer.local_root.glob("step-*"):
-        if old.is_dir() and old.name < step_dir_name(report.step):
-            shutil.rmtree(old, ignore_errors=True)
+    steps = sorted(p for p in transfer.local_root.glob("step-*") if p.is_dir() and p.name < step_dir.name)
+    for old in steps[:-1]:
+        shutil.rmtree(old, ignore_errors=True)
     return moved
 
 
