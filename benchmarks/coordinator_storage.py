@@ -93,9 +93,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     total = sum(int(f["size"]) for f in files.values())
     own = {r: sum(int(f["size"]) for f in files.values() if f["rank"] == r) for r in range(args.ranks)}
     old_fetch = {r: total - own[r] for r in range(args.ranks)}
-    new_fetch = {
-        r: node_after.served_by_rank.get(r, 0) - node_before.served_by_rank.get(r, 0) for r in range(args.ranks)
-    }
+    served_before, served_after = node_before.served_by_rank, node_after.served_by_rank
+    new_fetch = {r: served_after.get(r, 0) - served_before.get(r, 0) for r in range(args.ranks)}
     return {
         "ranks": args.ranks,
         "commit_step": int(manifest["step"]),
@@ -122,7 +121,9 @@ def _mib(n: int) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
@@ -141,10 +142,8 @@ def main() -> int:
     finally:
         ray.shutdown()
     before, after = result["before"], result["after"]
-    print(
-        f"{result['ranks']} ranks, commit of step {result['commit_step']}: {result['checkpoint_files']} files, "
-        f"{_mib(result['checkpoint_bytes'])}"
-    )
+    files, size = result["checkpoint_files"], _mib(result["checkpoint_bytes"])
+    print(f"{result['ranks']} ranks, commit of step {result['commit_step']}: {files} files, {size}")
     print(f"{'':34}{'before':>14}{'after':>14}")
     print(
         f"{'through the coordinator, restart':34}{_mib(before['coordinator_bytes_per_restart']):>14}"

@@ -22,6 +22,7 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -67,8 +68,9 @@ class Coordinator:
         # Coordinator storage: the checkpoint bytes go to and from this actor on our node, never through
         # this one (d9d.cluster.transfer); here only their metadata passes, counted for `transfer_stats`.
         self._node_store: Any = None
-        if isinstance(spec.cluster.storage, CoordinatorStorage):
-            self._node_store = start_node_store(spec.checkpoint_dir, ckpt.keep_last)  # type: ignore[arg-type]
+        if isinstance(spec.cluster.storage, CoordinatorStorage) and isinstance(spec.checkpoint_dir, Path):
+            # (build_job refuses coordinator storage under an object-store root)
+            self._node_store = start_node_store(spec.checkpoint_dir, ckpt.keep_last)
         self._storage_call_bytes = 0
 
     def _open_journal(self, launch_id: str) -> Journal:
