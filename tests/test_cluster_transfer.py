@@ -29,8 +29,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from d9d.cluster import TrainingJob, build_job
+from d9d.cluster.checkpoints import Arrival
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name
-from d9d.cluster.transfer import Need, plan_fetch
+from d9d.cluster.transfer import Need, NodeStore, Uploader, plan_fetch
 from d9d.engine.checkpoint import LocalRunReporter, read_latest, read_manifest, verify_manifest
 from d9d.engine.checkpoint_io import read_dcp_metadata
 from d9d.engine.config import parse_config
@@ -79,6 +80,39 @@ def test_plan_fetch_takes_own_files_skips_other_ranks_state_and_takes_all_after_
     # Another world size (an elastic restart), or none known: every file.
     for world in (3, 1, None):
         assert sorted(_planned(plan_fetch(manifest, 0, world, None))) == sorted(manifest["files"])
+
+
+def test_node_store_hashes_arrivals_per_attempt_and_refuses_a_stale_attempts_chunks(tmp_path: Path) -> None:
+    store = NodeStore(tmp_path, keep_last=2)
+    data = bytes(range(256)) * 9
+    for offset in range(0, len(data), 1000):
+        store.write(3, 6, "__1_0.distcp", offset, data[offset : offset + 1000])
+    arrived = store.arrived(3, 6, ["__1_0.distcp", "engine.pt"])
+    assert arrived == {"__1_0.distcp": Arrival(len(data), _sha(data), True), "engine.pt": None}
+    assert store.arrived(2, 6, ["__1_0.distcp"]) == {"__1_0.distcp": None}  # another attempt's file
+    # A killed rank of attempt 2 still delivering its last chunk: refused, the file stays attempt 3's.
+    with pytest.raises(RuntimeError, match="attempt 2 is no longer the current attempt"):
+        store.write(2, 6, "__1_0.distcp", 0, b"stale")
+    assert (tmp_path / "step-00000006" / "__1_0.distcp").read_bytes() == data
+    assert store.read(1, 6, "__1_0.distcp", 1000, 500) == data[1000:1500]
+    assert store.stats().served_by_rank == {1: 500} and store.stats().written_bytes == len(data)
+
+
+def test_uploader_raises_a_failed_upload_at_the_next_wait_and_sends_nothing_after_it() -> None:
+    ran: list[int] = []
+
+    def fail() -> None:
+        raise OSError("connection reset")
+
+    uploads = Uploader()
+    uploads.submit(lambda: ran.append(1))
+    uploads.submit(fail)
+    uploads.submit(lambda: ran.append(3))  # the step after a failed upload can never commit
+    with pytest.raises(RuntimeError, match="background checkpoint upload failed: connection reset"):
+        uploads.wait()
+    with pytest.raises(RuntimeError, match="connection reset"):
+        uploads.close()
+    assert ran == [1]
 
 
 # -- the rule against real DCP files ----------------------------------------------------------------------
