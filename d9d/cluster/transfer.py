@@ -131,13 +131,16 @@ class NodeStore:
 
 
 def start_node_store(root: Path, keep_last: int) -> Any:
-    """A `NodeStore` on this process's node (called by the coordinator, which owns it: it dies with it)."""
+    """A `NodeStore` on this process's node (called by the coordinator, which owns it: it dies with it).
+
+    Restarted by Ray if its process dies: the calls in flight then fail, which fails the attempt (its
+    uploads can no longer be verified), and the next attempt uploads to the restarted store."""
     node_id = ray.get_runtime_context().get_node_id()
     return (
         ray.remote(NodeStore)
         .options(
             num_cpus=0,
-            max_restarts=0,
+            max_restarts=-1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
         .remote(root, keep_last)
