@@ -2,7 +2,9 @@
 
 A step becomes `latest` only after every rank of the attempt reported its files and every file checks out
 against its report (size, and sha256 as the bytes arrived in coordinator-storage mode). In that mode the
-files arrive here chunk by chunk through the Ray object store and are served back the same way. `latest`
+files arrive chunk by chunk through the Ray object store at the coordinator's node, where a `NodeStore`
+actor (`d9d.cluster.transfer`) writes them with this class's `write_chunk` and hashes them as they arrive;
+the coordinator's commit gets those hashes as `Arrival`s (metadata) and never touches the bytes. `latest`
 is the newest commit whose files verify against its manifest (`d9d.engine.checkpoint.select_commit`).
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +45,15 @@ class CommittedStep:
     files: tuple[CheckpointFile, ...]
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """What arrived of one uploaded file so far: its size and the sha256 of the bytes in arrival order."""
+
+    size: int
+    sha256: str
+    in_order: bool  # False: a chunk came at another offset than the end; the hash means nothing then
+
+
 class _Incoming:
     """sha256 of a file arriving chunk by chunk, in order (the uploader sends them so)."""
 
@@ -50,6 +61,9 @@ class _Incoming:
         self.digest: Any = hashlib.sha256()
         self.size = 0
         self.in_order = True
+
+    def arrival(self) -> Arrival:
+        return Arrival(self.size, self.digest.copy().hexdigest(), self.in_order)
 
 
 class CheckpointStore:
@@ -75,16 +89,31 @@ class CheckpointStore:
         )
         return CommittedStep(int(manifest["step"]), step_dir, files)
 
-    def commit(self, step: int, reports: Sequence[RankCheckpointReport], world_size: int) -> Location:
+    def commit(
+        self,
+        step: int,
+        reports: Sequence[RankCheckpointReport],
+        world_size: int,
+        arrivals: Mapping[str, Arrival | None] | None = None,
+    ) -> Location:
         """Check every rank's report against the stored files, then write the manifest and move `latest`.
 
-        Files uploaded through the coordinator were hashed as their chunks arrived; files the ranks wrote
-        to shared storage were hashed by the ranks as they wrote them. Nothing is read back.
+        Files uploaded through the coordinator were hashed as their chunks arrived: by this store's own
+        `write_chunk`, or, given `arrivals` (coordinator-storage mode, where a `NodeStore` actor received
+        them), by that actor; then every file must have arrived whole, in order, with its reported sha256.
+        Files the ranks wrote to shared storage were hashed by the ranks as they wrote them. Nothing is read
+        back.
         """
         with self._commit_lock:
-            return self._commit(step, reports, world_size)
+            return self._commit(step, reports, world_size, arrivals)
 
-    def _commit(self, step: int, reports: Sequence[RankCheckpointReport], world_size: int) -> Location:
+    def _commit(
+        self,
+        step: int,
+        reports: Sequence[RankCheckpointReport],
+        world_size: int,
+        arrivals: Mapping[str, Arrival | None] | None,
+    ) -> Location:
         ranks = sorted(r.rank for r in reports)
         if ranks != list(range(world_size)):
             missing = sorted(set(range(world_size)) - set(ranks))
@@ -100,6 +129,9 @@ class CheckpointStore:
                         f"rank {report.rank}: {path} is missing or not {f.size_bytes} bytes"
                     )
                 incoming = self._incoming.pop((step, f.relative_path), None)
+                if arrivals is not None:
+                    _check_arrival(report.rank, path, f, arrivals.get(f.relative_path))
+                    continue
                 arrived = incoming is not None and incoming.in_order and incoming.size == f.size_bytes
                 if arrived and incoming is not None and incoming.digest.hexdigest() != f.sha256:
                     raise CheckpointError(f"rank {report.rank}: {path} does not match its sha256")
@@ -156,6 +188,30 @@ class CheckpointStore:
         with self._file(step, relative_path).open("rb") as f:
             f.seek(offset)
             return f.read(size)
+
+    def size(self, step: int, relative_path: str) -> int:
+        return self._file(step, relative_path).stat().st_size
+
+    def arrival(self, step: int, relative_path: str) -> Arrival | None:
+        """What `write_chunk` received of this file so far (None: nothing since the last commit)."""
+        incoming = self._incoming.get((step, relative_path))
+        return None if incoming is None else incoming.arrival()
+
+    def forget(self, step: int) -> None:
+        """Drop the arrival records of `step` (committed, or abandoned with its attempt)."""
+        self._incoming = {k: v for k, v in self._incoming.items() if k[0] != step}
+
+
+def _check_arrival(rank: int, path: Path | Location, f: CheckpointFile, arrival: Arrival | None) -> None:
+    if arrival is None or not arrival.in_order or arrival.size != f.size_bytes:
+        got = "nothing"
+        if arrival is not None:
+            got = f"{arrival.size} bytes" + ("" if arrival.in_order else " out of order")
+        raise CheckpointError(
+            f"rank {rank}: {path} did not arrive whole at the coordinator's node ({got} of {f.size_bytes})"
+        )
+    if arrival.sha256 != f.sha256:
+        raise CheckpointError(f"rank {rank}: {path} does not match its sha256")
 
 
 class RunFinished(ResumeError):

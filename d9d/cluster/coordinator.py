@@ -18,14 +18,17 @@ import asyncio
 import contextlib
 import logging
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
 
-from d9d.cluster.checkpoints import CheckpointStore, CommittedStep
+from d9d.cluster.checkpoints import Arrival, CheckpointStore, CommittedStep
+from d9d.cluster.config import CoordinatorStorage
 from d9d.cluster.control.controller import Controller
 from d9d.cluster.control.journal import CommitRecord, Journal, spec_data, unfinished_journal, write_journal
 from d9d.cluster.control.mailbox import CommandMailbox
@@ -35,10 +38,12 @@ from d9d.cluster.control.workers import Attempt
 from d9d.cluster.sink import MetricSink, MetricsWriter
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, JobStatus, RunSummary
+from d9d.cluster.transfer import TransferStats, start_node_store
 from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankCheckpointReport
 
 _COMMAND_POLL_S = 10.0
 _JOURNAL_POLL_S = 60.0  # the journal is written on changes; this only bounds a missed wake-up
+_UPLOAD_POLL_S = 0.02  # a commit waiting for uploads asks the node store this often (a metadata call)
 _log = logging.getLogger(__name__)
 
 
@@ -60,6 +65,13 @@ class Coordinator:
         self._journal = self._open_journal(launch_id)
         self._journaled: tuple[object, ...] = ()
         self._journal_task: asyncio.Task[None] | None = None
+        # Coordinator storage: the checkpoint bytes go to and from this actor on our node, never through
+        # this one (d9d.cluster.transfer); here only their metadata passes, counted for `transfer_stats`.
+        self._node_store: Any = None
+        if isinstance(spec.cluster.storage, CoordinatorStorage) and isinstance(spec.checkpoint_dir, Path):
+            # (build_job refuses coordinator storage under an object-store root)
+            self._node_store = start_node_store(spec.checkpoint_dir, ckpt.keep_last)
+        self._storage_call_bytes = 0
 
     def _open_journal(self, launch_id: str) -> Journal:
         """This coordinator's journal, continuing the one of a coordinator of this run that died: the
@@ -204,28 +216,70 @@ class Coordinator:
 
     async def checkpoint_written(self, attempt: int, report: RankCheckpointReport) -> None:
         self._require_current(attempt).live.progress = time.monotonic()
+        self._count(report)
 
-    async def write_chunk(
-        self, attempt: int, step: int, relative_path: str, offset: int, data: list[Any]
-    ) -> None:
-        self._require_current(attempt)
-        chunk: bytes = await data[0]
-        await asyncio.to_thread(self._store.write_chunk, step, relative_path, offset, chunk)
-        self._require_current(attempt).live.progress = time.monotonic()
+    async def node_store(self) -> Any:
+        """Coordinator storage: the handle of the actor that keeps the checkpoint files on this node."""
+        if self._node_store is None:
+            raise RuntimeError(f"run {self._spec.run_name} keeps its checkpoints on shared storage")
+        return self._node_store
 
-    async def read_chunk(self, step: int, relative_path: str, offset: int, size: int) -> bytes:
-        return await asyncio.to_thread(self._store.read_chunk, step, relative_path, offset, size)
+    async def uploaded(self, attempt: int, rank: int, step: int, nbytes: int) -> None:
+        """A rank finished uploading its files of `step` (a background upload is progress)."""
+        at = self._control.current(attempt)
+        if at is not None:
+            at.live.progress = time.monotonic()
 
     async def commit(self, attempt: int, step: int, reports: Sequence[RankCheckpointReport]) -> None:
         at = self._require_current(attempt)
-        await asyncio.to_thread(self._store.commit, step, reports, at.plan.world_size)
+        self._count(reports)
+        arrivals = None
+        if self._node_store is not None:
+            arrivals = await self._uploads_arrived(attempt, step, reports)
+            self._require_current(attempt)
+        await asyncio.to_thread(self._store.commit, step, reports, at.plan.world_size, arrivals)
+        if self._node_store is not None:
+            self._node_store.forget.remote(step)
         record = CommitRecord(step=step, attempt=attempt, world_size=at.plan.world_size, at=time.time())
         self._journal = self._journal.model_copy(update={"commits": [*self._journal.commits, record]})
         self._control.committed(at, step)
         await self._changes.notify()
 
     async def latest(self) -> CommittedStep | None:
-        return await asyncio.to_thread(self._store.latest)
+        latest = await asyncio.to_thread(self._store.latest)
+        self._count(latest)
+        return latest
+
+    async def transfer_stats(self) -> tuple[int, TransferStats | None]:
+        """(bytes of the storage calls through this actor: reports, commits, `latest`, arrivals; the node
+        store's counters, None with shared storage)."""
+        node = None if self._node_store is None else await self._node_store.stats.remote()
+        return self._storage_call_bytes, node
+
+    async def _uploads_arrived(
+        self, attempt: int, step: int, reports: Sequence[RankCheckpointReport]
+    ) -> dict[str, Arrival | None]:
+        """Wait until every reported file of `step` arrived at the node store (or can no longer arrive
+        right: too many bytes, out of order), while `attempt` is current; returns the arrivals."""
+        expected = {f.relative_path: f.size_bytes for r in reports for f in r.files}
+        names = sorted(expected)
+        seen = -1
+        while True:
+            arrivals: dict[str, Arrival | None] = await self._node_store.arrived.remote(attempt, step, names)
+            self._count(arrivals)
+            if all(
+                a is not None and (a.size >= expected[rel] or not a.in_order) for rel, a in arrivals.items()
+            ):
+                return arrivals
+            at = self._require_current(attempt)  # a rank died mid-upload: this commit never happens
+            arrived = sum(a.size for a in arrivals.values() if a is not None)
+            if arrived != seen:
+                at.live.progress = time.monotonic()
+                seen = arrived
+            await asyncio.sleep(_UPLOAD_POLL_S)
+
+    def _count(self, value: object) -> None:
+        self._storage_call_bytes += len(pickle.dumps(value))
 
     # == the job =========================================================================================
 

@@ -5,37 +5,31 @@ submitting one costs a few hundred microseconds of the caller's CPU, as much as 
 model. So the step path only touches local memory. A courier thread carries queued metric points and rank
 0's step boundary to the coordinator (at most every `courier_interval_s`, and a heartbeat every
 `heartbeat_interval_s`), and on rank 0 a listener thread keeps one long-poll for commands outstanding and
-queues what it returns for the next step boundary. Checkpoint calls do wait; they are the commit protocol.
+queues what it returns for the next step boundary. Checkpoint calls do wait; they are the commit protocol
+(with shared storage). In coordinator-storage mode the files go to the coordinator's node in the background
+and rank 0's commit is queued behind them (`d9d.cluster.transfer`): a checkpoint call then waits only for
+the previous checkpoint's upload and commit, and `close` for the last one.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import ray
+import torch.distributed as dist
 
-from d9d.core.files import atomic_write
-from d9d.engine.checkpoint import sha256_of, step_dir_name
-from d9d.engine.runtime import CheckpointFile, Command, MetricPoint, RankCheckpointReport
+from d9d.cluster.transfer import CoordinatorTransfer, Fetcher, Uploader, upload_report
+from d9d.engine.runtime import Command, MetricPoint, RankCheckpointReport
+
+__all__ = ["CoordinatorTransfer", "RayRunReporter"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CoordinatorTransfer:
-    """Coordinator-storage mode: where this rank keeps its files and how big each transfer chunk is."""
-
-    local_root: Path
-    chunk_bytes: int
 
 
 class RayRunReporter:
@@ -63,17 +57,26 @@ class RayRunReporter:
         self._listener: threading.Thread | None = None
         self._stop = threading.Event()
         self._courier = threading.Thread(target=self._carry, name="d9d-courier", daemon=True)
+        self._uploader: Uploader | None = None
+        self._node_store: Any = None
+        self.fetched_bytes = 0  # checkpoint bytes this rank fetched from the coordinator's node
 
     def start(self) -> RayRunReporter:
         self._courier.start()
         return self
 
     def close(self) -> None:
-        """Stop the threads and deliver what is still queued, waiting for it (the last points of a run)."""
-        self._stop.set()
-        if self._courier.is_alive():
-            self._courier.join()
-        self._send(wait=True)
+        """Finish the queued uploads and commit (the courier keeps beating meanwhile), stop the threads and
+        deliver what is still queued, waiting for it (the last points of a run). Raises when an upload or
+        the commit failed: that checkpoint is not committed, and the attempt must not end as if it were."""
+        try:
+            if self._uploader is not None:
+                self._uploader.close()
+        finally:
+            self._stop.set()
+            if self._courier.is_alive():
+                self._courier.join()
+            self._send(wait=True)
 
     # -- the step path: local memory only ----------------------------------------------------------------
 
@@ -138,11 +141,17 @@ class RayRunReporter:
 
     def checkpoint_written(self, report: RankCheckpointReport) -> None:
         if self._transfer is not None:
-            self._upload(report)
+            uploads = self._uploads()
+            uploads.wait()  # one step in flight: the previous step's upload (and rank 0's commit) is done
+            uploads.submit(functools.partial(self._upload, self._store(), report))
         ray.get(self._coordinator.checkpoint_written.remote(self.attempt, report))
 
     def commit_checkpoint(self, step: int, reports: Sequence[RankCheckpointReport]) -> None:
-        ray.get(self._coordinator.commit.remote(self.attempt, step, list(reports)))
+        commit = functools.partial(self._commit, step, list(reports))
+        if self._transfer is not None:
+            self._uploads().submit(commit)  # after this rank's own upload; the coordinator waits for the rest
+        else:
+            commit()
 
     def latest_checkpoint(self) -> Path | None:
         latest = ray.get(self._coordinator.latest.remote())
@@ -151,53 +160,36 @@ class RayRunReporter:
         if self._transfer is None:
             path: Path = latest.path
             return path
-        return self._download(latest.step, latest.files)
+        world_size = dist.get_world_size() if dist.is_initialized() else None
+        fetcher = Fetcher(self._store(), self._rank, self._transfer)
+        result = fetcher.fetch(latest.step, latest.files, world_size)
+        self.fetched_bytes += result.fetched_bytes
+        _log.info(
+            "fetched %d of %d bytes of step %d from the coordinator's node",
+            result.fetched_bytes,
+            sum(f.size_bytes for f in latest.files),
+            latest.step,
+        )
+        return result.step_dir
 
     # -- coordinator-storage mode ----------------------------------------------------------------------
 
-    def _upload(self, report: RankCheckpointReport) -> None:
-        assert self._transfer is not None
-        chunk = self._transfer.chunk_bytes
-        for f in report.files:
-            with (report.step_dir / f.relative_path).open("rb") as src:
-                offset = 0
-                while True:
-                    data = src.read(chunk)
-                    ref = ray.put(data)  # the bytes travel through the object store, not the call
-                    ray.get(
-                        self._coordinator.write_chunk.remote(
-                            self.attempt, report.step, f.relative_path, offset, [ref]
-                        )
-                    )
-                    offset += len(data)
-                    if len(data) < chunk:
-                        break
-        # Older local steps are no longer needed: the coordinator holds everything committed.
-        for old in self._transfer.local_root.glob("step-*"):
-            if old.is_dir() and old.name < step_dir_name(report.step):
-                shutil.rmtree(old, ignore_errors=True)
+    def _commit(self, step: int, reports: list[RankCheckpointReport]) -> None:
+        ray.get(self._coordinator.commit.remote(self.attempt, step, reports))
 
-    def _download(self, step: int, files: Sequence[CheckpointFile]) -> Path:
-        assert self._transfer is not None
-        step_dir = self._transfer.local_root / step_dir_name(step)
-        for f in files:
-            target = step_dir / f.relative_path
-            if target.is_file() and target.stat().st_size == f.size_bytes and sha256_of(target) == f.sha256:
-                continue  # this rank wrote it itself
-            target.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(target, functools.partial(self._fetch, step, f))
-        return step_dir
+    def _uploads(self) -> Uploader:
+        if self._uploader is None:
+            self._uploader = Uploader()
+        return self._uploader
 
-    def _fetch(self, step: int, f: CheckpointFile, out: BinaryIO) -> None:
-        """Write one committed file into `out`, checking it against its sha256 before it is kept."""
+    def _store(self) -> Any:
+        """The coordinator's `NodeStore` (asked once: the handle is all the coordinator hands out)."""
+        if self._node_store is None:
+            self._node_store = ray.get(self._coordinator.node_store.remote())
+        return self._node_store
+
+    def _upload(self, store: Any, report: RankCheckpointReport) -> None:
         assert self._transfer is not None
-        digest = hashlib.sha256()
-        offset = 0
-        while offset < f.size_bytes:
-            size = min(self._transfer.chunk_bytes, f.size_bytes - offset)
-            data = ray.get(self._coordinator.read_chunk.remote(step, f.relative_path, offset, size))
-            out.write(data)
-            digest.update(data)
-            offset += len(data)
-        if digest.hexdigest() != f.sha256:
-            raise RuntimeError(f"checkpoint file {f.relative_path} of step {step} arrived corrupted")
+        nbytes = upload_report(store, self.attempt, report, self._transfer)
+        # A long upload at the end of a run is progress, as a step boundary is (the hang detector).
+        self._coordinator.uploaded.remote(self.attempt, self._rank, report.step, nbytes)
