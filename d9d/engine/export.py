@@ -6,6 +6,9 @@ the seed its pipeline rank used (frozen weights of a `trainable_only` checkpoint
 way, or from the base's source checkpoint), then the saved model state is read through DCP (which
 reassembles FSDP/expert shards into whole tensors). The provider's own export writes the result: merged
 weights (`export`, with PEFT adapters folded in) or a `peft` adapter directory.
+
+An export is written to a local directory (the writer renames it into place whole), then, for a run with a
+storage root elsewhere (`run.storage`) or a `d9d export --hf s3://...`, copied there (`publish_export`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain, compute_layout
+from d9d.core.storage import Location, copy_tree
 from d9d.determinism import RankSeeds
 from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.checkpoint import (
@@ -47,6 +51,20 @@ from d9d.peft import trainable_state_dict
 from d9d.pipeline.api import PipelineStageInfo
 
 ExportKind = Literal["merged", "adapter"]
+#: Where the final export of a run with `run.storage` is copied, under its storage root.
+EXPORT_DIR = "export"
+
+
+def storage_export_dir(config: TrainConfig) -> Location | None:
+    """`<storage root>/export` for a run with `run.storage`; None when its durable files stay in run.dir."""
+    return None if config.run.storage is None else config.storage_root / EXPORT_DIR
+
+
+def publish_export(local: Path, target: Location) -> Location:
+    """Copy the export at `local` to `target` (weights before the JSON files that name them); files an
+    earlier export left there and this one lacks are removed. Nothing is copied when they are one place."""
+    copy_tree(local, target)
+    return target
 
 
 def checkpoint_root(run: Path) -> Path:

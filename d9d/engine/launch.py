@@ -24,7 +24,7 @@ from d9d.engine.config import TrainConfig, load_config, parse_config
 from d9d.engine.identity import IdentityError
 from d9d.engine.resume import check_resume
 from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
-from d9d.engine.tracking_sink import STATE_FILE, TrackerSink
+from d9d.engine.tracking_sink import STATE_FILE, TrackerSink, run_files_mirror
 from d9d.engine.trainer import Trainer
 from d9d.tracking import LogTrackerConfig, RunSpec, build_tracker
 
@@ -105,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             RunSpec(config.run.name, run_params(config)),
             config.run_dir / STATE_FILE,
             resume=True,
+            mirror=run_files_mirror(tracker_config, config.run_dir, config.storage_root),
         )
     reporter = LocalRunReporter(
         config.checkpoint_dir, config.checkpointing.keep_last, sink, config.checkpointing.on_damaged
