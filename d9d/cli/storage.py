@@ -38,7 +38,10 @@ def storage_options(items: Sequence[str]) -> dict[str, Any]:
 def open_location(text: str, options: dict[str, Any]) -> Location:
     """`text` as a local path or a storage URI; `StorageError` naming it when its store cannot be opened
     or asked (an unknown protocol, a missing `storage` extra, an endpoint that does not answer)."""
-    loc = location(text, options if is_uri(text) else None)
+    try:
+        loc = location(text, options if is_uri(text) else None)
+    except StorageError as e:
+        raise StorageError(f"{text}: {e}") from None
     try:
         loc.exists()
     except Exception as e:  # whatever the store's client raises: the message must name the URI
