@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from d9d.cli.main import main
 from d9d.cluster.reach import SUBMITTED_PATHS_ENV, check_submitted_paths, pin_relative_paths
 from d9d.cluster.spec import build_job
 from d9d.cluster.state import RunSummary, launch_record, record_launch
@@ -306,7 +307,7 @@ def test_save_commit_kill_and_resume_from_s3_match_an_uninterrupted_run(
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_under_ray_the_coordinator_commits_to_s3_and_a_killed_rank_resumes_from_there(
-    s3: dict[str, Any], reference: list[float], tmp_path: Path
+    s3: dict[str, Any], reference: list[float], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ray = pytest.importorskip("ray")
     from d9d.cluster import TrainingJob
@@ -331,3 +332,14 @@ def test_under_ray_the_coordinator_commits_to_s3_and_a_killed_rank_resumes_from_
     on_s3 = json.loads((root.parent / "run_summary.json").read_text())
     assert on_s3["status"] == "finished" and on_s3["steps"] == 8
     assert not (tmp_path / "local" / "checkpoints").exists()
+    # The run registered in its storage root, and its metric history followed it there: `d9d list` on the
+    # storage URI finds it with its state, step and last loss.
+    record = json.loads((root.parent / "run.json").read_text())
+    assert record["run_name"] == "rayrun" and record["storage_root"] == str(root.parent)
+    history = (tmp_path / "local" / "history.jsonl").read_bytes()
+    assert history and (root.parent / "history.jsonl").read_bytes() == history
+    options = [arg for k, v in s3.items() for arg in ("--storage-option", f"{k}={v}")]
+    capsys.readouterr()
+    assert main(["list", "--runs-root", f"s3://{BUCKET}/ray", *options]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("rayrun "))
+    assert row[1:4] == ["finished", "8", f"{summary.losses[8]:.6g}"]
