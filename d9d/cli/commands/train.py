@@ -88,6 +88,14 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, ValueError) as e:  # resume refused: identity, run.resume, damaged commits
         print(f"d9d train: {e}", file=sys.stderr)
         return 2
+    except ConnectionError as e:  # ray.init could not join the cluster
+        print(
+            f"d9d train: cannot join the Ray cluster at {args.address or 'RAY_ADDRESS'}: {e}. A cluster with "
+            "token authentication (deploy/local_cluster.sh, or ~/.ray/auth_token on the head) needs "
+            "`export RAY_AUTH_MODE=token` here too",
+            file=sys.stderr,
+        )
+        return 2
     if spec.cluster.detach:
         print(f"run {spec.run_name} started (detached); follow it with TrainingJob.attach({spec.run_name!r})")
         return 0
