@@ -121,10 +121,30 @@ def _options_args(options: dict[str, Any]) -> list[str]:
     return [arg for k, v in options.items() for arg in ("--storage-option", f"{k}={v}")]
 
 
+_TWO_LAUNCHES = """
+import json, sys
+from pathlib import Path
+from d9d.core.storage import list_files, location
+from d9d.engine.launch import main
+
+job, options, snapshot, *second = sys.argv[1:]
+assert main([job]) == 0
+root = location("s3://%s/files/tracked" % "BUCKET", json.loads(options))
+for f in list_files(root):
+    local = Path(snapshot, str(f).removeprefix(str(root) + "/"))
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_bytes(f.read_bytes())
+assert main([job, *[a for item in second for a in ("--set", item)]]) == 0
+""".replace("BUCKET", BUCKET)
+
+
 @pytest.fixture(scope="module")
-def s3_run(s3: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, StoragePath]:
+def s3_run(
+    s3: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, StoragePath, dict[str, bytes]]:
     """A 4-step run through the engine's launcher with run.storage on S3, MLflow + JSON lines + TensorBoard,
-    and a Hugging Face export."""
+    and a Hugging Face export; then (after a snapshot of the storage root) the same run continued to step 6
+    from a new, empty run directory, as on another node."""
     tmp = tmp_path_factory.mktemp("s3run")
     job = {
         "run": {
@@ -149,17 +169,28 @@ def s3_run(s3: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> tupl
     }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))
+    root = location(f"s3://{BUCKET}/files", s3) / "tracked"
+    assert isinstance(root, StoragePath)
+    # Both launches in one process (imports once), a snapshot of the storage root between them.
+    second = [
+        f"run.dir={tmp / 'local2'}",
+        "trainer.total_steps=6",
+        f"checkpointing.export_hf_dir={tmp / 'export2'}",
+    ]
     done = subprocess.run(
-        [sys.executable, "-m", "d9d.engine.launch", str(path)],
+        [sys.executable, "-c", _TWO_LAUNCHES, str(path), json.dumps(s3), str(tmp / "first"), *second],
         env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    root = location(f"s3://{BUCKET}/files", s3) / "tracked"
-    assert isinstance(root, StoragePath)
-    return tmp, root
+    first = {
+        p.relative_to(tmp / "first").as_posix(): p.read_bytes()
+        for p in (tmp / "first").rglob("*")
+        if p.is_file()
+    }
+    return tmp, root, first
 
 
 def _mlflow_losses(db: Path) -> list[tuple[int, float]]:
@@ -172,11 +203,10 @@ def _mlflow_losses(db: Path) -> list[tuple[int, float]]:
 
 
 def test_tracker_files_and_the_export_land_in_the_s3_storage_root(
-    s3_run: tuple[Path, StoragePath], tmp_path: Path
+    s3_run: tuple[Path, StoragePath, dict[str, bytes]], tmp_path: Path
 ) -> None:
-    tmp, root = s3_run
+    tmp, _, on_s3 = s3_run  # the storage root as the first launch left it
     local = tmp / "local"
-    on_s3 = _relative_files(root)
     for name in ("metrics.jsonl", "history.jsonl", "tracker_state.json", "plots/training.png"):
         assert on_s3[name] == (local / name).read_bytes(), name
     events = sorted(p.relative_to(local).as_posix() for p in (local / "tensorboard").iterdir())
@@ -207,20 +237,56 @@ def test_tracker_files_and_the_export_land_in_the_s3_storage_root(
         assert remote.keys() == mine.keys() and all(remote[k].equal(mine[k]) for k in mine)
     assert on_s3["export/config.json"] == (export / "config.json").read_bytes()
     # The checkpoints went there too, and nothing durable to the local run directory.
-    assert (root / "checkpoints" / "latest").read_text() == "step-00000004"
+    assert on_s3["checkpoints/latest"] == b"step-00000004"
     assert not (local / "checkpoints").exists()
 
 
+def test_a_run_continued_from_a_new_run_dir_continues_its_tracker_files_on_s3(
+    s3_run: tuple[Path, StoragePath, dict[str, bytes]], tmp_path: Path
+) -> None:
+    tmp, root, first = s3_run
+    on_s3 = _relative_files(root)
+    assert on_s3["checkpoints/latest"] == b"step-00000006"
+    # The new run directory got the tracker's files back before the tracker opened: the JSON lines and
+    # the history go on from the first launch's, and MLflow continues the same run (steps 1..6 in one).
+    for name in ("metrics.jsonl", "history.jsonl"):
+        assert on_s3[name].startswith(first[name]) and on_s3[name] == (tmp / "local2" / name).read_bytes()
+    records = [json.loads(line) for line in on_s3["metrics.jsonl"].decode().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "scalars" and "train/loss" in r["values"]] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]
+    copy = tmp_path / "mlflow.db"
+    copy.write_bytes(on_s3["mlflow.db"])
+    earlier = tmp_path / "mlflow-first.db"
+    earlier.write_bytes(first["mlflow.db"])
+    losses = _mlflow_losses(copy)
+    assert [step for step, _ in losses] == [1, 2, 3, 4, 5, 6] and losses[:4] == _mlflow_losses(earlier)
+    # The export is the second launch's.
+    export = tmp / "export2"
+    assert on_s3["export/config.json"] == (export / "config.json").read_bytes()
+    for name in (p.name for p in export.iterdir() if p.suffix == ".safetensors"):
+        remote, mine = load(on_s3[f"export/{name}"]), load_file(export / name)
+        assert all(remote[k].equal(mine[k]) for k in mine)
+
+
 def test_plot_and_export_read_the_run_from_its_s3_uri(
-    s3_run: tuple[Path, StoragePath], s3: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    s3_run: tuple[Path, StoragePath, dict[str, bytes]],
+    s3: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     import transformers
 
-    _, root = s3_run
+    _, root, _ = s3_run
     png = tmp_path / "plot.png"
     assert main(["plot", str(root), "-o", str(png), *_options_args(s3)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "4 steps" in capsys.readouterr().out
+    assert "6 steps" in capsys.readouterr().out
 
     # `d9d export` reads the committed step from S3 and writes the export back there.
     dest = f"s3://{BUCKET}/exports/tracked"

@@ -117,6 +117,8 @@ def build_sink(spec: JobSpec) -> MetricSink:
     params = {**run_params(spec.train), "cluster": spec.cluster.model_dump(mode="json")}
     run = RunSpec(name=spec.run_name, params=params, tags={"d9d.launcher": "ray"})
     resume = bool(committed_steps(spec.checkpoint_dir))  # no hashing here: the store verifies
-    tracker = build_tracker(config, spec.run_dir)
     mirror = run_files_mirror(config, spec.run_dir, spec.storage_root)
+    if mirror is not None and resume:
+        mirror.restore()  # a coordinator on a new node continues the tracker's run from the storage root
+    tracker = build_tracker(config, spec.run_dir)
     return TrackerSink(tracker, run, spec.run_dir / STATE_FILE, resume=resume, report_lag=True, mirror=mirror)

@@ -296,6 +296,26 @@ class TreeMirror:
         }
         self._sent: dict[Path, tuple[int, int]] = {}
 
+    def restore(self) -> list[Path]:
+        """Copy back each source that is missing locally but has a copy at the target (a run resumed on a
+        node whose run directory is new): the tracker then continues its run instead of starting one that
+        the next `sync` would copy over the old. A source present locally is never touched."""
+        restored: list[Path] = []
+        for name, source in self.sources.items():
+            if source.exists():
+                continue
+            remote = _under(self.target, name)
+            for found in list_files(remote):
+                relative = str(found).removeprefix(str(remote)).strip("/")
+                local = _under(source, relative)
+                assert isinstance(local, Path)
+                local.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(local, found.read_bytes())
+                st = local.stat()
+                self._sent[local] = (st.st_size, st.st_mtime_ns)  # the copy there is this file already
+                restored.append(local)
+        return restored
+
     def sync(self) -> list[Location]:
         """Copy what changed since the last call; returns where each copied file went."""
         pending: list[tuple[Path, Location, tuple[int, int]]] = []

@@ -100,12 +100,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         # Default: metrics.jsonl in the run dir; the progress reporter already prints to the terminal.
         tracker_config = config.logging.tracker or LogTrackerConfig(stdout=False)
+        mirror = run_files_mirror(tracker_config, config.run_dir, config.storage_root)
+        if mirror is not None and decision.action == "resume":
+            mirror.restore()  # a run.dir on a new node continues the tracker's run from the storage root
         sink = TrackerSink(
             build_tracker(tracker_config, config.run_dir),
             RunSpec(config.run.name, run_params(config)),
             config.run_dir / STATE_FILE,
             resume=True,
-            mirror=run_files_mirror(tracker_config, config.run_dir, config.storage_root),
+            mirror=mirror,
         )
     reporter = LocalRunReporter(
         config.checkpoint_dir, config.checkpointing.keep_last, sink, config.checkpointing.on_damaged
