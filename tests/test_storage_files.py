@@ -9,6 +9,7 @@ local export's, and a store that cannot be read gives an error naming its URI.""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -85,6 +86,15 @@ def test_a_mirror_sends_only_what_changed_and_json_last(tmp_path: Path) -> None:
         "tb/events.1": b"e1",
         "tb/events.2": b"e2",
     }
+    # On a new node: what is missing locally comes back from the copies, what is there stays as it is,
+    # and restored files are not sent again.
+    shutil.rmtree(tmp_path / "tb")
+    (tmp_path / "metrics.jsonl").write_text("local\n")
+    again = TreeMirror(root, {"tb": tmp_path / "tb", "metrics.jsonl": tmp_path / "metrics.jsonl"})
+    assert sorted(p.name for p in again.restore()) == ["events.1", "events.2"]
+    assert (tmp_path / "tb" / "events.2").read_bytes() == b"e2"
+    assert (tmp_path / "metrics.jsonl").read_text() == "local\n"
+    assert [str(p).rsplit("/", 1)[-1] for p in again.sync()] == ["metrics.jsonl"]
     # A target that is the source itself (the storage root is the run directory) is left alone.
     assert TreeMirror(tmp_path, {"tb": tmp_path / "tb"}).sync() == []
 
