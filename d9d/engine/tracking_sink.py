@@ -19,6 +19,8 @@ TensorBoard event files, the W&B folder), the history, the plot, the tracker sta
 writer's node sees, each at its path relative to the run directory, so the storage root reads like a run
 directory (`d9d plot/logs/status s3://bucket/runs/<run>`). The libraries keep writing their local files;
 the mirror copies what changed at most every `mirror_interval_s` after a write, and everything at close.
+A resumed run whose run directory lacks those files gets them back first (`TreeMirror.restore`, called by
+the launchers before the tracker opens), so the tracker continues its run on another node.
 """
 
 from __future__ import annotations
