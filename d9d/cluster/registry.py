@@ -148,9 +148,11 @@ def read_record(run_dir: Location) -> RunRecord | None:
     path = run_dir / RECORD_FILE
     try:
         raw = path.read_text()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except FileNotFoundError:
         return None
     except Exception as e:
+        if isinstance(path, Path) and isinstance(e, OSError):
+            return None  # an unreadable local folder is not a run of this root (as before storage roots)
         raise StorageError(f"cannot read {path}: {e}") from e
     try:
         data = json.loads(raw)

@@ -52,9 +52,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("list", help="runs with their state, step and last loss")
     from d9d.cli.storage import add_storage_option
 
+    parser = subparsers.add_parser("list", help="runs with their state, step and last loss")
     parser.add_argument(
         "--runs-root",
         "--storage",
