@@ -357,3 +357,29 @@ def test_a_store_that_cannot_be_read_is_named(capsys: pytest.CaptureFixture[str]
     assert missing in capsys.readouterr().err
     assert main(["plot", missing]) == 2
     assert missing in capsys.readouterr().err
+
+
+def test_submit_pins_no_local_dir_of_a_run_kept_in_an_object_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With run.storage on an object store, a relative run.dir and export dir are the cluster's node-local
+    scratch (what the run keeps is copied to the store): nothing to pin, nothing the cluster must see."""
+    from d9d.cluster.reach import pin_relative_paths
+    from d9d.cluster.spec import build_job
+
+    monkeypatch.chdir(tmp_path)
+    job = {
+        "run": {"name": "scratch", "storage": "memory://bucket/runs", "resume_from": "old/step-00000004"},
+        "batching": {"global_batch_size": 4, "microbatch_size": 2},
+        "trainer": {"total_steps": 2},
+        "model": {"provider": "tests.engine_fixtures:TinyLMProvider"},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "task": {"provider": "tests.engine_fixtures:TokenCETask"},
+        "optimizer": {"provider": "adamw"},
+        "checkpointing": {"export_hf_dir": "export"},
+    }
+    pinned = pin_relative_paths(job, build_job(json.loads(json.dumps(job)), cpu=True))
+    assert pinned.overrides == [
+        f"run.resume_from={tmp_path / 'old' / 'step-00000004'}"
+    ]  # an input: still pinned
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "export").exists()
