@@ -357,6 +357,15 @@ def test_a_store_that_cannot_be_read_is_named(capsys: pytest.CaptureFixture[str]
     assert missing in capsys.readouterr().err
     assert main(["plot", missing]) == 2
     assert missing in capsys.readouterr().err
+    # An S3 endpoint that does not answer (one attempt, not botocore's retries).
+    dead = {
+        "endpoint_url": "http://127.0.0.1:1",
+        "key": "k",
+        "secret": "s",
+        "config_kwargs": "{retries: {max_attempts: 1}}",
+    }
+    assert main(["list", "--runs-root", "s3://bucket/runs", *_options_args(dead)]) == 2
+    assert "cannot read s3://bucket/runs" in capsys.readouterr().err
 
 
 def test_submit_pins_no_local_dir_of_a_run_kept_in_an_object_store(
