@@ -3,6 +3,7 @@ held on an object store (no rename), proven end to end against an S3 server star
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -193,7 +194,10 @@ def s3() -> Iterator[dict[str, Any]]:
     }
     root = location(f"s3://{BUCKET}", options)
     assert isinstance(root, StoragePath)
-    root.storage.fs.mkdir(BUCKET)
+    # moto keeps its buckets per process: another module's server (tests/test_storage_files.py shares this
+    # fixture) may have made it already.
+    with contextlib.suppress(FileExistsError):
+        root.storage.fs.mkdir(BUCKET)
     try:
         yield options
     finally:
