@@ -18,6 +18,10 @@ checkpointer writes every file, checks each one is there at its size, then write
 `latest` object (`d9d.engine.checkpoint.commit`). A reader trusts only a step whose manifest exists and
 whose files match it, so a crash at any point leaves the previous commit as the newest.
 
+Files that a library writes to a local disk (a tracker's store, an export written by its own writer) reach a
+storage root through `TreeMirror` (incremental copies of local files and folders, and their restoration on
+a fresh disk) and `copy_tree` (one folder, made equal at the target).
+
 `fsspec` (and `s3fs` for `s3://`, `gcsfs` for `gs://`) is the optional `storage` extra; it is imported only
 when a URI names a protocol.
 """
@@ -352,6 +356,8 @@ def _under(root: Location, relative: str) -> Location:
 def copy_tree(source: Path, target: Location) -> list[Location]:
     """Copy a local file or directory to `target` (a file or a directory there); returns the files written.
     Files already under `target` that `source` lacks are removed afterwards, so `target` ends equal to it."""
+    if not source.exists():  # never "equal to nothing": that would only empty the target
+        raise FileNotFoundError(f"{source}: nothing to copy to {target}")
     copied = TreeMirror(target, {"": source}).sync()
     if _same_place(source, target):
         return copied
