@@ -204,8 +204,17 @@ class Trainer:
             self.ctx.logger.info("exported the model to %s", c.checkpointing.export_hf_dir)
             durable = storage_export_dir(c)
             if durable is not None and self.ctx.is_main_process:
-                publish_export(c.checkpointing.export_hf_dir, durable)
-                self.ctx.logger.info("copied the export to %s", durable)
+                try:
+                    publish_export(c.checkpointing.export_hf_dir, durable)
+                    self.ctx.logger.info("copied the export to %s", durable)
+                except Exception:  # the store's client; a restart would not export again (run finished)
+                    self.ctx.logger.exception(
+                        "copying the export to %s failed; `d9d export %s --hf %s` writes it from the last "
+                        "commit",
+                        durable,
+                        c.storage_root,
+                        durable,
+                    )
         self.parts.reports.finish()
 
     def _build_profiler(self) -> StepHook:
