@@ -3,6 +3,7 @@ held on an object store (no rename), proven end to end against an S3 server star
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from d9d.cli.main import main
 from d9d.cluster.reach import SUBMITTED_PATHS_ENV, check_submitted_paths, pin_relative_paths
 from d9d.cluster.spec import build_job
 from d9d.cluster.state import RunSummary, launch_record, record_launch
@@ -192,7 +194,10 @@ def s3() -> Iterator[dict[str, Any]]:
     }
     root = location(f"s3://{BUCKET}", options)
     assert isinstance(root, StoragePath)
-    root.storage.fs.mkdir(BUCKET)
+    # moto keeps its buckets per process: another module's server (tests/test_storage_files.py shares this
+    # fixture) may have made it already.
+    with contextlib.suppress(FileExistsError):
+        root.storage.fs.mkdir(BUCKET)
     try:
         yield options
     finally:
@@ -306,7 +311,7 @@ def test_save_commit_kill_and_resume_from_s3_match_an_uninterrupted_run(
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_under_ray_the_coordinator_commits_to_s3_and_a_killed_rank_resumes_from_there(
-    s3: dict[str, Any], reference: list[float], tmp_path: Path
+    s3: dict[str, Any], reference: list[float], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ray = pytest.importorskip("ray")
     from d9d.cluster import TrainingJob
@@ -331,3 +336,14 @@ def test_under_ray_the_coordinator_commits_to_s3_and_a_killed_rank_resumes_from_
     on_s3 = json.loads((root.parent / "run_summary.json").read_text())
     assert on_s3["status"] == "finished" and on_s3["steps"] == 8
     assert not (tmp_path / "local" / "checkpoints").exists()
+    # The run registered in its storage root, and its metric history followed it there: `d9d list` on the
+    # storage URI finds it with its state, step and last loss.
+    record = json.loads((root.parent / "run.json").read_text())
+    assert record["run_name"] == "rayrun" and record["storage_root"] == str(root.parent)
+    history = (tmp_path / "local" / "history.jsonl").read_bytes()
+    assert history and (root.parent / "history.jsonl").read_bytes() == history
+    options = [arg for k, v in s3.items() for arg in ("--storage-option", f"{k}={v}")]
+    capsys.readouterr()
+    assert main(["list", "--runs-root", f"s3://{BUCKET}/ray", *options]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("rayrun "))
+    assert row[1:4] == ["finished", "8", f"{summary.losses[8]:.6g}"]

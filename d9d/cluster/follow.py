@@ -183,7 +183,7 @@ def where_everything_is(spec: JobSpec) -> list[str]:
         lines.append(f"{loc.kind + ':':13}{loc.command or loc.where}")
     rows = (
         ("checkpoints:", spec.checkpoint_dir),
-        ("summary:", run_dir / "run_summary.json"),
+        ("summary:", spec.storage_root / "run_summary.json"),
         ("plot:", run_dir / PLOT_FILE),
         ("history:", run_dir / HISTORY_FILE),
     )
@@ -191,6 +191,8 @@ def where_everything_is(spec: JobSpec) -> list[str]:
     logs = run_dir / RANK_LOG_DIR
     if any(logs.glob("rank*.log")):
         lines.append(f"{'rank logs:':13}{logs}/rank<r>.log")
+    if spec.train.run.storage is not None:  # copies of the tracker files, history, plot and logs
+        lines.append(f"{'storage:':13}{spec.storage_root}")
     return lines
 
 

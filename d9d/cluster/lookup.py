@@ -5,21 +5,23 @@ registered). A run is reached through, in order:
    whose record names a submission);
 2. its live coordinator, through a Ray address: `--address` when it is not an http(s) dashboard address,
    else the cluster address in the run's record (`d9d train`, `--detach`, a notebook);
-3. its files: `run.json` and `run_summary.json` in the run directory (a run that ended, or whose cluster
-   is gone).
+3. its files: `run.json` and `run_summary.json` in the run directory or its storage root (a run that
+   ended, or whose cluster is gone). `run_dir` and `root` may be storage URIs (`s3://bucket/runs/<run>`,
+   `s3://bucket/runs`); `options` open them (an S3 endpoint, say).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from d9d.cluster import submit as jobs
 from d9d.cluster.registry import DEFAULT_RUNS_ROOT, RunRecord, RunState, find_record, state_from_files
+from d9d.core.storage import Location
 
 if TYPE_CHECKING:
     from d9d.cluster.client import TrainingJob
@@ -58,10 +60,15 @@ def _reachable(address: str, timeout_s: float = 2.0) -> bool:
 
 
 def locate(
-    run: str, address: str | None, run_dir: Path | None = None, root: Path = DEFAULT_RUNS_ROOT
+    run: str,
+    address: str | None,
+    run_dir: Location | None = None,
+    root: Location = DEFAULT_RUNS_ROOT,
+    options: Mapping[str, Any] | None = None,
 ) -> Located:
+    """Raises `StorageError` naming the store when `run_dir` or `root` is a store that cannot be read."""
     record = find_record(run, run_dir, root)
-    files = state_from_files(record) if record is not None else None
+    files = state_from_files(record, options) if record is not None else None
     submission, jobs_error = None, None
     dashboard = jobs.dashboard_address(address)
     if _is_dashboard(dashboard):

@@ -7,7 +7,9 @@ machine (`pin_relative_paths`), passes the absolute paths on as overrides, and d
 each directory. The job's driver (`check_submitted_paths`, called while the job is loaded) looks for the
 markers and refuses to start, naming the key, when it cannot see one: the directory is not on storage the
 cluster shares with the submitting machine. Absolute paths are taken as the cluster's own and left alone;
-storage URIs (`run.storage: s3://...`) need no check.
+storage URIs (`run.storage: s3://...`) need no check. With an object store as `run.storage`, a relative
+`run.dir` and `checkpointing.export_hf_dir` are not pinned either: they are the cluster's node-local
+scratch, and what the run keeps is copied from them to the store (docs/engine.md "Storage root").
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ def pin_relative_paths(data: Mapping[str, Any], spec: JobSpec) -> Pinned:
     storage_uri = storage.get("uri") if isinstance(storage, Mapping) else storage
     token = secrets.token_hex(8)
     dirs: list[tuple[str, Path]] = []
-    if _relative(run.get("dir")):  # also the default runs/<name>
+    # An object store holds what the run keeps: its local directories may stay on the cluster's nodes.
+    scratch = storage_uri is not None and is_uri(storage_uri)
+    if _relative(run.get("dir")) and not scratch:  # also the default runs/<name>
         dirs.append(("run.dir", spec.run_dir))
     if checkpointing.get("dir") is not None and _relative(checkpointing["dir"]):
         checkpoint_dir = spec.checkpoint_dir
@@ -77,7 +81,11 @@ def pin_relative_paths(data: Mapping[str, Any], spec: JobSpec) -> Pinned:
         assert spec.train.run.storage is not None
         key = "run.storage.uri" if isinstance(storage, Mapping) else "run.storage"
         dirs.append((key, Path(spec.train.run.storage.uri)))
-    if checkpointing.get("export_hf_dir") is not None and _relative(checkpointing["export_hf_dir"]):
+    if (
+        checkpointing.get("export_hf_dir") is not None
+        and _relative(checkpointing["export_hf_dir"])
+        and not scratch
+    ):
         export_dir = spec.train.checkpointing.export_hf_dir
         assert export_dir is not None
         dirs.append(("checkpointing.export_hf_dir", export_dir))
@@ -108,5 +116,6 @@ def check_submitted_paths() -> None:
                 f"{key} was relative and was resolved on the submitting machine ({data['host']}) to {path}, "
                 f"which the cluster ({here}) cannot see. Put it on storage both share (an NFS mount at the "
                 "same path), give an absolute path that exists on the cluster nodes, or set run.storage to "
-                "an object store URI (s3://..., gs://...) for checkpoints and the run summary."
+                "an object store URI (s3://..., gs://...): checkpoints, the run summary, the tracker's files "
+                "and the export then land there, and run.dir stays on the cluster's nodes."
             )

@@ -8,7 +8,10 @@ Two registrations, written when a run starts:
   created it (so a `ray job submit` run maps to its submission);
 - `<run dir>/run.json` (`RunRecord`): the run's name, the launch, the cluster's address and the Ray job
   (its submission id when the driver runs as a Ray job). It outlives the cluster; with the
-  `run_summary.json` next to it (written at the end of every launch), it says how the run ended.
+  `run_summary.json` of its storage root (written at the end of every launch), it says how the run ended.
+  A run with a storage root elsewhere (`run.storage`) writes the same record there too, so the registry
+  of every run is the storage root itself: `d9d list --runs-root s3://bucket/runs` lists them, and
+  `d9d status s3://bucket/runs/<run>` reads one, from any machine that reaches the store.
 
 `d9d status/logs/stop RUN` and `d9d list` read both.
 """
@@ -20,6 +23,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from d9d.cluster.state import SUMMARY_FILE, read_launches
-from d9d.core.files import atomic_write_text
+from d9d.core.storage import Location, StorageError, location, write_text
 
 if TYPE_CHECKING:
     from d9d.cluster.spec import JobSpec
@@ -51,6 +55,7 @@ class RunRecord:
     submission_id: str | None  # when that driver is a Ray job (`d9d submit`, `ray job submit`)
     detach: bool
     driver: str  # host:pid of the driver
+    storage_root: str | None = None  # the run's durable files (`run.storage`) when not in run_dir
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunRecord:
@@ -68,7 +73,15 @@ class RunRecord:
             submission_id=text("submission_id"),
             detach=bool(data.get("detach")),
             driver=text("driver") or "",
+            storage_root=text("storage_root"),
         )
+
+    def files(self, options: Mapping[str, Any] | None = None) -> Location:
+        """Where the run's durable files are (`run_summary.json`, checkpoints, mirrored tracker files);
+        `options` open a storage URI (an S3 endpoint, say)."""
+        if self.storage_root is None:
+            return Path(self.run_dir)
+        return location(self.storage_root, options)
 
 
 @dataclass(frozen=True)
@@ -96,8 +109,9 @@ def submission_id_of_this_driver() -> str | None:
 
 
 def register_run(spec: JobSpec, launch_id: str) -> None:
-    """Write `<run dir>/run.json` for this launch (best effort: a driver that cannot write the run
-    directory, e.g. a Ray client outside the cluster, still has the named coordinator)."""
+    """Write `run.json` for this launch into the run directory and, when it is elsewhere, the storage root
+    (best effort: a driver that cannot write them, e.g. a Ray client outside the cluster, still has the
+    named coordinator)."""
     context = ray.get_runtime_context()
     address: str | None = None
     job_id: str | None = None
@@ -106,6 +120,8 @@ def register_run(spec: JobSpec, launch_id: str) -> None:
         address = context.gcs_address
     except Exception:  # a Ray client has no GCS address of its own: the named coordinator still works
         _log.debug("run %s: no Ray address to record", spec.run_name, exc_info=True)
+    root = spec.storage_root
+    elsewhere = not (isinstance(root, Path) and root.resolve() == spec.run_dir.resolve())
     record = RunRecord(
         run_name=spec.run_name,
         run_dir=str(spec.run_dir),
@@ -116,33 +132,52 @@ def register_run(spec: JobSpec, launch_id: str) -> None:
         submission_id=submission_id_of_this_driver(),
         detach=spec.cluster.detach,
         driver=f"{socket.gethostname()}:{os.getpid()}",
+        storage_root=str(root) if elsewhere else None,
     )
-    try:
-        spec.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(spec.run_dir / RECORD_FILE, json.dumps(asdict(record), indent=1))
-    except OSError as e:
-        _log.warning("run %s: cannot write %s: %s", spec.run_name, spec.run_dir / RECORD_FILE, e)
+    text = json.dumps(asdict(record), indent=1)
+    for where in [spec.run_dir, root] if elsewhere else [spec.run_dir]:
+        try:
+            write_text(where / RECORD_FILE, text)
+        except Exception as e:  # an OSError, or whatever the store's client raises
+            _log.warning("run %s: cannot write %s: %s", spec.run_name, where / RECORD_FILE, e)
 
 
-def read_record(run_dir: Path) -> RunRecord | None:
+def read_record(run_dir: Location) -> RunRecord | None:
+    """The record in `run_dir` (a run directory, or a run's storage root); None when it has none. A store
+    that cannot be asked raises `StorageError` naming it."""
+    path = run_dir / RECORD_FILE
     try:
-        data = json.loads((run_dir / RECORD_FILE).read_text())
-    except (OSError, ValueError):
+        raw = path.read_text()
+    except FileNotFoundError:
+        return None
+    except Exception as e:
+        if isinstance(path, Path) and isinstance(e, OSError):
+            return None  # an unreadable local folder is not a run of this root (as before storage roots)
+        raise StorageError(f"cannot read {path}: {e}") from e
+    try:
+        data = json.loads(raw)
+    except ValueError:
         return None
     if not isinstance(data, dict) or "run_name" not in data or "run_dir" not in data:
         return None
     return RunRecord.from_json(data)
 
 
-def records(root: Path) -> list[RunRecord]:
-    """The registered runs whose directories are directly under `root` (the default `runs/`)."""
-    if not root.is_dir():
-        return []
-    found = (read_record(d) for d in sorted(root.iterdir()) if d.is_dir())
+def records(root: Location) -> list[RunRecord]:
+    """The registered runs directly under `root` (the default `runs/`, or a storage root such as
+    `s3://bucket/runs`). A store that cannot be listed raises `StorageError` naming it."""
+    try:
+        listed: list[Location] = list(root.iterdir()) if root.is_dir() else []
+        children = sorted((d for d in listed if d.is_dir()), key=str)
+    except Exception as e:
+        raise StorageError(f"cannot list the runs under {root}: {e}") from e
+    found = (read_record(d) for d in children)
     return [r for r in found if r is not None]
 
 
-def find_record(run: str, run_dir: Path | None = None, root: Path = DEFAULT_RUNS_ROOT) -> RunRecord | None:
+def find_record(
+    run: str, run_dir: Location | None = None, root: Location = DEFAULT_RUNS_ROOT
+) -> RunRecord | None:
     """The record of run `run`: in `run_dir` if given, else in `root/run`, else any under `root`."""
     if run_dir is not None:
         return read_record(run_dir)
@@ -152,9 +187,14 @@ def find_record(run: str, run_dir: Path | None = None, root: Path = DEFAULT_RUNS
     return next((r for r in records(root) if r.run_name == run), None)
 
 
-def state_from_files(record: RunRecord) -> RunState:
-    """The state of a launch from `run_summary.json`: its record for this launch if it ended."""
-    launches = read_launches(Path(record.run_dir) / SUMMARY_FILE) or []
+def state_from_files(record: RunRecord, options: Mapping[str, Any] | None = None) -> RunState:
+    """The state of a launch from the `run_summary.json` of its storage root: its record for this launch
+    if it ended; "unreadable" when the store cannot be asked."""
+    try:
+        launches = read_launches(record.files(options) / SUMMARY_FILE) or []
+    except Exception as e:  # StorageError, or whatever the store's client raises
+        _log.warning("run %s: cannot read %s: %s", record.run_name, record.storage_root, e)
+        return RunState(record.run_name, "unreadable", None, None, record.run_dir, "files")
     for launch in launches:
         if launch.get("launch_id") == record.launch_id:
             losses = launch.get("losses") or {}

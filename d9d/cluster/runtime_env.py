@@ -151,6 +151,18 @@ def merge_runtime_env(base: RuntimeEnvConfig, extra: RuntimeEnvConfig) -> Runtim
     )
 
 
+def with_runtime_env(data: Mapping[str, Any], extra: RuntimeEnvConfig | None) -> dict[str, Any]:
+    """A job file's data with `extra` (the command line's `--runtime-env*`) merged over its
+    `cluster.runtime_env`."""
+    out = dict(data)
+    if extra is not None:
+        cluster = dict(out.get("cluster") or {})
+        base = parse_runtime_env(cluster.get("runtime_env") or {}, "cluster.runtime_env")
+        cluster["runtime_env"] = merge_runtime_env(base, extra).model_dump(mode="json")
+        out["cluster"] = cluster
+    return out
+
+
 @contextlib.contextmanager
 def import_paths(env: RuntimeEnvConfig | None) -> Iterator[None]:
     """The driver's imports see the runtime environment's local packages while checking the job; its own

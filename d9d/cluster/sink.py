@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from d9d.engine.runtime import MetricPoint
-from d9d.engine.tracking_sink import STATE_FILE, TrackerSink
+from d9d.engine.tracking_sink import STATE_FILE, TrackerSink, run_files_mirror
 from d9d.tracking import RunSpec, RunStatus, build_tracker
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class ReplayFilter:
 
 def build_sink(spec: JobSpec) -> MetricSink:
     """The tracker the engine config names (`logging.tracker`); MLflow with a SQLite store in the run
-    directory when it names none."""
+    directory when it names none. With `run.storage`, the tracker's files follow it to the storage root."""
     from d9d.cluster.spec import tracker_config
     from d9d.engine.checkpoint import committed_steps
 
@@ -117,5 +117,8 @@ def build_sink(spec: JobSpec) -> MetricSink:
     params = {**run_params(spec.train), "cluster": spec.cluster.model_dump(mode="json")}
     run = RunSpec(name=spec.run_name, params=params, tags={"d9d.launcher": "ray"})
     resume = bool(committed_steps(spec.checkpoint_dir))  # no hashing here: the store verifies
+    mirror = run_files_mirror(config, spec.run_dir, spec.storage_root)
+    if mirror is not None and resume:
+        mirror.restore()  # a coordinator on a new node continues the tracker's run from the storage root
     tracker = build_tracker(config, spec.run_dir)
-    return TrackerSink(tracker, run, spec.run_dir / STATE_FILE, resume=resume, report_lag=True)
+    return TrackerSink(tracker, run, spec.run_dir / STATE_FILE, resume=resume, report_lag=True, mirror=mirror)

@@ -19,7 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 from d9d.cluster.config import ENGINE_ENTRYPOINT, ClusterConfig, CoordinatorStorage
 from d9d.cluster.elastic import WorldPlan, plan_for, valid_plans
 from d9d.cluster.reach import check_submitted_paths
-from d9d.cluster.runtime_env import import_paths
+from d9d.cluster.runtime_env import RuntimeEnvConfig, import_paths, with_runtime_env
 from d9d.core.storage import Location, is_uri
 from d9d.engine.config import (
     ConfigError,
@@ -109,9 +109,11 @@ def load_job(
     *,
     num_workers: int | None = None,
     cpu: bool = False,
+    runtime_env: RuntimeEnvConfig | None = None,
 ) -> JobSpec:
-    """Read, override and validate a job file; raise `ConfigError` naming the offending key."""
-    data = apply_overrides(read_config_file(path), overrides)
+    """Read, override and validate a job file; raise `ConfigError` naming the offending key. `runtime_env`
+    (the command line's) is merged over the file's `cluster.runtime_env`."""
+    data = with_runtime_env(apply_overrides(read_config_file(path), overrides), runtime_env)
     return build_job(data, num_workers=num_workers, cpu=cpu)
 
 

@@ -16,7 +16,7 @@ from ray.job_submission import JobSubmissionClient
 
 from d9d.cluster.names import NAMESPACE, coordinator_name
 from d9d.cluster.reach import pin_relative_paths
-from d9d.cluster.runtime_env import RuntimeEnvConfig, merge_runtime_env, parse_runtime_env
+from d9d.cluster.runtime_env import RuntimeEnvConfig, with_runtime_env
 from d9d.cluster.spec import build_job
 from d9d.engine.config import apply_overrides, read_config_file
 
@@ -63,12 +63,7 @@ def submit(
     Ray job's runtime environment: Ray uploads its local parts from here, and the driver on the cluster
     and every actor it starts run in it. The cluster-side `d9d train` is told to add none of its own (the
     local paths of the job file do not exist there)."""
-    data = apply_overrides(read_config_file(config), overrides)
-    if runtime_env is not None:
-        cluster = dict(data.get("cluster") or {})
-        base = parse_runtime_env(cluster.get("runtime_env") or {}, "cluster.runtime_env")
-        cluster["runtime_env"] = merge_runtime_env(base, runtime_env).model_dump(mode="json")
-        data["cluster"] = cluster
+    data = with_runtime_env(apply_overrides(read_config_file(config), overrides), runtime_env)
     spec = build_job(data, num_workers=num_workers, cpu=cpu)
     pinned = pin_relative_paths(data, spec)
     env = spec.cluster.runtime_env or RuntimeEnvConfig()

@@ -18,6 +18,10 @@ checkpointer writes every file, checks each one is there at its size, then write
 `latest` object (`d9d.engine.checkpoint.commit`). A reader trusts only a step whose manifest exists and
 whose files match it, so a crash at any point leaves the previous commit as the newest.
 
+Files that a library writes to a local disk (a tracker's store, an export written by its own writer) reach a
+storage root through `TreeMirror` (incremental copies of local files and folders, and their restoration on
+a fresh disk) and `copy_tree` (one folder, made equal at the target).
+
 `fsspec` (and `s3fs` for `s3://`, `gcsfs` for `gs://`) is the optional `storage` extra; it is imported only
 when a URI names a protocol.
 """
@@ -262,3 +266,127 @@ def remove_tree(loc: Location) -> None:
 
 def move_tree(loc: Location, target: Location) -> None:
     storage_of(loc).move_tree(str(loc), str(target))
+
+
+def _local_files(source: Path) -> list[tuple[Path, str]]:
+    """(file, its name relative to `source`) of a file or of every file under a directory."""
+    if source.is_file():
+        return [(source, "")]
+    if not source.is_dir():
+        return []
+    return [(p, p.relative_to(source).as_posix()) for p in sorted(source.rglob("*")) if p.is_file()]
+
+
+def _same_place(source: Path, target: Location) -> bool:
+    return isinstance(target, Path) and source.resolve() == target.resolve()
+
+
+class TreeMirror:
+    """Keeps copies of local files and directories at a `Location`, sending each file again only when it
+    changed (size or modification time) since this mirror last sent it.
+
+    A tracker's files stay where its library writes them (MLflow's SQLite file, TensorBoard's event files);
+    `sync()` after each write interval and at the end of the run makes the storage root follow them. Each
+    file is one `write_file`, so a reader sees a file's previous copy or its new one. JSON files go after
+    the others: an index or config (`model.safetensors.index.json`, `config.json`) names the weight files,
+    so a reader that finds it finds what it names. A source that is its own target (the storage root is the
+    local run directory) is left alone."""
+
+    def __init__(self, target: Location, sources: Mapping[str, Path]) -> None:
+        """`sources` maps a name under `target` ("" for the target itself) to a local file or directory."""
+        self.target = target
+        self.sources = {
+            name: path for name, path in sources.items() if not _same_place(path, _under(target, name))
+        }
+        self._sent: dict[Path, tuple[int, int]] = {}
+
+    def restore(self) -> list[Path]:
+        """Copy back each source that is missing locally but has a copy at the target (a run resumed on a
+        node whose run directory is new): the tracker then continues its run instead of starting one that
+        the next `sync` would copy over the old. A source present locally is never touched."""
+        restored: list[Path] = []
+        for name, source in self.sources.items():
+            if source.exists():
+                continue
+            remote = _under(self.target, name)
+            for found in list_files(remote):
+                relative = str(found).removeprefix(str(remote)).strip("/")
+                local = _under(source, relative)
+                assert isinstance(local, Path)
+                local.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(local, found.read_bytes())
+                st = local.stat()
+                self._sent[local] = (st.st_size, st.st_mtime_ns)  # the copy there is this file already
+                restored.append(local)
+        return restored
+
+    def sync(self) -> list[Location]:
+        """Copy what changed since the last call; returns where each copied file went."""
+        pending: list[tuple[Path, Location, tuple[int, int]]] = []
+        for name, source in self.sources.items():
+            for path, relative in _local_files(source):
+                try:
+                    st = path.stat()
+                except FileNotFoundError:  # removed between the listing and now
+                    continue
+                marker = (st.st_size, st.st_mtime_ns)
+                if self._sent.get(path) != marker:
+                    pending.append((path, _under(_under(self.target, name), relative), marker))
+        pending.sort(key=lambda item: (item[0].suffix == ".json", str(item[0])))
+        copied: list[Location] = []
+        for path, dest, marker in pending:
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            write_file(dest, data)
+            self._sent[path] = marker
+            copied.append(dest)
+        return copied
+
+
+def _under(root: Location, relative: str) -> Location:
+    """`root / "a/b"` as `root / "a" / "b"` (a `StoragePath` joins one name at a time)."""
+    for part in relative.split("/"):
+        if part:
+            root = root / part
+    return root
+
+
+def copy_tree(source: Path, target: Location) -> list[Location]:
+    """Copy a local file or directory to `target` (a file or a directory there); returns the files written.
+    Files already under `target` that `source` lacks are removed afterwards, so `target` ends equal to it."""
+    if not source.exists():  # never "equal to nothing": that would only empty the target
+        raise FileNotFoundError(f"{source}: nothing to copy to {target}")
+    copied = TreeMirror(target, {"": source}).sync()
+    if _same_place(source, target):
+        return copied
+    wanted = {str(loc) for loc in copied}
+    for existing in list_files(target):
+        if str(existing) not in wanted:
+            remove_tree(existing)
+    return copied
+
+
+def list_files(root: Location) -> list[Location]:
+    """Every file under `root` (a directory or prefix), sorted; `[root]` for a file, `[]` when missing."""
+    match root:
+        case Path():
+            if root.is_file():
+                return [root]
+            return sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+        case StoragePath():
+            fs = root._fresh_fs
+            if fs.isfile(root.uri):
+                return [root]
+            try:
+                found = fs.find(root.uri)
+            except FileNotFoundError:
+                return []
+            base = root.uri.split("://", 1)[1].strip("/")
+            out: list[Location] = []
+            for entry in sorted(str(e) for e in found):
+                key = entry.split("://", 1)[-1].strip("/")
+                relative = key[len(base) :].strip("/") if key.startswith(base) else key
+                out.append(_under(root, relative))
+            return out

@@ -48,7 +48,8 @@ class StorageConfig(_Section):
     """The durable root of runs (`run.storage`): a local or NFS directory, or an fsspec URI (`s3://bucket/
     prefix`, `gs://...`, `memory://...`). `options` go to the fsspec file system (for S3, e.g.
     `endpoint_url`, `key`, `secret`; credentials are better left to the environment). A run keeps its
-    checkpoints, manifests, `latest` and `run_summary.json` under `<uri>/<run.name>/`."""
+    checkpoints, manifests, `latest`, `run_summary.json` and `run.json` under `<uri>/<run.name>/`, and
+    copies of its tracker files, history, plot, logs and final export there (docs/engine.md)."""
 
     uri: str = Field(min_length=1)
     options: dict[str, Any] = Field(default_factory=dict)
@@ -83,7 +84,8 @@ class RunConfig(_Section):
     # A committed step directory (of a run with the same identity) to start from while this run's own
     # checkpoint directory holds no commit (`--resume-from`); once the run commits, its own commits win.
     resume_from: Path | None = None
-    # The durable root for checkpoints and the run summary (`StorageConfig`); None: they stay in run.dir.
+    # The durable root for checkpoints, the run summary and copies of the tracker files and the export
+    # (`StorageConfig`); None: everything stays in run.dir.
     storage: StorageConfig | None = None
 
     @property

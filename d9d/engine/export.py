@@ -6,6 +6,9 @@ the seed its pipeline rank used (frozen weights of a `trainable_only` checkpoint
 way, or from the base's source checkpoint), then the saved model state is read through DCP (which
 reassembles FSDP/expert shards into whole tensors). The provider's own export writes the result: merged
 weights (`export`, with PEFT adapters folded in) or a `peft` adapter directory.
+
+An export is written to a local directory (the writer renames it into place whole), then, for a run with a
+storage root elsewhere (`run.storage`) or a `d9d export --hf s3://...`, copied there (`publish_export`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain, compute_layout
+from d9d.core.storage import AnyLocation, Location, StoragePath, copy_tree
 from d9d.determinism import RankSeeds
 from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.checkpoint import (
@@ -38,6 +42,7 @@ from d9d.engine.checkpoint import (
     read_latest,
     step_dir_name,
 )
+from d9d.engine.checkpoint_io import safe_reader
 from d9d.engine.config import ConfigError, TrainConfig, parse_config
 from d9d.engine.providers import ModelProvider
 from d9d.engine.registry import build_model
@@ -47,10 +52,25 @@ from d9d.peft import trainable_state_dict
 from d9d.pipeline.api import PipelineStageInfo
 
 ExportKind = Literal["merged", "adapter"]
+#: Where the final export of a run with `run.storage` is copied, under its storage root.
+EXPORT_DIR = "export"
 
 
-def checkpoint_root(run: Path) -> Path:
-    """The checkpoint root of a run: `RUN/checkpoints`, or `run` itself when it holds `latest`/steps."""
+def storage_export_dir(config: TrainConfig) -> Location | None:
+    """`<storage root>/export` for a run with `run.storage`; None when its durable files stay in run.dir."""
+    return None if config.run.storage is None else config.storage_root / EXPORT_DIR
+
+
+def publish_export(local: Path, target: Location) -> Location:
+    """Copy the export at `local` to `target` (weights before the JSON files that name them); files an
+    earlier export left there and this one lacks are removed. Nothing is copied when they are one place."""
+    copy_tree(local, target)
+    return target
+
+
+def checkpoint_root(run: AnyLocation) -> AnyLocation:
+    """The checkpoint root of a run: `RUN/checkpoints`, or `run` itself when it holds `latest`/steps. `run`
+    may be a storage root (`s3://bucket/runs/<run>`)."""
     if (run / LATEST).exists() or any(run.glob("step-*")):
         return run
     root = run / "checkpoints"
@@ -59,8 +79,16 @@ def checkpoint_root(run: Path) -> Path:
     raise CheckpointError(f"{run}: no checkpoints (looked for {root} and for {LATEST} in {run})")
 
 
-def find_step(run: Path, step: int | None) -> Path:
+def find_step(run: Location, step: int | None) -> Location:
     """The committed step directory of `run` (a run directory or a checkpoint root): `step`, else latest."""
+    match run:  # one call per kind: a Path's steps are Paths, a StoragePath's are StoragePaths
+        case Path():
+            return _find_step(run, step)
+        case StoragePath():
+            return _find_step(run, step)
+
+
+def _find_step(run: AnyLocation, step: int | None) -> AnyLocation:
     root = checkpoint_root(run)
     if step is None:
         latest = read_latest(root)
@@ -77,7 +105,7 @@ def find_step(run: Path, step: int | None) -> Path:
     return step_dir
 
 
-def read_train_config(step_dir: Path) -> TrainConfig:
+def read_train_config(step_dir: Location) -> TrainConfig:
     """The job config saved with the step (checks plug-ins, so their classes must be importable here)."""
     path = step_dir / TRAIN_CONFIG
     if not path.is_file():
@@ -116,7 +144,7 @@ def _model_state(module: nn.Module, trainable_only: bool) -> dict[str, Any]:
     return trainable_state_dict(module, state) if trainable_only else state
 
 
-def load_model(config: TrainConfig, step_dir: Path) -> tuple[ModelProvider, list[nn.Module]]:
+def load_model(config: TrainConfig, step_dir: Location) -> tuple[ModelProvider, list[nn.Module]]:
     """All stages of the model, built like training built them, holding the step's weights (on CPU)."""
     ctx = DistributedContext.local()
     provider = build_model(config.model)
@@ -138,7 +166,12 @@ def load_model(config: TrainConfig, step_dir: Path) -> tuple[ModelProvider, list
         with warnings.catch_warnings():
             # One process reading on purpose; DCP warns that it assumes so.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load({"app": {"model": merged}}, checkpoint_id=str(step_dir), no_dist=True)
+            dcp_load(
+                {"app": {"model": merged}},
+                checkpoint_id=str(step_dir),
+                storage_reader=safe_reader(step_dir),
+                no_dist=True,
+            )
     except Exception as e:
         raise CheckpointError(f"cannot load the model of {step_dir}: {e}") from e
     options = StateDictOptions(strict=not trainable_only)
@@ -149,7 +182,7 @@ def load_model(config: TrainConfig, step_dir: Path) -> tuple[ModelProvider, list
 
 def export_checkpoint(
     config: TrainConfig,
-    step_dir: Path,
+    step_dir: Location,
     dest: Path,
     kind: ExportKind,
     *,

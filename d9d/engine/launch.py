@@ -24,7 +24,7 @@ from d9d.engine.config import TrainConfig, load_config, parse_config
 from d9d.engine.identity import IdentityError
 from d9d.engine.resume import check_resume
 from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
-from d9d.engine.tracking_sink import STATE_FILE, TrackerSink
+from d9d.engine.tracking_sink import STATE_FILE, TrackerSink, run_files_mirror
 from d9d.engine.trainer import Trainer
 from d9d.tracking import LogTrackerConfig, RunSpec, build_tracker
 
@@ -100,11 +100,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         # Default: metrics.jsonl in the run dir; the progress reporter already prints to the terminal.
         tracker_config = config.logging.tracker or LogTrackerConfig(stdout=False)
+        mirror = run_files_mirror(tracker_config, config.run_dir, config.storage_root)
+        if mirror is not None and decision.action == "resume":
+            mirror.restore()  # a run.dir on a new node continues the tracker's run from the storage root
         sink = TrackerSink(
             build_tracker(tracker_config, config.run_dir),
             RunSpec(config.run.name, run_params(config)),
             config.run_dir / STATE_FILE,
             resume=True,
+            mirror=mirror,
         )
     reporter = LocalRunReporter(
         config.checkpoint_dir, config.checkpointing.keep_last, sink, config.checkpointing.on_damaged

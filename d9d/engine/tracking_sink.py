@@ -12,6 +12,15 @@ The tracker's resume state lives in `<run dir>/tracker_state.json`, so a restart
 tracker run (the same MLflow run id) and the tracker skips steps it already holds. Beside the tracker, the
 `train/` and `eval/` values go to `<run dir>/history.jsonl`, and closing the sink draws them into
 `<run dir>/plots/training.png`.
+
+With a storage root elsewhere (`run.storage`), the sink keeps those files following it there
+(`run_files_mirror`): the tracker's own files (the MLflow SQLite store and artifacts, `metrics.jsonl`,
+TensorBoard event files, the W&B folder), the history, the plot, the tracker state and the rank logs the
+writer's node sees, each at its path relative to the run directory, so the storage root reads like a run
+directory (`d9d plot/logs/status s3://bucket/runs/<run>`). The libraries keep writing their local files;
+the mirror copies what changed at most every `mirror_interval_s` after a write, and everything at close.
+A resumed run whose run directory lacks those files gets them back first (`TreeMirror.restore`, called by
+the launchers before the tracker opens), so the tracker continues its run on another node.
 """
 
 from __future__ import annotations
@@ -23,13 +32,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from d9d.core.files import atomic_write_text
+from d9d.core.storage import Location, TreeMirror
 from d9d.engine.runtime import MetricPoint
-from d9d.tracking import RunSpec, RunStatus, Tracker
+from d9d.tracking import RunSpec, RunStatus, Tracker, TrackerConfig, tracker_files
 from d9d.tracking.history import HISTORY_FILE, HistoryWriter, read_history
 from d9d.tracking.plot import PLOT_FILE, plot_history
 
 STATE_FILE = "tracker_state.json"
 GROUPS = ("train/", "eval/", "system/")
+#: Rank log files (`<run dir>/logs/rank<r>.log`, written by d9d.cluster's rank actors).
+LOGS_DIR = "logs"
+#: How often, at most, a storage-root mirror copies the tracker's files while the run goes on.
+MIRROR_INTERVAL_S = 30.0
 _log = logging.getLogger(__name__)
 
 
@@ -59,9 +73,20 @@ class TrackerSink:
     """
 
     def __init__(
-        self, tracker: Tracker, run: RunSpec, state_file: Path, *, resume: bool, report_lag: bool = False
+        self,
+        tracker: Tracker,
+        run: RunSpec,
+        state_file: Path,
+        *,
+        resume: bool,
+        report_lag: bool = False,
+        mirror: TreeMirror | None = None,
+        mirror_interval_s: float = MIRROR_INTERVAL_S,
     ) -> None:
         self._tracker = tracker
+        self._mirror = mirror
+        self._mirror_interval_s = mirror_interval_s
+        self._mirrored_at = time.monotonic()
         self._report_lag = report_lag
         self._run_name = run.name
         previous = json.loads(state_file.read_text()) if resume and state_file.is_file() else None
@@ -81,6 +106,8 @@ class TrackerSink:
         for step, values in sorted(by_step.items()):
             self._tracker.log_scalars(step, values)
             self._history.write(step, values)
+        if time.monotonic() - self._mirrored_at >= self._mirror_interval_s:
+            self.mirror()
 
     def __call__(self, point: MetricPoint) -> None:
         self.write([point])
@@ -91,7 +118,21 @@ class TrackerSink:
             self.plot()
         except Exception:  # a plot must never turn a finished run into a failed one
             _log.exception("drawing %s failed", self.run_dir / PLOT_FILE)
-        self._tracker.close(status)
+        try:
+            self._tracker.close(status)
+        finally:
+            self.mirror()
+
+    def mirror(self) -> None:
+        """Copy the tracker's changed files to the storage root (no-op without one). A storage error is
+        logged, not raised: the local files are whole, and the next interval or the close copies again."""
+        self._mirrored_at = time.monotonic()
+        if self._mirror is None:
+            return
+        try:
+            self._mirror.sync()
+        except Exception:
+            _log.exception("copying the tracker's files to %s failed", self._mirror.target)
 
     def plot(self) -> Path | None:
         """Draw the history into `<run dir>/plots/training.png` (None when nothing was recorded)."""
@@ -102,3 +143,25 @@ class TrackerSink:
         if not history:
             return None
         return plot_history(history, self.run_dir / PLOT_FILE, title=self._run_name)
+
+
+def run_files_mirror(config: TrackerConfig, run_dir: Path, storage_root: Location) -> TreeMirror | None:
+    """What a sink mirrors to `storage_root` (see the module docstring); None when the storage root is the
+    run directory itself. A tracker file outside the run directory keeps only its name there."""
+    run_dir = run_dir.resolve()
+    if isinstance(storage_root, Path) and storage_root.resolve() == run_dir:
+        return None
+    local = [
+        *tracker_files(config, run_dir),
+        run_dir / STATE_FILE,
+        run_dir / HISTORY_FILE,
+        run_dir / PLOT_FILE,
+        run_dir / LOGS_DIR,
+    ]
+    sources: dict[str, Path] = {}
+    for path in local:
+        path = path.resolve()
+        name = path.relative_to(run_dir).as_posix() if path.is_relative_to(run_dir) else path.name
+        name = "" if name == "." else name
+        sources.setdefault(name, path)
+    return TreeMirror(storage_root, sources)

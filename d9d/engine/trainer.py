@@ -31,6 +31,7 @@ from d9d.engine.events import (
     StepStarted,
     TrainingFinished,
 )
+from d9d.engine.export import publish_export, storage_export_dir
 from d9d.engine.offload import HostOffload, SleepReport, WakeReport, training_state_tensors
 from d9d.engine.progress import StepProgress
 from d9d.engine.resume import decide_resume
@@ -201,6 +202,19 @@ class Trainer:
         if finished and c.checkpointing.export_hf_dir is not None and not self._finished_at_start:
             self.parts.model.export(self.modules, self.ctx, c.checkpointing.export_hf_dir)
             self.ctx.logger.info("exported the model to %s", c.checkpointing.export_hf_dir)
+            durable = storage_export_dir(c)
+            if durable is not None and self.ctx.is_main_process:
+                try:
+                    publish_export(c.checkpointing.export_hf_dir, durable)
+                    self.ctx.logger.info("copied the export to %s", durable)
+                except Exception:  # the store's client; a restart would not export again (run finished)
+                    self.ctx.logger.exception(
+                        "copying the export to %s failed; `d9d export %s --hf %s` writes it from the last "
+                        "commit",
+                        durable,
+                        c.storage_root,
+                        durable,
+                    )
         self.parts.reports.finish()
 
     def _build_profiler(self) -> StepHook:

@@ -1,7 +1,14 @@
 """Experiment tracking for the writer side of a job: MLflow, TensorBoard, Weights & Biases, JSON lines,
 several at once, or nothing; plus the run's metric history and its plot."""
 
-from d9d.tracking.build import TrackerError, TrackerLocation, build_tracker, check_tracker, tracker_locations
+from d9d.tracking.build import (
+    TrackerError,
+    TrackerLocation,
+    build_tracker,
+    check_tracker,
+    tracker_files,
+    tracker_locations,
+)
 from d9d.tracking.config import (
     LogTrackerConfig,
     MlflowTrackerConfig,
@@ -46,5 +53,6 @@ __all__ = [
     "check_tracker",
     "flatten_params",
     "histogram_summary",
+    "tracker_files",
     "tracker_locations",
 ]

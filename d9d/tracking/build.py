@@ -1,5 +1,6 @@
 """`build_tracker`: the one place a tracker config becomes a tracker; `check_tracker` is its preflight and
-`tracker_locations` says where a finished run's metrics are and how to look at them."""
+`tracker_locations` says where a finished run's metrics are and how to look at them; `tracker_files` lists
+the local files the trackers write."""
 
 from __future__ import annotations
 
@@ -112,6 +113,33 @@ def _stores(config: TrackerConfig, run_dir: Path) -> list[tuple[str, Path]]:
             return []
         case MultiTrackerConfig():
             return [store for c in config.trackers for store in _stores(c, run_dir)]
+        case _:
+            assert_never(config)
+
+
+def tracker_files(config: TrackerConfig, run_dir: str | Path) -> list[Path]:
+    """The local files and directories the trackers write (what a storage root mirrors); a server's store
+    (an MLflow server, W&B online) has none. Files a library has not created yet may be listed."""
+    run_dir = Path(run_dir)
+    match config:
+        case MlflowTrackerConfig():
+            uri, artifacts = mlflow_store(config, run_dir)
+            files = [Path(a.removeprefix("file://")) for a in [artifacts] if a and a.startswith("file://")]
+            if uri.startswith("sqlite:///"):
+                return [Path(uri.removeprefix("sqlite:///")), *files]
+            if uri.startswith("file:") or "://" not in uri:
+                return [Path(uri.removeprefix("file://").removeprefix("file:")).resolve(), *files]
+            return files
+        case LogTrackerConfig():
+            return [] if config.jsonl is None else [_resolve(run_dir, config.jsonl)]
+        case TensorBoardTrackerConfig():
+            return [_resolve(run_dir, config.log_dir)]
+        case WandbTrackerConfig():
+            return [_resolve(run_dir, config.dir) / "wandb"]
+        case NullTrackerConfig():
+            return []
+        case MultiTrackerConfig():
+            return [f for c in config.trackers for f in tracker_files(c, run_dir)]
         case _:
             assert_never(config)
 

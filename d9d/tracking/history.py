@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
+from d9d.core.storage import Location
+
 HISTORY_FILE = "history.jsonl"
 #: Which grouped names the history keeps.
 KEPT_GROUPS = ("train/", "eval/")
@@ -35,15 +37,15 @@ class HistoryWriter:
             self._file = None
 
 
-def read_history(path: Path) -> dict[str, dict[int, float]]:
-    """name -> {step: value}, the last write of each step winning; a torn last line is skipped."""
+def read_history(path: Location) -> dict[str, dict[int, float]]:
+    """name -> {step: value}, the last write of each step winning; a torn last line is skipped. `path` may
+    be in a storage root (`run.storage`), where the run's writer copies it."""
     series: dict[str, dict[int, float]] = {}
-    with path.open() as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a run killed mid-write leaves at most one partial line
-            for name, value in record["values"].items():
-                series.setdefault(name, {})[int(record["step"])] = float(value)
+    for line in path.read_bytes().decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a run killed mid-write leaves at most one partial line
+        for name, value in record["values"].items():
+            series.setdefault(name, {})[int(record["step"])] = float(value)
     return series

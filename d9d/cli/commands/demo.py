@@ -42,6 +42,8 @@ def _run(args: argparse.Namespace) -> int:
         cpu=True,
         detach=False,
         resume_from=None,
+        runtime_env=None,
+        runtime_env_json=None,
         verbose=False,
         dry_run=args.dry_run,
     )

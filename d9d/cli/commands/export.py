@@ -1,40 +1,76 @@
 """`d9d export RUN --hf DIR [--step N] [--merged | --adapter]`: a Hugging Face model (or `peft` adapter)
-from a committed checkpoint of a run, on this machine's CPU, without Ray or a process group."""
+from a committed checkpoint of a run, on this machine's CPU, without Ray or a process group.
+
+RUN and DIR may be storage URIs (`s3://bucket/runs/<run>`, `--storage-option endpoint_url=...`): the
+checkpoint is read from the store, and an export to a URI is written to a local temporary directory first,
+then copied there (weights before the JSON files that name them)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from d9d.core.storage import Location
 
 
-def _run_path(run: str) -> Path:
-    """A run directory, a checkpoint root, or a run name under ./runs."""
+def _run_path(run: str, options: dict[str, Any]) -> Location:
+    """A run directory, a checkpoint root, a storage URI of either, or a run name under ./runs."""
+    from d9d.cli.storage import open_location
+    from d9d.core.storage import is_uri
+
+    if is_uri(run):
+        return open_location(run, options)
     path = Path(run)
     if path.exists() or path.is_absolute() or len(path.parts) > 1:
         return path
     return Path("runs") / run
 
 
+def _occupied(dest: Location) -> bool:
+    from d9d.core.storage import list_files
+
+    return bool(list_files(dest))
+
+
 def _run(args: argparse.Namespace) -> int:
+    from d9d.cli.storage import open_location, storage_options
+    from d9d.core.storage import StorageError
     from d9d.engine.checkpoint import CheckpointError
     from d9d.engine.config import ConfigError, load_config
-    from d9d.engine.export import ExportKind, export_checkpoint, find_step, read_train_config
+    from d9d.engine.export import (
+        ExportKind,
+        export_checkpoint,
+        find_step,
+        publish_export,
+        read_train_config,
+    )
 
-    dest: Path = args.hf
-    if dest.exists() and any(dest.iterdir()) and not args.overwrite:
-        print(f"d9d export: {dest} exists and is not empty; pass --overwrite to replace it", file=sys.stderr)
-        return 2
     kind: ExportKind = "adapter" if args.adapter else "merged"
     try:
-        step_dir = find_step(_run_path(args.run), args.step)
+        options = storage_options(args.storage_options)
+        dest = open_location(args.hf, options)
+        if _occupied(dest) and not args.overwrite:
+            print(
+                f"d9d export: {dest} exists and is not empty; pass --overwrite to replace it", file=sys.stderr
+            )
+            return 2
+        step_dir = find_step(_run_path(args.run, options), args.step)
         if args.config is not None:
             config = load_config(args.config, args.overrides, ignore_sections=["cluster"])
         else:
             config = read_train_config(step_dir)
-        export_checkpoint(config, step_dir, dest, kind, base_model_name_or_path=args.base_model)
-    except (CheckpointError, ConfigError, ValueError, FileNotFoundError) as e:
+        if isinstance(dest, Path):
+            export_checkpoint(config, step_dir, dest, kind, base_model_name_or_path=args.base_model)
+        else:
+            with tempfile.TemporaryDirectory(prefix="d9d-export-") as tmp:
+                local = Path(tmp) / "export"
+                export_checkpoint(config, step_dir, local, kind, base_model_name_or_path=args.base_model)
+                publish_export(local, dest)
+    except (CheckpointError, ConfigError, StorageError, ValueError, FileNotFoundError) as e:
         print(f"d9d export: {e}", file=sys.stderr)
         return 2
     print(f"exported {step_dir} ({kind}) to {dest}")
@@ -42,15 +78,21 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
+    from d9d.cli.storage import add_storage_option
+
     parser = subparsers.add_parser(
         "export", help="write a Hugging Face model or peft adapter from a committed checkpoint"
     )
     parser.add_argument(
         "run",
-        help="run directory (its checkpoints/ is read), a checkpoint directory, or a run name under ./runs",
+        help="run directory (its checkpoints/ is read), a checkpoint directory, either as a storage URI "
+        "(s3://bucket/runs/<run>), or a run name under ./runs",
     )
     parser.add_argument(
-        "--hf", type=Path, required=True, metavar="DIR", help="directory to write the Hugging Face export to"
+        "--hf",
+        required=True,
+        metavar="DIR",
+        help="directory or storage URI to write the Hugging Face export to",
     )
     parser.add_argument(
         "--step", type=int, help="the committed step to export (default: the latest committed one)"
@@ -90,4 +132,5 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="replace the export directory when it exists and is not empty",
     )
+    add_storage_option(parser)
     parser.set_defaults(handler=_run)

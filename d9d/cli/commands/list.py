@@ -1,18 +1,27 @@
-"""`d9d list`: the runs registered under a runs root (their `run.json`), and with `--address` every run
-with a live coordinator in that cluster, with state, step and last loss."""
+"""`d9d list`: the runs registered under a runs root (their `run.json`: a local `runs/`, or a `run.storage`
+root such as `s3://bucket/runs`), and with `--address` every run with a live coordinator in that cluster,
+with state, step and last loss."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
+import sys
 from typing import Any
 
 
 def _run(args: argparse.Namespace) -> int:
+    from d9d.cli.storage import open_location, storage_options
     from d9d.cluster.registry import RunState, live_states, records, state_from_files
+    from d9d.core.storage import StorageError
 
-    rows: dict[str, RunState] = {r.run_name: state_from_files(r) for r in records(args.runs_root)}
+    try:
+        options = storage_options(args.storage_options)
+        found = records(open_location(args.runs_root, options))
+    except StorageError as e:
+        print(f"d9d list: {e}", file=sys.stderr)
+        return 2
+    rows: dict[str, RunState] = {r.run_name: state_from_files(r, options) for r in found}
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address and address.startswith(("http://", "https://")):
         if args.address:
@@ -43,10 +52,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
+    from d9d.cli.storage import add_storage_option
+
     parser = subparsers.add_parser("list", help="runs with their state, step and last loss")
     parser.add_argument(
-        "--runs-root", type=Path, default=Path("runs"), help="where run directories are (default: runs)"
+        "--runs-root",
+        "--storage",
+        dest="runs_root",
+        default="runs",
+        help="where runs are registered: a directory, or a run.storage URI such as s3://bucket/runs "
+        "(default: runs)",
     )
+    add_storage_option(parser)
     parser.add_argument(
         "--address",
         help="a Ray address (head:6379, ray://head:10001): add every run with a live coordinator there "

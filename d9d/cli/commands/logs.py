@@ -1,5 +1,6 @@
 """`d9d logs RUN`: a run's output, found by its name: the driver log of its Ray job (`d9d submit`, `ray job
-submit`; rank output forwarded into it), else the rank log files in its run directory."""
+submit`; rank output forwarded into it), else the rank log files in its run directory, or in its storage
+root where the run's writer copied them (`run.storage`; RUN may be that URI: `s3://bucket/runs/<run>`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from d9d.core.storage import Location
 
 _TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -26,14 +30,19 @@ def _job_logs(submission_id: str, address: str, follow: bool) -> int:
         time.sleep(1.0)
 
 
-def _file_logs(run_dir: Path, follow: bool, running: Any) -> int:
-    """Every rank's log file; with `follow`, what they add until the run has ended."""
-    shown: dict[Path, int] = {}
-    current: Path | None = None
+def _log_files(logs: Location) -> list[Location]:
+    found: list[Location] = list(logs.glob("*.log"))
+    return sorted(found, key=str)
+
+
+def _file_logs(logs: Location, follow: bool, running: Any) -> int:
+    """Every rank's log file in `logs`; with `follow`, what they add until the run has ended."""
+    shown: dict[Location, int] = {}
+    current: Location | None = None
     while True:
         ended = not follow or not running()
-        for path in sorted((run_dir / "logs").glob("*.log")):
-            text = path.read_text(errors="replace")
+        for path in _log_files(logs):
+            text = path.read_bytes().decode(errors="replace")
             new = text[shown.get(path, 0) :]
             if new:
                 if path != current:
@@ -47,19 +56,43 @@ def _file_logs(run_dir: Path, follow: bool, running: Any) -> int:
         time.sleep(1.0)
 
 
+def _logs_dir(run_dir: Location | None, files: Location | None) -> Location | None:
+    """The run directory's `logs/` (written as the run goes), else the storage root's copy."""
+    from d9d.engine.tracking_sink import LOGS_DIR
+
+    for where in (run_dir, files):
+        if where is not None and (where / LOGS_DIR).is_dir():
+            return where / LOGS_DIR
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
+    from d9d.cli.storage import lookup_target
     from d9d.cluster import submit as jobs
     from d9d.cluster.lookup import attach, locate
+    from d9d.core.storage import StorageError
 
-    loc = locate(args.run, args.address, args.run_dir, args.runs_root)
+    try:
+        run, run_dir, root, options = lookup_target(args)
+        loc = locate(run, args.address, run_dir, root, options)
+    except StorageError as e:
+        print(f"d9d logs: {e}", file=sys.stderr)
+        return 2
     if loc.submission is not None:
         return _job_logs(loc.submission.submission_id, jobs.dashboard_address(args.address), args.follow)
-    run_dir = args.run_dir or (Path(loc.record.run_dir) if loc.record else None)
-    if run_dir is None or not (run_dir / "logs").is_dir():
-        print(f"d9d logs: run {args.run!r}: no Ray job and no run directory with logs found", file=sys.stderr)
+    record = loc.record
+    try:
+        logs = _logs_dir(
+            run_dir or (Path(record.run_dir) if record else None), record.files(options) if record else None
+        )
+    except Exception as e:  # the store's client: name what could not be read
+        print(f"d9d logs: run {run!r}: cannot read its files: {e}", file=sys.stderr)
+        return 2
+    if logs is None:
+        print(f"d9d logs: run {run!r}: no Ray job and no run directory with logs found", file=sys.stderr)
         return 1
     job = attach(loc) if args.follow else None
-    return _file_logs(run_dir, args.follow, lambda: job is not None and not job.status().state.terminal)
+    return _file_logs(logs, args.follow, lambda: job is not None and not job.status().state.terminal)
 
 
 def register(subparsers: Any) -> None:

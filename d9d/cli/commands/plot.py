@@ -1,8 +1,9 @@
 """`d9d plot RUN`: draw a run's loss, learning rate, gradient norm and tokens/s into one PNG.
 
-RUN is a run directory, a job file (its run directory), or a run name (`runs/<name>`). The curves come from
+RUN is a run directory, a job file (its run directory), a run name (`runs/<name>`), or a run's storage root
+as a URI (`s3://bucket/runs/<run>`, where a run with `run.storage` copies its history). The curves come from
 `<run dir>/history.jsonl`, which every run writes whatever its tracker; a run in progress is drawn as far
-as it got.
+as it got. The PNG goes to `<run dir>/plots/training.png`, or for a URI to `./<run>-training.png`.
 """
 
 from __future__ import annotations
@@ -10,13 +11,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from d9d.core.storage import Location
 
 
-def run_directory(target: str) -> Path:
+def run_directory(target: str, options: dict[str, Any] | None = None) -> Location:
     """The run directory `target` names (see the module docstring)."""
+    from d9d.cli.storage import open_location
+    from d9d.core.storage import is_uri
     from d9d.engine.config import parse_config, read_config_file
 
+    if is_uri(target):
+        return open_location(target, options or {})
     path = Path(target)
     if path.is_dir():
         return path
@@ -28,24 +36,36 @@ def run_directory(target: str) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from d9d.cli.storage import storage_options
+    from d9d.core.storage import StorageError
     from d9d.engine.config import ConfigError
     from d9d.tracking.history import HISTORY_FILE, read_history
     from d9d.tracking.plot import PLOT_FILE, plot_history
 
     try:
-        run_dir = run_directory(args.run)
-    except (ConfigError, ValueError, OSError) as e:
+        run_dir = run_directory(args.run, storage_options(args.storage_options))
+    except (ConfigError, StorageError, ValueError, OSError) as e:
         print(f"d9d plot: {args.run}: {e}", file=sys.stderr)
         return 2
     history_file = run_dir / HISTORY_FILE
-    if not history_file.is_file():
+    try:
+        found = history_file.is_file()
+        history = read_history(history_file) if found else {}
+    except Exception as e:  # the store's client: name what could not be read
+        print(f"d9d plot: cannot read {history_file}: {e}", file=sys.stderr)
+        return 2
+    if not found:
         print(f"d9d plot: no {HISTORY_FILE} in {run_dir} (no step has been logged there)", file=sys.stderr)
         return 2
-    history = read_history(history_file)
     if not history:
         print(f"d9d plot: {history_file} holds no metrics yet", file=sys.stderr)
         return 2
-    output = Path(args.output) if args.output is not None else run_dir / PLOT_FILE
+    if args.output is not None:
+        output = Path(args.output)
+    elif isinstance(run_dir, Path):
+        output = run_dir / PLOT_FILE
+    else:
+        output = Path(f"{run_dir.name}-training.png")
     plot_history(history, output, title=args.title or run_dir.name)
     last = max(max(series) for series in history.values())
     print(f"wrote {output} ({last} steps of {run_dir})")
@@ -54,9 +74,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("plot", help="draw a run's loss, LR, grad norm and tokens/s to a PNG")
-    parser.add_argument("run", help="run directory, job file, or run name (runs/<name>)")
+    from d9d.cli.storage import add_storage_option
+
+    parser.add_argument(
+        "run", help="run directory, job file, run name (runs/<name>), or storage URI (s3://bucket/runs/<run>)"
+    )
     parser.add_argument(
         "-o", "--output", default=None, help="PNG to write (default: <run dir>/plots/training.png)"
     )
     parser.add_argument("--title", default=None, help="plot title (default: the run directory's name)")
+    add_storage_option(parser)
     parser.set_defaults(handler=_run)

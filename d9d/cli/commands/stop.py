@@ -12,10 +12,17 @@ _STOP_WAIT_S = 120.0
 
 
 def _run(args: argparse.Namespace) -> int:
+    from d9d.cli.storage import lookup_target
     from d9d.cluster import submit as jobs
     from d9d.cluster.lookup import attach, locate
+    from d9d.core.storage import StorageError
 
-    loc = locate(args.run, args.address, args.run_dir, args.runs_root)
+    try:
+        run, run_dir, root, options = lookup_target(args)
+        loc = locate(run, args.address, run_dir, root, options)
+    except StorageError as e:
+        print(f"d9d stop: {e}", file=sys.stderr)
+        return 2
     if loc.submission is not None:
         sub, address = loc.submission, jobs.dashboard_address(args.address)
         print(f"run {sub.run_name}: Ray job {sub.submission_id} {jobs.stop(sub.submission_id, address)}")
@@ -23,11 +30,11 @@ def _run(args: argparse.Namespace) -> int:
     job = attach(loc)
     if job is None:
         where = "it has ended" if loc.ended else "no Ray job or live coordinator found"
-        print(f"d9d stop: run {args.run!r}: {where}", file=sys.stderr)
+        print(f"d9d stop: run {run!r}: {where}", file=sys.stderr)
         return 1
     job.stop(force=True)
     summary = job.result(timeout=_STOP_WAIT_S)
-    print(f"run {args.run}: {summary.status} after {summary.steps} steps")
+    print(f"run {run}: {summary.status} after {summary.steps} steps")
     return 0
 
 

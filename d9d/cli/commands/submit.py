@@ -9,12 +9,7 @@ from typing import Any
 
 
 def _run(args: argparse.Namespace) -> int:
-    from d9d.cluster.runtime_env import (
-        merge_runtime_env,
-        parse_runtime_env,
-        parse_runtime_env_json,
-        read_runtime_env,
-    )
+    from d9d.cli.commands.train import runtime_env_option
     from d9d.cluster.submit import dashboard_address, submit
     from d9d.engine.config import ConfigError
 
@@ -22,12 +17,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume_from is not None:  # travels as an override: the cluster-side `d9d train` checks it
         overrides.append(f"run.resume_from={args.resume_from}")
     try:
-        runtime_env = None
-        if args.runtime_env is not None:
-            runtime_env = parse_runtime_env(read_runtime_env(args.runtime_env), "--runtime-env")
-        if args.runtime_env_json is not None:
-            from_json = parse_runtime_env(parse_runtime_env_json(args.runtime_env_json), "--runtime-env-json")
-            runtime_env = from_json if runtime_env is None else merge_runtime_env(runtime_env, from_json)
         sub = submit(
             args.config,
             dashboard_address(args.address),
@@ -35,7 +24,7 @@ def _run(args: argparse.Namespace) -> int:
             working_dir=args.working_dir,
             num_workers=args.num_workers,
             cpu=args.cpu,
-            runtime_env=runtime_env,
+            runtime_env=runtime_env_option(args),
         )
     except (ConfigError, ValueError) as e:
         print(f"d9d submit: {e}", file=sys.stderr)
@@ -53,15 +42,5 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--address", help="dashboard address, e.g. http://head:8265 (default: RAY_ADDRESS)")
     parser.add_argument("--working-dir", type=Path, help="directory uploaded with the job (default: .)")
-    parser.add_argument(
-        "--runtime-env",
-        type=Path,
-        metavar="FILE",
-        help="YAML/JSON file of Ray runtime_env keys (py_modules, working_dir, pip, env_vars, excludes), "
-        "merged over the job file's cluster.runtime_env",
-    )
-    parser.add_argument(
-        "--runtime-env-json", metavar="JSON", help="the same inline, merged over --runtime-env"
-    )
     add_job_options(parser)
     parser.set_defaults(handler=_run)

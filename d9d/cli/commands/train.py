@@ -16,6 +16,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from d9d.cluster.runtime_env import RuntimeEnvConfig
     from d9d.cluster.spec import JobSpec
 
 
@@ -61,7 +62,13 @@ def run(args: argparse.Namespace) -> int:
     if args.resume_from is not None:
         overrides.append(f"run.resume_from={args.resume_from}")
     try:
-        spec = load_job(args.config, overrides, num_workers=args.num_workers, cpu=args.cpu)
+        spec = load_job(
+            args.config,
+            overrides,
+            num_workers=args.num_workers,
+            cpu=args.cpu,
+            runtime_env=runtime_env_option(args),
+        )
         if args.dry_run:
             return dry_run(spec, args.config)
     except (ConfigError, ValueError) as e:
@@ -80,6 +87,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     except (CheckpointError, ValueError) as e:  # resume refused: identity, run.resume, damaged commits
         print(f"d9d train: {e}", file=sys.stderr)
+        return 2
+    except ConnectionError as e:  # ray.init could not join the cluster
+        print(
+            f"d9d train: cannot join the Ray cluster at {args.address or 'RAY_ADDRESS'}: {e}. A cluster with "
+            "token authentication (deploy/local_cluster.sh, or ~/.ray/auth_token on the head) needs "
+            "`export RAY_AUTH_MODE=token` here too",
+            file=sys.stderr,
+        )
         return 2
     if spec.cluster.detach:
         print(f"run {spec.run_name} started (detached); follow it with TrainingJob.attach({spec.run_name!r})")
@@ -107,8 +122,28 @@ def add_override_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def runtime_env_option(args: argparse.Namespace) -> RuntimeEnvConfig | None:
+    """`--runtime-env FILE` with `--runtime-env-json` merged over it (None when neither is given); both go
+    over the job file's `cluster.runtime_env`."""
+    from d9d.cluster.runtime_env import (
+        merge_runtime_env,
+        parse_runtime_env,
+        parse_runtime_env_json,
+        read_runtime_env,
+    )
+
+    env = None
+    if args.runtime_env is not None:
+        env = parse_runtime_env(read_runtime_env(args.runtime_env), "--runtime-env")
+    if args.runtime_env_json is not None:
+        inline = parse_runtime_env(parse_runtime_env_json(args.runtime_env_json), "--runtime-env-json")
+        env = inline if env is None else merge_runtime_env(env, inline)
+    return env
+
+
 def add_job_options(parser: argparse.ArgumentParser) -> None:
-    """What `d9d train` and `d9d submit` both take to shape the job: overrides, world size, CPU, resume."""
+    """What `d9d train` and `d9d submit` both take to shape the job: overrides, world size, CPU, resume,
+    runtime environment."""
     add_override_option(parser)
     parser.add_argument(
         "--num-workers",
@@ -124,6 +159,16 @@ def add_job_options(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="PATH",
         help="a committed step directory to start this run from (same run identity; see docs/engine.md)",
+    )
+    parser.add_argument(
+        "--runtime-env",
+        type=Path,
+        metavar="FILE",
+        help="YAML/JSON file of Ray runtime_env keys (py_modules, working_dir, pip, env_vars, excludes), "
+        "merged over the job file's cluster.runtime_env",
+    )
+    parser.add_argument(
+        "--runtime-env-json", metavar="JSON", help="the same inline, merged over --runtime-env"
     )
 
 

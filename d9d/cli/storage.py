@@ -1,0 +1,66 @@
+"""Reading a run's files from the command line wherever they live: a local directory, or a storage URI
+(`s3://bucket/runs/<run>`, `gs://...`, `memory://...`) with `--storage-option KEY=VALUE` for what the
+store needs (an S3 `endpoint_url`, say; credentials are better left to the environment)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from d9d.core.storage import Location, StorageError, is_uri, location
+
+
+def add_storage_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--storage-option",
+        dest="storage_options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the storage URI's file system (fsspec), value parsed as YAML "
+        "(e.g. --storage-option endpoint_url=http://minio:9000); repeatable",
+    )
+
+
+def storage_options(items: Sequence[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise StorageError(f"--storage-option {item!r}: expected KEY=VALUE")
+        options[key] = yaml.safe_load(value)
+    return options
+
+
+def open_location(text: str, options: dict[str, Any]) -> Location:
+    """`text` as a local path or a storage URI; `StorageError` naming it when its store cannot be opened
+    or asked (an unknown protocol, a missing `storage` extra, an endpoint that does not answer)."""
+    try:
+        loc = location(text, options if is_uri(text) else None)
+    except StorageError as e:
+        raise StorageError(f"{text}: {e}") from None
+    try:
+        loc.exists()
+    except Exception as e:  # whatever the store's client raises: the message must name the URI
+        raise StorageError(f"cannot read {text}: {e}") from e
+    return loc
+
+
+def run_name_of(text: str) -> str:
+    """The run a run directory or storage URI names: its last path component."""
+    return text.rstrip("/").rsplit("/", 1)[-1]
+
+
+def lookup_target(args: argparse.Namespace) -> tuple[str, Location | None, Location, dict[str, Any]]:
+    """(run name, its run directory if named, the runs root, the storage options) of a lookup command:
+    RUN may be a run name or a run's directory or storage URI (`s3://bucket/runs/<run>`)."""
+    options = storage_options(args.storage_options)
+    run: str = args.run
+    run_dir = None if args.run_dir is None else open_location(args.run_dir, options)
+    if is_uri(run) and run_dir is None:
+        run_dir = open_location(run, options)
+        run = run_name_of(run)
+    return run, run_dir, open_location(args.runs_root, options), options
