@@ -126,7 +126,7 @@ def main() -> None:
                 disconnect()
             results[standby].append(r)
             print(
-                f"repeat {i} standby_ranks={standby}: recovery {r['recovery_external_s']:.2f} s (driver), "
+                f"repeat {i} standby_ranks={standby}: recovery {r['recovery_external_s']} s (driver), "
                 f"{r['recovery_summary_s']} s (coordinator), standby ranks used {r['standby_ranks_used']}, "
                 f"status {r['status']}",
                 flush=True,
@@ -144,7 +144,7 @@ def main() -> None:
 
     row(
         "kill -> first step (driver)",
-        {s: [r["recovery_external_s"] for r in rs] for s, rs in results.items()},
+        {s: [r["recovery_external_s"] for r in rs if r["recovery_external_s"]] for s, rs in results.items()},
     )
     row(
         "detection -> first step",
