@@ -37,9 +37,9 @@ class SharedStorage(_Section):
 
 
 class CoordinatorStorage(_Section):
-    """No shared filesystem: ranks write to node-local scratch and stream their files through the Ray
-    object store to the coordinator, which keeps the committed steps on its own node under
-    `checkpointing.dir` and streams them back to restarted ranks."""
+    """No shared filesystem: ranks write to node-local scratch and upload their files in the background,
+    through the Ray object store, to a storage actor on the coordinator's node, which keeps the committed
+    steps under `checkpointing.dir` and serves a restarted rank the files it reads (d9d.cluster.transfer)."""
 
     kind: Literal["coordinator"] = "coordinator"
     # Node-local scratch for each rank's checkpoint files; default: <system temp>/d9d/<run name>.

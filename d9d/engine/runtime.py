@@ -111,7 +111,9 @@ class RunReporter(Protocol):
         ...
 
     def commit_checkpoint(self, step: int, reports: Sequence[RankCheckpointReport]) -> None:
-        """Every rank's part of `step` is written: make it the step to resume from (rank 0 only)."""
+        """Every rank's part of `step` is written: make it the step to resume from (rank 0 only). A reporter
+        may return before the step is committed (coordinator storage queues the commit behind its uploads);
+        the step then becomes latest once every rank's files arrived and verified, or never."""
         ...
 
     def latest_checkpoint(self) -> Location | None:
