@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 QWEN3_0_6B = {
     "vocab_size": 151936,
@@ -53,40 +52,6 @@ TINY = {
     "head_dim": 8,
     "intermediate_size": 64,
 }
-
-
-class LongRows:
-    """One row of `seq_len` random tokens per microbatch, fresh every step."""
-
-    class Config(BaseModel):
-        model_config = ConfigDict(frozen=True, extra="forbid")
-        seq_len: int
-        vocab_size: int
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.generator = torch.Generator().manual_seed(0)
-
-    def setup(self, setup: Any) -> None:
-        self.s = setup
-
-    def next_step(self) -> list[dict[str, torch.Tensor]]:
-        out = []
-        for _ in range(self.s.gradient_accumulation):
-            ids = torch.randint(
-                0,
-                self.config.vocab_size,
-                (self.s.microbatch_size, self.config.seq_len + 1),
-                generator=self.generator,
-            )
-            out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Any) -> None:
-        return None
 
 
 def train_row(seq_len: int, steps: int, warmup: int, eager: bool, smoke: bool) -> dict[str, Any]:
@@ -123,7 +88,7 @@ def train_row(seq_len: int, steps: int, warmup: int, eager: bool, smoke: bool) -
                 },
             },
             "data": {
-                "provider": "long_context:LongRows",
+                "provider": "throughput.data:RandomTokens",
                 "options": {"seq_len": seq_len, "vocab_size": arch["vocab_size"]},
             },
             "optimizer": {"provider": "adamw", "options": {"lr": 1e-4, "weight_decay": 0.0}},

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from throughput.common import ARCHS, BATCH, LR, SEQ
 
 from d9d.core import DeviceMeshParameters, DistributedContext
@@ -67,41 +66,12 @@ def _config(tiny: bool, steps: int) -> dict[str, Any]:
                 "dtype": "float32" if tiny else "bfloat16",
             },
         },
-        "data": {"provider": "sleep_wake:Batches", "options": {"vocab": arch["vocab_size"], "seq": seq}},
+        "data": {
+            "provider": "throughput.data:RandomTokens",
+            "options": {"vocab_size": arch["vocab_size"], "seq_len": seq},
+        },
         "optimizer": {"provider": "adamw", "options": {"lr": LR, "weight_decay": 0.0}},
     }
-
-
-class Batches:
-    """Uniform random token rows, fresh every step, the same sequence in every run."""
-
-    class Config(BaseModel):
-        model_config = ConfigDict(frozen=True, extra="forbid")
-
-        vocab: int
-        seq: int
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.generator = torch.Generator().manual_seed(0)
-
-    def setup(self, setup: Any) -> None:
-        self.s = setup
-
-    def next_step(self) -> list[dict[str, torch.Tensor]]:
-        out = []
-        for _ in range(self.s.gradient_accumulation):
-            ids = torch.randint(
-                0, self.config.vocab, (self.s.microbatch_size, self.config.seq + 1), generator=self.generator
-            )
-            out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Any) -> None:
-        return None
 
 
 @dataclass
