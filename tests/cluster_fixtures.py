@@ -24,14 +24,14 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import psutil
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from d9d.engine.checkpoint import step_dir_name
+from d9d.engine.checkpoint import LocalRunReporter, step_dir_name
 from d9d.engine.config import parse_config
 from d9d.engine.runtime import (
     CheckpointFile,
@@ -43,6 +43,9 @@ from d9d.engine.runtime import (
     RankRuntime,
     RunReporter,
 )
+
+if TYPE_CHECKING:
+    from tests.harness import RankEnv
 
 
 class _Opts(BaseModel):
@@ -377,3 +380,18 @@ def trained_samples(run_dir: Path) -> dict[int, list[int]]:
             elif by_step[step][0] == attempt:
                 by_step[step][1].extend(indices)
     return {step: sorted(indices) for step, (_, indices) in sorted(by_step.items())}
+
+
+def bare_engine_rank(env: RankEnv, raw: dict[str, Any]) -> None:
+    """The engine's own bare-process path (no Ray), uninterrupted: the reference losses for a run on Ray,
+    saved by rank 0 to `<run dir>/losses.pt`."""
+    from d9d.engine.launch import run_rank  # here: the toy ranks that import this module never need it
+
+    config = parse_config(raw)
+    runtime = RankRuntime(
+        rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
+    )
+    result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 2))
+    if env.rank == 0:
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(list(result.losses), config.run_dir / "losses.pt")

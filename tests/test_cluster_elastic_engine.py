@@ -27,12 +27,9 @@ import torch
 from ray.cluster_utils import Cluster
 
 from d9d.cluster import JobState, TrainingJob, build_job
-from d9d.engine.checkpoint import LocalRunReporter
-from d9d.engine.config import parse_config
-from d9d.engine.launch import run_rank
-from d9d.engine.runtime import RankRuntime
+from tests.cluster_fixtures import bare_engine_rank
 from tests.elastic_fixtures import samples_by_attempt
-from tests.harness import RankEnv, run_distributed
+from tests.harness import run_distributed
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -76,16 +73,6 @@ def _engine(run_dir: Path, sample_log: Path) -> dict[str, Any]:
     }
 
 
-def _bare(env: RankEnv, raw: dict[str, Any]) -> None:
-    config = parse_config(raw)
-    runtime = RankRuntime(
-        rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
-    )
-    result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 2))
-    if env.rank == 0:
-        torch.save(list(result.losses), config.run_dir / "losses.pt")
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     c = Cluster(
@@ -110,7 +97,7 @@ def _wait(job: TrainingJob, predicate: Any, timeout: float = 120.0) -> Any:
 
 
 def test_real_engine_moe_shrinks_on_node_loss_and_grows_back(cluster: Cluster, tmp_path: Path) -> None:
-    run_distributed(_bare, 2, _engine(tmp_path / "bare", tmp_path / "bare-samples"), timeout=120)
+    run_distributed(bare_engine_rank, 2, _engine(tmp_path / "bare", tmp_path / "bare-samples"), timeout=120)
     reference: list[float] = torch.load(tmp_path / "bare" / "losses.pt")
 
     run_dir, sample_log = tmp_path / "ray", tmp_path / "ray-samples"

@@ -15,11 +15,8 @@ import torch
 
 from d9d.cluster import JobState, TrainingJob, build_job
 from d9d.cluster.names import NAMESPACE, rank_name
-from d9d.engine.checkpoint import LocalRunReporter
-from d9d.engine.config import parse_config
-from d9d.engine.launch import run_rank
-from d9d.engine.runtime import RankRuntime
-from tests.harness import RankEnv, run_distributed
+from tests.cluster_fixtures import bare_engine_rank
+from tests.harness import run_distributed
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -41,18 +38,6 @@ def _engine_config(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _bare(env: RankEnv, raw: dict[str, Any]) -> None:
-    """The engine's own bare-process path: the reference for the runs on Ray."""
-    config = parse_config(raw)
-    runtime = RankRuntime(
-        rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
-    )
-    result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 2))
-    if env.rank == 0:
-        config.run_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(list(result.losses), config.run_dir / "losses.pt")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _ray() -> Iterator[None]:
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
@@ -69,7 +54,7 @@ def _wait(job: TrainingJob, predicate, timeout: float = 120.0) -> Any:
 
 
 def test_real_engine_survives_a_rank_loss_while_paused(tmp_path: Path) -> None:
-    run_distributed(_bare, 2, _engine_config(tmp_path / "bare"), timeout=120)
+    run_distributed(bare_engine_rank, 2, _engine_config(tmp_path / "bare"), timeout=120)
     reference = torch.load(tmp_path / "bare" / "losses.pt")
 
     job_dict = {**_engine_config(tmp_path / "ray"), "cluster": {"restart_backoff_s": 0.1}}
@@ -98,7 +83,7 @@ def test_sleep_and_wake_through_the_client(tmp_path: Path) -> None:
         raw = _engine_config(run_dir)
         return {**raw, "run": {**raw["run"], "name": "engine-sleep"}, "mesh": {}}
 
-    run_distributed(_bare, 1, config(tmp_path / "bare"), timeout=120)
+    run_distributed(bare_engine_rank, 1, config(tmp_path / "bare"), timeout=120)
     reference = torch.load(tmp_path / "bare" / "losses.pt")
 
     job = TrainingJob(build_job(config(tmp_path / "ray"))).start()

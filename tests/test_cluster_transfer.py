@@ -32,11 +32,11 @@ from d9d.cluster import TrainingJob, build_job
 from d9d.cluster.checkpoints import Arrival
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name
 from d9d.cluster.transfer import Need, NodeStore, Uploader, plan_fetch
-from d9d.engine.checkpoint import LocalRunReporter, read_latest, read_manifest, verify_manifest
+from d9d.engine.checkpoint import read_latest, read_manifest, verify_manifest
 from d9d.engine.checkpoint_io import read_dcp_metadata
-from d9d.engine.config import parse_config
 from d9d.engine.launch import run_rank
 from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
+from tests.cluster_fixtures import bare_engine_rank
 from tests.harness import RankEnv, run_distributed
 
 
@@ -228,17 +228,6 @@ def _engine_job(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _bare(env: RankEnv, raw: dict[str, Any]) -> None:
-    """The engine's own bare-process path, uninterrupted: the reference losses."""
-    config = parse_config(raw)
-    runtime = RankRuntime(
-        rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
-    )
-    result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 2))
-    if env.rank == 0:
-        torch.save(list(result.losses), config.run_dir / "losses.pt")
-
-
 def held_upload_rank(config: dict[str, Any], runtime: RankRuntime, reporter: RunReporter) -> RankResult:
     """The engine's rank, except that rank 1 of the first attempt never finishes uploading step 4: its
     upload thread blocks there (as on a stuck network) while the rank trains on."""
@@ -266,7 +255,7 @@ def _ray() -> Iterator[None]:
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("_ray")
 def test_a_rank_killed_mid_upload_resumes_exactly_fetching_only_what_it_reads(tmp_path: Path) -> None:
-    run_distributed(_bare, 2, _engine_job(tmp_path / "bare"), timeout=120)
+    run_distributed(bare_engine_rank, 2, _engine_job(tmp_path / "bare"), timeout=120)
     reference = torch.load(tmp_path / "bare" / "losses.pt")
 
     scratch = tmp_path / "scratch"
