@@ -33,7 +33,7 @@ from tests.harness import run_distributed
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
-STEPS = 8
+STEPS = 14  # room after the node returns: the grow lands at a commit with steps left to train
 BATCH = 4
 _FAST_HEALTH = {
     "health_check_period_ms": 500,
@@ -121,6 +121,12 @@ def test_real_engine_moe_shrinks_on_node_loss_and_grows_back(cluster: Cluster, t
     _wait(job, lambda s: s.state is JobState.PAUSED and s.world_size == 1)  # restarted, still paused
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
+    # The coordinator grows at a commit that sees the room in Ray's resource view, which lags the node's
+    # registration; the few steps left after the resume must not all pass before it shows.
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0.0) < 1.0:
+        assert time.monotonic() < deadline, f"the added node's CPU never showed: {ray.available_resources()}"
+        time.sleep(0.05)
     job.resume()
     summary = job.result(timeout=240)
 

@@ -518,9 +518,9 @@ def test_of_ranks_failing_together_a_dead_process_then_a_fatal_error_names_the_f
 
 
 def test_a_grow_decided_at_a_commit_waits_for_rank_0_to_report_that_step(tmp_path: Path) -> None:
-    """The resize that a commit allows is asked for only once rank 0's boundary for the committed step
-    arrived: tearing the ranks down earlier lost that step's loss (still queued on rank 0), and the new
-    ranks resume after it."""
+    """The resize that a commit allows is asked for only once rank 0's report of the committed step
+    arrived (its loss, or the next boundary, which comes after it): tearing the ranks down earlier lost
+    that step's loss (still queued on rank 0), and the new ranks resume after it."""
     import asyncio
 
     from d9d.cluster.checkpoints import CheckpointStore
@@ -540,7 +540,13 @@ def test_a_grow_decided_at_a_commit_waits_for_rank_0_to_report_that_step(tmp_pat
             ctl.step_seen(5)
             ctl.committed(at, 6)  # the commit's RPC overtook rank 0's boundary for step 6
             asked.append(mailbox.take_resize())
-            ctl.step_seen(6)
+            ctl.step_seen(6)  # the boundary, without step 6's loss (it comes with the next one)
+            asked.append(mailbox.take_resize())
+            ctl.step_seen(7)
+            asked.append(mailbox.take_resize())
+            ctl.committed(at, 8)
+            hub.add(MetricPoint(8, 0, {"loss": 1.0}, "train", 0.0))  # step 8's loss with its boundary
+            ctl.step_seen(8)
             asked.append(mailbox.take_resize())
             return outcome
 
@@ -559,4 +565,4 @@ def test_a_grow_decided_at_a_commit_waits_for_rank_0_to_report_that_step(tmp_pat
     )
     runner.machine = ctl.machine
     asyncio.run(ctl.run())
-    assert asked == [None, 4]
+    assert asked == [None, None, 4, 4]

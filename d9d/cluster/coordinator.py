@@ -200,8 +200,8 @@ class Coordinator:
         if at is None:
             return
         at.live.progress = time.monotonic()
+        await self._accept(points)  # first: a grow decided at this step waits for its loss (step_seen)
         self._control.step_seen(step)
-        await self._accept(points)
 
     async def next_commands(self, attempt: int, seq: int) -> tuple[int, list[Command]]:
         """Long poll of rank 0: commands issued after `seq`."""

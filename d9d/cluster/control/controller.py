@@ -362,6 +362,10 @@ class Controller:
     def committed(self, at: Attempt, step: int) -> None:
         """At a commit boundary, restart bigger if the cluster now has room for a larger valid layout."""
         self.latest_step = step
+        if at is not self.attempt:
+            # The commit of an attempt torn down while its commit thread ran (a resize decided at an earlier
+            # commit): growing from that attempt's size would restart the new, already larger attempt.
+            return
         at.live.progress = time.monotonic()
         if not self._scaling.may_grow(at.plan.world_size):
             return  # without asking Ray
@@ -371,8 +375,13 @@ class Controller:
             self._grow_when_reported()
 
     def _grow_when_reported(self) -> None:
-        if self._grow_after is not None and self._metrics.last_step >= self._grow_after[1]:
-            self._mailbox.request_resize(self._grow_after[0])
+        """Resize once rank 0's report of the commit step arrived: the restart resumes after that step and
+        never reports it again. Its loss may come after its boundary (with the next one), so either."""
+        if self._grow_after is None:
+            return
+        workers, step = self._grow_after
+        if step in self._metrics.losses or self._metrics.last_step > step:
+            self._mailbox.request_resize(workers)
             self._grow_after = None
 
     def resumed(self) -> None:

@@ -141,4 +141,4 @@ class AttemptRunner:
         if failure is not None:
             return failure
         workers = self.mailbox.take_resize()
-        return Resize(workers) if workers is not None else None
+        return Resize(workers) if workers is not None and workers != at.plan.world_size else None
