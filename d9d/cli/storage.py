@@ -5,12 +5,17 @@ store needs (an S3 `endpoint_url`, say; credentials are better left to the envir
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from d9d.core.storage import Location, StorageError, is_uri, location
+
+if TYPE_CHECKING:
+    from d9d.cluster.lookup import Located
 
 
 def add_storage_option(parser: argparse.ArgumentParser) -> None:
@@ -54,13 +59,33 @@ def run_name_of(text: str) -> str:
     return text.rstrip("/").rsplit("/", 1)[-1]
 
 
-def lookup_target(args: argparse.Namespace) -> tuple[str, Location | None, Location, dict[str, Any]]:
-    """(run name, its run directory if named, the runs root, the storage options) of a lookup command:
-    RUN may be a run name or a run's directory or storage URI (`s3://bucket/runs/<run>`)."""
-    options = storage_options(args.storage_options)
-    run: str = args.run
-    run_dir = None if args.run_dir is None else open_location(args.run_dir, options)
-    if is_uri(run) and run_dir is None:
-        run_dir = open_location(run, options)
-        run = run_name_of(run)
-    return run, run_dir, open_location(args.runs_root, options), options
+@dataclass(frozen=True)
+class Lookup:
+    """A lookup command's run: its name, its run directory if named, the runs root, the storage options,
+    and where it was found (`d9d.cluster.lookup.locate`)."""
+
+    run: str
+    run_dir: Location | None
+    root: Location
+    options: dict[str, Any]
+    found: Located
+
+
+def lookup_run(args: argparse.Namespace, command: str) -> Lookup | None:
+    """Find the run a lookup command names (RUN may be a run name, or a run's directory or storage URI such
+    as `s3://bucket/runs/<run>`); None, after saying why on stderr, when a store cannot be read."""
+    from d9d.cluster.lookup import locate
+
+    try:
+        options = storage_options(args.storage_options)
+        run: str = args.run
+        run_dir = None if args.run_dir is None else open_location(args.run_dir, options)
+        if is_uri(run) and run_dir is None:
+            run_dir = open_location(run, options)
+            run = run_name_of(run)
+        root = open_location(args.runs_root, options)
+        found = locate(run, args.address, run_dir, root, options)
+    except StorageError as e:
+        print(f"d9d {command}: {e}", file=sys.stderr)
+        return None
+    return Lookup(run, run_dir, root, options, found)

@@ -67,17 +67,14 @@ def _logs_dir(run_dir: Location | None, files: Location | None) -> Location | No
 
 
 def _run(args: argparse.Namespace) -> int:
-    from d9d.cli.storage import lookup_target
+    from d9d.cli.storage import lookup_run
     from d9d.cluster import submit as jobs
-    from d9d.cluster.lookup import attach, locate
-    from d9d.core.storage import StorageError
+    from d9d.cluster.lookup import attach
 
-    try:
-        run, run_dir, root, options = lookup_target(args)
-        loc = locate(run, args.address, run_dir, root, options)
-    except StorageError as e:
-        print(f"d9d logs: {e}", file=sys.stderr)
+    lookup = lookup_run(args, "logs")
+    if lookup is None:
         return 2
+    run, run_dir, options, loc = lookup.run, lookup.run_dir, lookup.options, lookup.found
     if loc.submission is not None:
         return _job_logs(loc.submission.submission_id, jobs.dashboard_address(args.address), args.follow)
     record = loc.record

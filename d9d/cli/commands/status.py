@@ -12,19 +12,16 @@ from typing import Any
 
 
 def _run(args: argparse.Namespace) -> int:
-    from d9d.cli.storage import lookup_target
+    from d9d.cli.storage import lookup_run
     from d9d.cluster import submit as jobs
     from d9d.cluster.follow import PREFIX
-    from d9d.cluster.lookup import attach, locate
+    from d9d.cluster.lookup import attach
     from d9d.cluster.state import SUMMARY_FILE
-    from d9d.core.storage import StorageError
 
-    try:
-        run, run_dir, root, options = lookup_target(args)
-        loc = locate(run, args.address, run_dir, root, options)
-    except StorageError as e:
-        print(f"d9d status: {e}", file=sys.stderr)
+    lookup = lookup_run(args, "status")
+    if lookup is None:
         return 2
+    run, run_dir, root, options, loc = lookup.run, lookup.run_dir, lookup.root, lookup.options, lookup.found
     sub = loc.submission
     if sub is not None:
         address = jobs.dashboard_address(args.address)

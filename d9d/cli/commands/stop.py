@@ -12,17 +12,14 @@ _STOP_WAIT_S = 120.0
 
 
 def _run(args: argparse.Namespace) -> int:
-    from d9d.cli.storage import lookup_target
+    from d9d.cli.storage import lookup_run
     from d9d.cluster import submit as jobs
-    from d9d.cluster.lookup import attach, locate
-    from d9d.core.storage import StorageError
+    from d9d.cluster.lookup import attach
 
-    try:
-        run, run_dir, root, options = lookup_target(args)
-        loc = locate(run, args.address, run_dir, root, options)
-    except StorageError as e:
-        print(f"d9d stop: {e}", file=sys.stderr)
+    lookup = lookup_run(args, "stop")
+    if lookup is None:
         return 2
+    run, loc = lookup.run, lookup.found
     if loc.submission is not None:
         sub, address = loc.submission, jobs.dashboard_address(args.address)
         print(f"run {sub.run_name}: Ray job {sub.submission_id} {jobs.stop(sub.submission_id, address)}")
