@@ -36,18 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from throughput.common import ARCHS, BATCH, SEQ  # benchmarks/ is the script's directory: on sys.path
-
-TINY = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "head_dim": 16,
-    "num_layers": 2,
-    "num_kv_heads": 2,
-    "intermediate_size": 128,
-}
-TINY_BATCH, TINY_SEQ = 2, 32
+from throughput.common import (  # benchmarks/ is the script's directory: on sys.path
+    ARCHS,
+    BATCH,
+    SEQ,
+    TINY,
+    TINY_BATCH,
+    TINY_SEQ,
+)
 
 
 def job(model: str, mode: str, save_step: int, after: int, run_dir: Path) -> dict[str, Any]:

@@ -29,24 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from throughput.common import ARCHS, BATCH, LR, SEQ
+from throughput.common import ARCHS, BATCH, LR, SEQ, TINY, TINY_BATCH, TINY_SEQ
 
 from d9d.core import DeviceMeshParameters, DistributedContext
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import parse_config
 from d9d.engine.runtime import Command, CommandKind, MetricPoint
 from d9d.engine.trainer import Trainer
-
-TINY = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "head_dim": 16,
-    "num_layers": 2,
-    "num_kv_heads": 2,
-    "intermediate_size": 128,
-}
-TINY_BATCH, TINY_SEQ = 2, 32
 
 
 def _config(tiny: bool, steps: int) -> dict[str, Any]:

@@ -23,6 +23,17 @@ MOE = {
     "num_experts_per_tok": 8,
 }
 ARCHS = {"dense": DENSE, "moe": MOE}
+# A Qwen3 small enough for CPU smoke runs of the engine-driven benchmarks (no numbers are taken from it).
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "intermediate_size": 128,
+}
+TINY_BATCH, TINY_SEQ = 2, 32
 MODEL_NAMES = {"dense": "Qwen3-0.6B", "moe": "Qwen3-MoE (16L, 64e top-8)"}
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 spec; the mission measured ~784 for plain matmuls
 LR = 1e-4
