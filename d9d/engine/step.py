@@ -9,7 +9,7 @@ single process, DP, FSDP, EP and PP.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -145,15 +145,21 @@ class SynchronizedGradientReducer:
 
 
 def build_gradient_reducer(
-    stages: Sequence[tuple[nn.Module, torch.optim.Optimizer]], config: GradSyncConfig, num_microbatches: int
+    stages: Sequence[tuple[nn.Module, torch.optim.Optimizer]],
+    config: GradSyncConfig,
+    num_microbatches: int,
+    once_per_step: Collection[torch.Tensor] = (),
 ) -> GradientReducer:
     """Use the synchronizer when any strategy marked a parameter for reduction, else a local scale.
 
-    `stages`: each local stage with its optimizer (`PipelinedOptimizer.pair_with`)."""
+    `stages`: each local stage with its optimizer (`PipelinedOptimizer.pair_with`); `once_per_step`: the
+    parameters whose gradient arrives once per step (`PipelineExecutor.reduced_once_per_step`)."""
     synced = [sp for m, o in stages for sp in collect_synced_params(m, o)]
     if any(sp.reduce_mesh is not None for sp in synced):
         return SynchronizedGradientReducer(
-            GradientSynchronizer(synced, config, num_microbatches=num_microbatches)
+            GradientSynchronizer(
+                synced, config, num_microbatches=num_microbatches, once_per_step=once_per_step
+            )
         )
     return LocalGradientReducer(sp.param for sp in synced)
 

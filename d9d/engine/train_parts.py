@@ -2,7 +2,7 @@
 
 The order matters for reproducibility (RNG draws) and for collectives (every rank creates the pipeline's
 process groups at the same point): seeds → task → data → model stages (`d9d.engine.stages`) → activation
-seed → event subscriptions → optimizers → gradient reducer → LR schedulers → task metrics → step runner →
+seed → event subscriptions → optimizers → LR schedulers → task metrics → step runner → gradient reducer →
 checkpointer → evaluator. The training data is read through a `PrefetchingLoader` (on the step thread
 unless `data_loading.num_workers` is 1). The loop (`d9d.engine.trainer`) only uses the result.
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
@@ -106,9 +108,6 @@ def build_train_parts(
             for s, m in stages.by_index.items()
         }
     )
-    reducer = build_gradient_reducer(
-        optimizer.pair_with(stages.by_index), c.gradient_manager, grad_accumulation
-    )
     schedulers = None
     if c.lr_scheduler is not None:
         scheduler_provider = build_lr_scheduler(c.lr_scheduler)
@@ -116,15 +115,21 @@ def build_train_parts(
             optimizer, lambda o: scheduler_provider.build(o, c.trainer.total_steps)
         )
     metrics = task.create_metrics()
+    runner: StepRunner
+    once_per_step: list[torch.Tensor] = []
+    if pipeline is not None:
+        executor = pipeline.executor(stages.by_index)
+        once_per_step = executor.reduced_once_per_step()
+        runner = PipelinedStepRunner(executor, task, ctx.device, metrics)
+    else:
+        runner = SequentialStepRunner(stages.modules[0], task, ctx.device, metrics)
+    reducer = build_gradient_reducer(
+        optimizer.pair_with(stages.by_index), c.gradient_manager, grad_accumulation, once_per_step
+    )
     collector: AsyncMetricCollector[Any] | None = None
     if metrics:
         # Synced over the ranks that see different data; computed on a side thread so steps don't wait.
         collector = AsyncMetricCollector(ComposeMetric(metrics), group=data_group(ctx))
-    runner: StepRunner
-    if pipeline is not None:
-        runner = PipelinedStepRunner(pipeline.executor(stages.by_index), task, ctx.device, metrics)
-    else:
-        runner = SequentialStepRunner(stages.modules[0], task, ctx.device, metrics)
     if ctx.params.context_parallel > 1:
         runner = ContextShardedStepRunner(runner, ContextParallelGroup.from_context(ctx))
     return TrainParts(

@@ -19,7 +19,7 @@ Life of one step:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,8 @@ class _Slot:
     param: nn.Parameter
     bucket: GradBucket
     index: int
+    expected: int
+    """Accumulations per step before the bucket may be reduced."""
     count: int = 0
 
 
@@ -63,12 +65,16 @@ class GradientSynchronizer:
         *,
         num_microbatches: int = 1,
         loss_weight_mesh: DeviceMesh | None = None,
+        once_per_step: Collection[torch.Tensor] = (),
     ) -> None:
+        """`once_per_step`: parameters whose gradient arrives once per step whatever the microbatches (FSDP
+        shards of a pipeline stage, reduced after the stage's last backward: `d9d.pipeline.runtime.sharding`)."""
         self.config = config or GradSyncConfig()
         self._loss_weight_mesh = loss_weight_mesh
-        self.set_num_microbatches(num_microbatches)
         self.buckets: list[GradBucket] = []
         self._slots: list[_Slot] = []
+        self._once = {id(p) for p in once_per_step}
+        self.set_num_microbatches(num_microbatches)
         self._build(params)
         self._next_launch = 0
         self._handles: list[RemovableHandle] = []
@@ -111,7 +117,7 @@ class GradientSynchronizer:
                 groups[mesh] = mesh_group(mesh)
             bucket = GradBucket([sp.param for sp in members], dtype, device, groups[mesh])
             self.buckets.append(bucket)
-            self._slots.extend(_Slot(sp.name, sp.param, bucket, i) for i, sp in enumerate(members))
+            self._slots.extend(_Slot(sp.name, sp.param, bucket, i, self._expected(sp.param)) for i, sp in enumerate(members))
 
     # -- per step -----------------------------------------------------------------------------------
 
@@ -120,6 +126,11 @@ class GradientSynchronizer:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self._num_microbatches = num_microbatches
+        for slot in self._slots:
+            slot.expected = self._expected(slot.param)
+
+    def _expected(self, param: nn.Parameter) -> int:
+        return 1 if id(param) in self._once else self._num_microbatches
 
     def _before_accumulate(self, slot: _Slot, grad: torch.Tensor) -> torch.Tensor:
         # Autograd would add this step's gradient onto last step's synchronized one.
@@ -143,14 +154,14 @@ class GradientSynchronizer:
         if bucket.launched:
             raise RuntimeError(
                 f"gradient of {slot.name!r} arrived after its bucket was already reduced: more backward "
-                f"passes than num_microbatches={self._num_microbatches} in this step"
+                f"passes than the {slot.expected} expected in this step"
             )
         if local.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
             raise self._stale_error(slot)  # FSDP adds its shard into an existing `.grad` in place
         bucket.accumulate(slot.index, local)
         slot.param.grad = None
         slot.count += 1
-        if slot.count == self._num_microbatches:
+        if slot.count == slot.expected:
             bucket.mark_complete()
             self._launch_ready()
 

@@ -26,6 +26,7 @@ from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.runtime.channels import P2PChannels
 from d9d.pipeline.runtime.metadata import MetadataExchange, StageMetas
 from d9d.pipeline.runtime.protocols import PipelineLossFn, PipelineOutputFn
+from d9d.pipeline.runtime.sharding import StageSharding
 from d9d.pipeline.runtime.stage import StageRuntime, is_differentiable
 from d9d.pipeline.schedule.actions import Compute, ComputeKind, Direction, Recv, Send, Transfer, compute_parts
 from d9d.pipeline.schedule.program import PipelineProgram, comm_batches
@@ -72,6 +73,8 @@ class _Step:
     outbox: dict[Transfer, dict[str, torch.Tensor]] = field(default_factory=dict)
     sends: list[tuple[_Batch, list[torch.Tensor]]] = field(default_factory=list)
     losses: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    finished_backwards: dict[int, int] = field(default_factory=dict)
+    """Stage -> microbatches whose backward (full, or the weight pass) is done."""
 
 
 class PipelineExecutor:
@@ -104,6 +107,14 @@ class PipelineExecutor:
         self._channels = channels
         self._pp_group = pp_group
         self._metas = MetadataExchange(list(self._runtimes.values()), pp_group)
+        self._sharding = {
+            s: sharding for s in expected if (sharding := StageSharding.of(stages[s])) is not None
+        }
+
+    def reduced_once_per_step(self) -> list[torch.Tensor]:
+        """Parameters whose gradients are reduced once per training step (FSDP-sharded stages), not once per
+        microbatch: a gradient synchronizer counts one accumulation for them (see `runtime.sharding`)."""
+        return [p for sharding in self._sharding.values() for p in sharding.reduced_params()]
 
     @property
     def num_microbatches(self) -> int:
@@ -162,6 +173,9 @@ class PipelineExecutor:
                 f"{len(microbatches)}"
             )
         step = _Step(self._metas.metas(microbatches), microbatches, loss_fn, output_fn, loss_scale)
+        if self.program.training:
+            for sharding in self._sharding.values():
+                sharding.begin_step()
         for _, item in comm_batches(self.program.actions[self.pp_rank]):
             if isinstance(item, list):
                 self._post(step, item)
@@ -175,6 +189,9 @@ class PipelineExecutor:
             raise RuntimeError(f"pipeline rank {self.pp_rank}: tensors never consumed: {leftovers}")
         for runtime in self._runtimes.values():
             runtime.check_drained()
+        unreduced = sorted(s for s, sharding in self._sharding.items() if sharding.in_step)
+        if unreduced:
+            raise RuntimeError(f"pipeline rank {self.pp_rank}: stages {unreduced} never finished their backward")
         return step
 
     # -- communication ------------------------------------------------------------------------------
@@ -242,12 +259,23 @@ class PipelineExecutor:
                 self._hand_over(step, Transfer(Direction.FORWARD, s, mb), outputs)
         elif part.kind is ComputeKind.BACKWARD_WEIGHT:
             runtime.backward_weight(mb)
+            self._backward_done(step, s)
         else:
             grads = self._take(step, ("grad", s, mb)) if s < last else None
             split = part.kind is ComputeKind.BACKWARD_INPUT
             input_grads = runtime.backward(mb, grads, split=split)
             if s > 0:
                 self._hand_over(step, Transfer(Direction.BACKWARD, s, mb), input_grads)
+            if not split:
+                self._backward_done(step, s)
+
+    def _backward_done(self, step: _Step, stage: int) -> None:
+        """After a microbatch's last backward pass on `stage`: once every microbatch's is done, reduce the
+        stage's FSDP gradients (asynchronous on CUDA: it overlaps what the rank does next)."""
+        done = step.finished_backwards[stage] = step.finished_backwards.get(stage, 0) + 1
+        sharding = self._sharding.get(stage)
+        if sharding is not None and done == self.num_microbatches:
+            sharding.reduce()
 
     def _hand_over(self, step: _Step, transfer: Transfer, tensors: dict[str, torch.Tensor]) -> None:
         if self.program.placement.rank_of(transfer.dst_stage) == self.pp_rank:

@@ -20,7 +20,7 @@ from d9d.pipeline.runtime.stage import StageRuntime
 StageMetas = dict[int, list[dict[str, TensorMeta]]]
 """Stage -> per microbatch -> output name -> meta."""
 
-_Signature = tuple[tuple[tuple[str, tuple[int, ...], torch.dtype], ...], ...]
+_Signature = tuple[tuple[tuple[str, object], ...], ...]
 
 
 class MetadataExchange:
@@ -30,9 +30,7 @@ class MetadataExchange:
         self._cache: dict[_Signature, StageMetas] = {}
 
     def metas(self, microbatches: Sequence[Mapping[str, torch.Tensor]]) -> StageMetas:
-        signature = tuple(
-            tuple(sorted((n, tuple(t.shape), t.dtype) for n, t in mb.items())) for mb in microbatches
-        )
+        signature = tuple(tuple(sorted((n, _key(n, v)) for n, v in mb.items())) for mb in microbatches)
         cached = self._cache.get(signature)
         if cached is not None:
             return cached
@@ -43,3 +41,16 @@ class MetadataExchange:
             merged.update(part)
         self._cache[signature] = merged
         return merged
+
+
+def _key(name: str, value: object) -> object:
+    """What of a microbatch input decides the output metadata: a tensor's shape and dtype, or a constant
+    itself (a collator's `padding_side="right"`, a flag), which must then be hashable."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if value is None or isinstance(value, str | int | float | bool):
+        return (type(value).__name__, value)
+    raise TypeError(
+        f"pipeline microbatch input {name!r} is a {type(value).__name__}: stages take tensors and plain "
+        "constants (str, int, float, bool, None)"
+    )
