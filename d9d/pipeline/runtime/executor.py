@@ -73,6 +73,7 @@ class _Step:
     outbox: dict[Transfer, dict[str, torch.Tensor]] = field(default_factory=dict)
     sends: list[tuple[_Batch, list[torch.Tensor]]] = field(default_factory=list)
     losses: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    sharding: dict[int, StageSharding] = field(default_factory=dict)
     finished_backwards: dict[int, int] = field(default_factory=dict)
     """Stage -> microbatches whose backward (full, or the weight pass) is done."""
 
@@ -107,14 +108,16 @@ class PipelineExecutor:
         self._channels = channels
         self._pp_group = pp_group
         self._metas = MetadataExchange(list(self._runtimes.values()), pp_group)
-        self._sharding = {
-            s: sharding for s in expected if (sharding := StageSharding.of(stages[s])) is not None
-        }
+
+    def _stage_sharding(self) -> dict[int, StageSharding]:
+        """The FSDP-sharded local stages, found when asked (a stage may be sharded after the executor exists)."""
+        found = {s: StageSharding.of(r.module) for s, r in self._runtimes.items()}
+        return {s: sharding for s, sharding in found.items() if sharding is not None}
 
     def reduced_once_per_step(self) -> list[torch.Tensor]:
         """Parameters whose gradients are reduced once per training step (FSDP-sharded stages), not once per
         microbatch: a gradient synchronizer counts one accumulation for them (see `runtime.sharding`)."""
-        return [p for sharding in self._sharding.values() for p in sharding.reduced_params()]
+        return [p for sharding in self._stage_sharding().values() for p in sharding.reduced_params()]
 
     @property
     def num_microbatches(self) -> int:
@@ -174,7 +177,8 @@ class PipelineExecutor:
             )
         step = _Step(self._metas.metas(microbatches), microbatches, loss_fn, output_fn, loss_scale)
         if self.program.training:
-            for sharding in self._sharding.values():
+            step.sharding = self._stage_sharding()
+            for sharding in step.sharding.values():
                 sharding.begin_step()
         for _, item in comm_batches(self.program.actions[self.pp_rank]):
             if isinstance(item, list):
@@ -189,7 +193,7 @@ class PipelineExecutor:
             raise RuntimeError(f"pipeline rank {self.pp_rank}: tensors never consumed: {leftovers}")
         for runtime in self._runtimes.values():
             runtime.check_drained()
-        unreduced = sorted(s for s, sharding in self._sharding.items() if sharding.in_step)
+        unreduced = sorted(s for s, sharding in step.sharding.items() if sharding.in_step)
         if unreduced:
             raise RuntimeError(f"pipeline rank {self.pp_rank}: stages {unreduced} never finished their backward")
         return step
@@ -273,7 +277,7 @@ class PipelineExecutor:
         """After a microbatch's last backward pass on `stage`: once every microbatch's is done, reduce the
         stage's FSDP gradients (asynchronous on CUDA: it overlaps what the rank does next)."""
         done = step.finished_backwards[stage] = step.finished_backwards.get(stage, 0) + 1
-        sharding = self._sharding.get(stage)
+        sharding = step.sharding.get(stage)
         if sharding is not None and done == self.num_microbatches:
             sharding.reduce()
 

@@ -52,6 +52,7 @@ class StageSharding:
         self._units: list[FSDPModule] = [m for m in module.modules() if isinstance(m, FSDPModule)]
         self._roots = [m for m in self._units if not _inside_another(m, self._units)]
         self._in_step = False
+        self._reshard_after_forward: list[list[Any]] = []
 
     @classmethod
     def of(cls, module: nn.Module) -> StageSharding | None:
