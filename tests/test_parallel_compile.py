@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -29,10 +30,12 @@ VOCAB = 64
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> Iterator[None]:
-    """Graph counts are per process: every test starts and ends with an empty dynamo cache."""
+    """Graph counts are per process: every test starts and ends with an empty dynamo cache (and with the
+    process-wide donated-buffer flag that `compile_stage(split_backward=True)` turns off restored)."""
     torch._dynamo.reset()
     counters.clear()
-    yield
+    with torch._functorch.config.patch(donated_buffer=True):
+        yield
     torch._dynamo.reset()
 
 
@@ -61,6 +64,12 @@ def _batch(seq: int, seed: int = 0, batch: int = 2) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
     return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+@dataclass
+class _Loss:
+    loss_sum: torch.Tensor
+    weight: torch.Tensor
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor], **extra: torch.Tensor) -> torch.Tensor:
@@ -305,3 +314,80 @@ def test_cuda_compiled_blocks_match_eager(batch_kind: str) -> None:
         }
     _assert_loss_and_grads_match(eager, compiled, batch, 1e-4, **extra)
     assert report.stats.failure is None and report.stats.graphs == 1
+
+
+@pytest.mark.parametrize("kind", ["zb1p", "zbv", "dualpipev"])
+def test_split_backward_schedules_train_compiled_stages(kind: str) -> None:
+    """Zero-bubble schedules (input pass with a retained graph, then the weight pass) over compiled stages:
+    the loss and every gradient equal the eager whole model's. Regression: AOTAutograd's donated buffers
+    refused the retained graph ("compiled with non-empty donated buffers")."""
+    from pydantic import TypeAdapter
+
+    from d9d.pipeline.runtime.executor import PipelineExecutor
+    from d9d.pipeline.schedule.config import ScheduleConfig, build_schedule
+
+    config = _config(num_layers=4)
+    reference = _model(config)
+    program = build_schedule(TypeAdapter(ScheduleConfig).validate_python({"kind": kind}), 1, 3)
+    assert program.splits_backward
+    full = reference.state_dict()
+    stages: dict[int, nn.Module] = {}
+    for s in program.placement.stages_of(0):
+        stage = _model(config, PipelineStageInfo(s, program.num_stages))
+        stage.load_state_dict({k: full[k] for k in stage.state_dict()})
+        report = compile_stage(
+            stage, CompileConfig(enabled=True, backend="aot_eager"), CPU, split_backward=True
+        )
+        assert report.modules == len(stage.model.decoder_layers())
+        stages[s] = stage
+    batches = [_batch(8, seed=i) for i in range(3)]
+
+    def loss_fn(outputs: dict[str, torch.Tensor], mb: int) -> _Loss:
+        return _Loss(outputs["loss"].sum(), torch.tensor(float(batches[mb]["labels"].numel())))
+
+    result = PipelineExecutor(program, stages, pp_rank=0, device=CPU).train_step(batches, loss_fn)
+    want = sum(_loss(reference, b) for b in batches)
+    want.backward()  # type: ignore[union-attr]
+    assert result.loss_sum is not None
+    torch.testing.assert_close(result.loss_sum, want.detach(), rtol=1e-5, atol=1e-5)  # type: ignore[union-attr]
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    for stage in stages.values():
+        for name, param in stage.named_parameters():
+            torch.testing.assert_close(param.grad, grads[name], rtol=1e-4, atol=1e-6, msg=f"{kind} {name}")
+
+
+def test_compiled_regions_get_their_weight_gradients_in_the_input_pass() -> None:
+    """A compiled region's backward is one node computing every gradient: restarting it in the weight pass
+    would run the region's backward twice. Its parameters are computed in the input pass; the weight pass
+    keeps only the eager parts (here the final norm and the head)."""
+    from d9d.pipeline.runtime.stage import StageRuntime
+
+    config = _config(num_layers=2)
+    info = PipelineStageInfo(1, 2)
+    stage = _model(config, info)
+    compile_stage(stage, CompileConfig(enabled=True, backend="aot_eager"), CPU, split_backward=True)
+    runtime = StageRuntime(stage, info)
+
+    def loss_fn(outputs: dict[str, torch.Tensor], mb: int) -> _Loss:
+        return _Loss(outputs["loss"].sum(), torch.tensor(1.0))
+
+    hidden = torch.randn(2, 8, 32)
+    runtime.forward(
+        0,
+        {"labels": _batch(8)["labels"]},
+        {"hidden_states": hidden},
+        loss_fn=loss_fn,
+        output_fn=None,
+        loss_scale=1.0,
+    )
+    runtime.backward(0, None, split=True)
+    blocks = {id(p) for block in stage.model.decoder_layers().values() for p in block.parameters()}
+    deferred = runtime._states[0].deferred
+    assert deferred is not None
+    later = {id(p) for root in deferred._roots for p in root.params}
+    assert later and not later & blocks
+    assert all(
+        p.grad is not None for block in stage.model.decoder_layers().values() for p in block.parameters()
+    )
+    runtime.backward_weight(0)
+    assert all(p.grad is not None for p in stage.parameters())

@@ -60,7 +60,10 @@ def build_stages(
     parameter_seed: int,
     compile_config: CompileConfig,
     training: bool,
+    split_backward: bool = False,
 ) -> Stages:
+    """`split_backward`: the pipeline schedule runs input and weight passes separately (compiled regions
+    must then keep their saved activations through the first, see `compile_stage`)."""
     try:  # before anything is built: a config that cannot compile here fails with its reason
         check_compile_available(compile_config, ctx.device)
     except ValueError as error:
@@ -77,7 +80,7 @@ def build_stages(
         with torch.no_grad(), parameter_init_rng(parameter_seed, stage_mesh(ctx)):
             provider.initialize(module, ctx)
         module.train(training)
-        reports.append(compile_stage(module, compile_config, ctx.device))
+        reports.append(compile_stage(module, compile_config, ctx.device, split_backward=split_backward))
         modules.append(module)
     _log_compile(ctx, reports)
     return Stages(tuple(infos), tuple(modules), tuple(reports))

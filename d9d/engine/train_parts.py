@@ -96,7 +96,13 @@ def build_train_parts(
         pipeline = PipelineSetup.create(ctx, c.schedule, grad_accumulation)
         infos = pipeline.local_stages
     stages = build_stages(
-        model, infos, ctx, parameter_seed=seeds.parameters, compile_config=c.compile, training=True
+        model,
+        infos,
+        ctx,
+        parameter_seed=seeds.parameters,
+        compile_config=c.compile,
+        training=True,
+        split_backward=pipeline is not None and pipeline.program.splits_backward,
     )
     seed_everything(seeds.activations)
     step_metrics: dict[str, float] = {}

@@ -184,22 +184,24 @@ class _RegionRunner:
     anywhere in the stage — the eager forward, with one warning for the whole stage."""
 
     def __init__(
-        self, module: nn.Module, compiled: Callable[..., Any], stats: CompileStats, eager_bw: bool
+        self,
+        module: nn.Module,
+        compiled: Callable[..., Any],
+        stats: CompileStats,
+        aot_config: dict[str, bool],
     ) -> None:
         self.module = module
         self.compiled = compiled
         self.stats = stats
-        self.eager_bw = eager_bw
+        self.aot_config = aot_config
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.stats.failure is not None:
             return type(self.module).forward(self.module, *args, **kwargs)
         before, start = _graph_count(), time.perf_counter()
         try:
-            if self.eager_bw:
-                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                    out = self.compiled(self.module, *args, **kwargs)
-            else:
+            # AOTAutograd reads these when it compiles, which happens inside the first calls.
+            with torch._functorch.config.patch(dict(self.aot_config)):
                 out = self.compiled(self.module, *args, **kwargs)
         except TorchDynamoException as error:
             reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -231,15 +233,28 @@ def _regions(stage: nn.Module, config: CompileConfig) -> Iterator[tuple[CompileR
                         yield region, module
 
 
-def compile_stage(stage: nn.Module, config: CompileConfig, device: torch.device) -> CompileReport:
+def compile_stage(
+    stage: nn.Module, config: CompileConfig, device: torch.device, *, split_backward: bool = False
+) -> CompileReport:
     """Compiles the stage's regions in place: state-dict keys, parameters and hooks are untouched, only each
     region module's `forward` becomes the shared compiled function. Call after parallelization and
-    materialization, and after `check_compile_available`."""
+    materialization, and after `check_compile_available`.
+
+    `split_backward`: the stage's backward runs in two autograd calls (a zero-bubble pipeline schedule's input
+    and weight passes, `d9d.pipeline.autograd`), the first keeping the graph. A compiled backward then must
+    not donate its saved buffers to its outputs (AOTAutograd's `donated_buffer`, which refuses a retained
+    graph: the second call would read overwritten activations); this turns donation off for the process."""
     if not compile_enabled(config, device):
         reason = "disabled" if config.enabled is False else f"off by default on {device.type}"
         return CompileReport(enabled=False, regions=(), reason=reason)
     stats = CompileStats()
-    eager_bw = _eager_backward_lowering()
+    aot_config: dict[str, bool] = {}
+    if _eager_backward_lowering():
+        aot_config["force_non_lazy_backward_lowering"] = True
+    if split_backward:
+        # Process-wide, not patched around the call: AOTAutograd checks the flag again when the backward runs,
+        # and a graph compiled without donation fails that check while the flag is on (torch 2.11-2.13).
+        torch._functorch.config.donated_buffer = False
     compiled = {
         region: torch.compile(
             _REGION_FUNCTIONS[region],
@@ -254,7 +269,7 @@ def compile_stage(stage: nn.Module, config: CompileConfig, device: torch.device)
     count = 0
     for region, module in _regions(stage, config):
         # an instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks
-        module.forward = _RegionRunner(module, compiled[region], stats, eager_bw)
+        module.forward = _RegionRunner(module, compiled[region], stats, aot_config)
         regions.add(region)
         count += 1
     found = tuple(r for r in config.regions if r in regions)

@@ -68,7 +68,7 @@ class GradientSynchronizer:
         once_per_step: Collection[torch.Tensor] = (),
     ) -> None:
         """`once_per_step`: parameters whose gradient arrives once per step whatever the microbatches (FSDP
-        shards of a pipeline stage, reduced after the stage's last backward: `d9d.pipeline.runtime.sharding`)."""
+        shards of a pipeline stage, reduced after its last backward: `d9d.pipeline.runtime.sharding`)."""
         self.config = config or GradSyncConfig()
         self._loss_weight_mesh = loss_weight_mesh
         self.buckets: list[GradBucket] = []
@@ -117,7 +117,9 @@ class GradientSynchronizer:
                 groups[mesh] = mesh_group(mesh)
             bucket = GradBucket([sp.param for sp in members], dtype, device, groups[mesh])
             self.buckets.append(bucket)
-            self._slots.extend(_Slot(sp.name, sp.param, bucket, i, self._expected(sp.param)) for i, sp in enumerate(members))
+            self._slots.extend(
+                _Slot(sp.name, sp.param, bucket, i, self._expected(sp.param)) for i, sp in enumerate(members)
+            )
 
     # -- per step -----------------------------------------------------------------------------------
 

@@ -14,7 +14,10 @@ outputs without touching the input path (a first stage, whose inputs are token i
 computed from the outputs directly.
 
 A parameter used on the input path in two places where one lies below the other (weights tied within a
-stage) would be counted twice that way; such parameters get their gradient in the input pass instead.
+stage) would be counted twice that way; such parameters get their gradient in the input pass instead. So do
+the parameters of a `torch.compile`d region: its backward is one node that computes every gradient whenever
+it runs, so deferring them would run the region's backward twice; a compiled stage's weight pass keeps only
+what lies outside its compiled regions (embedding, final norm, loss head).
 
 Gradients are summed per parameter and accumulated with one autograd call, so `.grad` accumulation hooks (the
 gradient synchronizer's) fire exactly once per parameter and microbatch, as in a plain backward.
@@ -168,8 +171,16 @@ class _Graph:
             if off:
                 boundary[node] = _bits(off)
                 conflicting |= off & deep
+                if node.name() in _ONE_CALL_NODES:
+                    conflicting |= off
         direct = [set() if on_path[n] else set(_bits(below[n])) for n in root_nodes]
         return cls(boundary, direct, set(_bits(conflicting)))
+
+
+_ONE_CALL_NODES = frozenset({"CompiledFunctionBackward"})
+"""Backward nodes that compute every gradient in one call whatever is asked (a `torch.compile`d region's
+backward graph): restarting one in the weight pass would run the whole region's backward a second time, so
+the parameters behind it get their gradients in the input pass."""
 
 
 def _bits(mask: int) -> list[int]:

@@ -110,7 +110,8 @@ class PipelineExecutor:
         self._metas = MetadataExchange(list(self._runtimes.values()), pp_group)
 
     def _stage_sharding(self) -> dict[int, StageSharding]:
-        """The FSDP-sharded local stages, found when asked (a stage may be sharded after the executor exists)."""
+        """The FSDP-sharded local stages, looked up when asked (a stage may be sharded after the executor
+        was made)."""
         found = {s: StageSharding.of(r.module) for s, r in self._runtimes.items()}
         return {s: sharding for s, sharding in found.items() if sharding is not None}
 
@@ -195,7 +196,9 @@ class PipelineExecutor:
             runtime.check_drained()
         unreduced = sorted(s for s, sharding in step.sharding.items() if sharding.in_step)
         if unreduced:
-            raise RuntimeError(f"pipeline rank {self.pp_rank}: stages {unreduced} never finished their backward")
+            raise RuntimeError(
+                f"pipeline rank {self.pp_rank}: stages {unreduced} never finished their backward"
+            )
         return step
 
     # -- communication ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from d9d.pipeline.schedule.actions import (
     ComputeAction,
     ComputeKind,
     Direction,
+    Overlapped,
     Recv,
     Send,
     Transfer,
@@ -32,6 +33,17 @@ class PipelineProgram:
     @property
     def num_ranks(self) -> int:
         return self.placement.num_ranks
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backward runs as separate input and weight passes (zero-bubble schedules)."""
+        return any(
+            part.kind is ComputeKind.BACKWARD_INPUT
+            for actions in self.actions
+            for action in actions
+            if isinstance(action, Compute | Overlapped)
+            for part in compute_parts(action)
+        )
 
     @property
     def num_stages(self) -> int:
