@@ -165,12 +165,13 @@ class FiniteTokens:
         self.position = int(state["position"])
 
 
-def make_hf_qwen3(path, num_layers: int = 2):
-    """A tiny random transformers Qwen3 saved at `path` (vocab 32, matches the token fixtures)."""
+def make_hf_qwen3(path, num_layers: int = 2, vocab_size: int = VOCAB):
+    """A tiny random transformers Qwen3 saved at `path` (vocab 32 matches the token fixtures; 259 the byte
+    tokenizer of the built-in text provider)."""
     import transformers
 
     config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=num_layers,
@@ -211,3 +212,26 @@ def jsonl_losses(run_dir) -> list[float]:
     return [
         r["values"]["train/loss"] for r in records if r["event"] == "scalars" and "train/loss" in r["values"]
     ]
+
+
+def make_hf_qwen3_moe(path, num_layers: int = 4, vocab_size: int = VOCAB):
+    """A tiny random transformers Qwen3-MoE (4 experts, top 2) saved at `path`."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model

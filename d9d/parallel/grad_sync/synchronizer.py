@@ -156,7 +156,9 @@ class GradientSynchronizer:
         if bucket.launched:
             raise RuntimeError(
                 f"gradient of {slot.name!r} arrived after its bucket was already reduced: more backward "
-                f"passes than the {slot.expected} expected in this step"
+                f"passes than num_microbatches={self._num_microbatches} in this step"
+                if slot.expected == self._num_microbatches
+                else f"gradient of {slot.name!r} arrived twice in a step, but it is reduced once per step"
             )
         if local.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
             raise self._stale_error(slot)  # FSDP adds its shard into an existing `.grad` in place
