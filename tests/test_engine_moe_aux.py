@@ -180,3 +180,63 @@ def _token_split_with_padding(env: RankEnv) -> None:
 @pytest.mark.distributed
 def test_token_split_moe_keeps_padding_out_of_the_balancing_loss() -> None:
     run_distributed(_token_split_with_padding, 2, timeout=120)
+
+
+# -- the expert bias under tensor parallelism ----------------------------------------------------------------
+
+
+def _bias_run(env: RankEnv, name: str, mesh: dict[str, int]) -> None:
+    from d9d.engine.checkpoint import LocalRunReporter
+    from d9d.engine.config import parse_config
+    from d9d.engine.trainer import Trainer
+
+    config = parse_config(
+        {
+            "run": {"name": name, "dir": str(env.tmp_dir / name)},
+            "mesh": mesh,
+            "batching": {"global_batch_size": 8, "microbatch_size": 2},
+            "trainer": {"total_steps": 6},
+            "logging": {"progress_bar": "off"},
+            "checkpointing": {"save_at_end": False},
+            "model": {
+                "provider": "qwen3_moe",
+                "options": {
+                    "source_checkpoint": str(env.tmp_dir / "hf"),
+                    "architecture": {"expert_bias": True, "expert_bias_update_rate": 0.01},
+                },
+            },
+            "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+            "optimizer": {"provider": "adamw", "options": {"lr": 3e-3}},
+        }
+    )
+    trainer = Trainer(
+        config, DistributedContext.create(config.mesh), LocalRunReporter(config.checkpoint_dir, 1)
+    )
+    trainer.setup()
+    trainer.train()
+    biases = {
+        f"{i}.{n}": m.expert_bias.clone()
+        for i, module in enumerate(trainer.modules)
+        for n, m in module.named_modules()
+        if isinstance(m, TopKRouter) and m.expert_bias is not None
+    }
+    torch.save(biases, env.tmp_dir / f"{name}-rank{env.rank}.pt")
+
+
+@pytest.mark.distributed
+def test_expert_bias_is_the_same_on_every_tensor_parallel_rank(tmp_path: Path) -> None:
+    """MoE layers run token-parallel over tp, so each tp rank routes different tokens: the expert loads
+    are summed over tp before the bias moves, which keeps the bias identical on the tp ranks and equal to
+    the tp 1 run's (regression: the ranks drifted apart within 6 steps)."""
+    from tests.engine_fixtures import make_hf_qwen3_moe
+
+    make_hf_qwen3_moe(tmp_path / "hf", num_layers=2)
+    run_distributed(_bias_run, 1, "tp1", {}, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_bias_run, 2, "tp2", {"tensor_parallel": 2}, tmp_dir=tmp_path, timeout=300)
+    reference = torch.load(tmp_path / "tp1-rank0.pt")
+    assert reference and all(b.abs().sum() > 0 for b in reference.values()), "the bias never moved"
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"tp2-rank{rank}.pt")
+        assert got.keys() == reference.keys()
+        for key, bias in reference.items():
+            assert torch.equal(got[key], bias), (rank, key, got[key], bias)

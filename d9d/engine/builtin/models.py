@@ -176,6 +176,10 @@ def causal_lm_flops_per_token(config: Qwen3Config, seq_len: int) -> float:
 class ExpertLoadBalancer:
     """After each optimizer step: sum every router's expert load over the ranks that saw different tokens,
     update the aux-loss-free expert bias from it (identically on every replica), and record balance metrics.
+
+    Ranks that route different tokens: data-parallel and context-parallel ranks, and tensor-parallel ranks,
+    since the plan runs MoE layers token-parallel over tp (each tp rank routes its share of the sequence,
+    `parallelize_moe_tp`); summing over tp keeps the bias identical on the tp ranks and equal to tp 1's.
     """
 
     def __init__(
@@ -198,6 +202,9 @@ class ExpertLoadBalancer:
             for dim in ("dp", "cp"):
                 if batch.size(batch.mesh_dim_names.index(dim)) > 1:  # type: ignore[union-attr]
                     torch.distributed.all_reduce(loads, group=batch.get_group(dim))
+            if self.ctx.params.tensor_parallel > 1:
+                tp_group = self.ctx.mesh_for(MeshDomain.REGULAR).get_group("tp")
+                torch.distributed.all_reduce(loads, group=tp_group)
         for (_, router), load in zip(self.routers, loads, strict=True):
             router.expert_load.copy_(load)
             router.update_expert_bias()
