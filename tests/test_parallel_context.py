@@ -113,7 +113,7 @@ def test_a_ranks_queries_against_all_keys_are_rows_of_full_attention(backend: Sd
 # -- training equals one process ------------------------------------------------------------------------
 
 
-def _dense(window: int | None = None, backend: SdpaBackendName = "torch") -> nn.Module:
+def _dense(window: int | None = None, backend: SdpaBackendName = "torch", head_dim: int = 8) -> nn.Module:
     torch.manual_seed(0)
     return Qwen3ForCausalLM(
         Qwen3Config(
@@ -122,7 +122,7 @@ def _dense(window: int | None = None, backend: SdpaBackendName = "torch") -> nn.
             num_layers=2,
             num_attention_heads=4,
             num_kv_heads=2,
-            head_dim=8,
+            head_dim=head_dim,
             intermediate_size=24,
             attention_backend=backend,
             sliding_window=window,
@@ -156,7 +156,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "qwen3": _dense,
     "qwen3_window": lambda: _dense(window=5),
     "qwen3_moe": _moe,
-    "qwen3_flex": lambda: _dense(window=5, backend="flex"),  # CUDA only: no FlexAttention backward on CPU
+    # CUDA only (no FlexAttention backward on CPU); its compiled kernels need head_dim >= 16
+    "qwen3_flex": lambda: _dense(window=5, backend="flex", head_dim=16),
 }
 
 
@@ -297,11 +298,20 @@ def test_cp4_and_with_dp_fsdp_ep_tp() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpus(2)
 def test_cp2_over_nccl_with_flex_attention() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     cases = [Case("qwen3_flex", cp=2), Case("qwen3_moe", cp=2, ep=2)]
     run_distributed(_run_cases, 2, cases, "nccl", timeout=500, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.gpus(4)
+def test_cp_with_fsdp_and_ep_over_nccl_on_four_gpus() -> None:
+    cases = [
+        Case("qwen3_flex", cp=2, fsdp=2),  # FSDP over dp × cp
+        Case("qwen3_moe", cp=2, fsdp=2, ep=4),  # experts over every rank, sequences split in two
+    ]
+    run_distributed(_run_cases, 4, cases, "nccl", timeout=500, backend="nccl")
 
 
 # -- the engine: sharded batches, the loss and its token count --------------------------------------------

@@ -373,9 +373,8 @@ def _deepep_vs_all_to_all(env: RankEnv) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.distributed
+@pytest.mark.gpus(2)
 def test_deepep_matches_all_to_all_on_gpus() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     if not deep_ep_available():
         pytest.skip("deep_ep is not installed on this machine")
     run_distributed(_deepep_vs_all_to_all, 2, timeout=300)

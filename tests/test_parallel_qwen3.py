@@ -198,7 +198,6 @@ def test_four_rank_matrix() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpus(2)
 def test_two_gpu_matrix_over_nccl() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     run_distributed(_run_cases, 2, TWO_RANKS, "nccl", timeout=500, backend="nccl")

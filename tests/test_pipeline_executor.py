@@ -358,8 +358,7 @@ def _nccl_body(env: RankEnv) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.distributed
+@pytest.mark.gpus(2)
 def test_every_schedule_on_nccl() -> None:
     """The channel groups on NCCL: every schedule runs without deadlock and matches the reference."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     run_distributed(_nccl_body, 2, timeout=300, init_process_group=False)

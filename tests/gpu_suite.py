@@ -1,0 +1,110 @@
+"""The `gpu` tests on one N-GPU host, spread over its GPUs.
+
+    python -m tests.gpu_suite [--out DIR] [--groups 1,2,4,ray] [extra pytest args]
+
+Tests are grouped by the GPUs they need (`gpu`: 1, `gpu` + `gpus(n)`: n). Each group runs as `N // n` pytest
+processes at once, each seeing its own block of n GPUs (`CUDA_VISIBLE_DEVICES`), test files dealt to the
+processes whole; groups run one after the other, smallest n first. Tests that start Ray (`ray`) run last,
+in one process that sees every GPU (their placement tests reserve GPUs themselves). A group that needs more
+GPUs than present still runs, once, so its tests report the skip with the count.
+
+Each process's output goes to `DIR/gpu-suite-<n>gpu-<i>.log` (default: a temporary directory) and its last
+lines (pytest's summary, skip reasons included) are printed. Exits non-zero when any process fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RAY = 0
+"""Group key of the Ray tests (run last, on every GPU)."""
+
+
+class _Collector:
+    """A pytest plugin recording each `gpu` test's group: the GPUs it needs, or RAY."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, list[str]] = {}
+
+    def pytest_collection_modifyitems(self, items: list[Any]) -> None:
+        for item in items:
+            if item.get_closest_marker("gpu") is None:
+                continue
+            marker = item.get_closest_marker("gpus")
+            key = RAY if item.get_closest_marker("ray") else (marker.args[0] if marker else 1)
+            self.groups.setdefault(key, []).append(item.nodeid)
+
+
+def _deal(node_ids: list[str], bins: int) -> list[list[str]]:
+    """Whole files to the emptiest bin, largest files first (tests of a file share fixtures and compiles)."""
+    files: dict[str, list[str]] = {}
+    for node in node_ids:
+        files.setdefault(node.split("::")[0], []).append(node)
+    out: list[list[str]] = [[] for _ in range(max(bins, 1))]
+    for nodes in sorted(files.values(), key=len, reverse=True):
+        min(out, key=len).extend(nodes)
+    return [b for b in out if b]
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.gpu_suite")
+    parser.add_argument("--out", type=Path, default=None, help="where the per-process logs go")
+    parser.add_argument(
+        "--groups", default=None, help="comma-separated groups to run: GPU counts and/or 'ray' (default: all)"
+    )
+    args, extra = parser.parse_known_args(argv)
+    import pytest
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print("no CUDA device: nothing to run")
+        return 1
+    collector = _Collector()
+    pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests", *extra], plugins=[collector])
+    out = args.out or Path(tempfile.mkdtemp(prefix="gpu-suite-"))
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra]
+    failed = False
+    start = time.monotonic()
+    wanted = None if args.groups is None else {RAY if g == "ray" else int(g) for g in args.groups.split(",")}
+    for need in sorted(collector.groups, key=lambda k: (k == RAY, k)):
+        if wanted is not None and need not in wanted:
+            continue
+        width = gpus if need == RAY else need
+        procs = []
+        for i, nodes in enumerate(_deal(collector.groups[need], gpus // width)):
+            log = out / f"gpu-suite-{'ray' if need == RAY else f'{need}gpu'}-{i}.log"
+            devices = ",".join(str(d) for d in range(i * width, min((i + 1) * width, gpus)))
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices}
+            with log.open("w") as sink:
+                procs.append(
+                    (
+                        log,
+                        subprocess.Popen([*command, *nodes], env=env, stdout=sink, stderr=subprocess.STDOUT),
+                    )
+                )
+        for log, proc in procs:
+            failed |= proc.wait() != 0
+            print(f"== {log.name} ==\n{_tail(log)}\n", flush=True)
+        print(
+            f"-- {'Ray' if need == RAY else f'{need}-GPU'} group done at {time.monotonic() - start:.0f} s",
+            flush=True,
+        )
+    print(f"total: {time.monotonic() - start:.0f} s; logs in {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
