@@ -267,7 +267,7 @@ def _run_cases(env: RankEnv, cases: list[Case], backend: str = "gloo") -> None:
         if case.dp == case.fsdp == case.tp == 1:
             # per-rank activations shrink with cp: the whole-sequence keys/values are all that is not split
             whole = _activation_bytes(
-                MODELS[case.model](), data[0].shard(params.data_parallel, dp).split(2)[0]
+                MODELS[case.model]().to(device), data[0].shard(params.data_parallel, dp).split(2)[0]
             )
             mine = _activation_bytes(model, local[0][0])
             assert mine <= whole * (1 / case.cp + 0.25), (str(case), mine, whole)
