@@ -110,7 +110,15 @@ class BatchingConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    """`on_nonfinite`: what a step whose loss or gradient norm is NaN or infinite does (d9d.engine.nonfinite):
+    `stop` the run with an error naming the step and the rank (default), `skip` its update (the step counts,
+    its batches are consumed, parameters and optimizer state stay as they were), or `rollback` to the newest
+    commit, skipping the batches since it (needs `checkpointing.period`). `max_nonfinite_steps`: with skip
+    or rollback, the non-finite steps one launch attempt tolerates; the next one stops it as `stop` does."""
+
     total_steps: int = Field(ge=1)
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    max_nonfinite_steps: int = Field(10, ge=1)
 
 
 class DataLoadingConfig(_Section):
@@ -274,6 +282,15 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"eval.batch_size={self.eval.batch_size} is not divisible by the data-parallel degree "
                 f"{self.mesh.data_parallel} (mesh)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_rollback(self) -> Self:
+        if self.trainer.on_nonfinite == "rollback" and self.checkpointing.period is None:
+            raise ValueError(
+                "trainer.on_nonfinite=rollback goes back to the newest commit, so it needs periodic commits: "
+                "set checkpointing.period (or use skip or stop)"
             )
         return self
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
-from d9d.engine.events import EventBus, OptimizerStepFinished
+from d9d.engine.events import EventBus, OptimizerStepFinished, StepSkipped
 from d9d.models.hf.config import config_from_hf, config_to_hf
 from d9d.models.hf.io import build_causal_lm, side_files
 from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, has_expert_bias, hf_to_d9d_mapper
@@ -148,6 +148,7 @@ class CausalLMProvider:
         if routers:
             balancer = ExpertLoadBalancer(routers, ctx, metrics, MoEMetrics(modules))
             events.subscribe(OptimizerStepFinished, lambda event: balancer.after_optimizer_step(event.step))
+            events.subscribe(StepSkipped, lambda event: balancer.drop_step())
 
 
 def causal_lm_flops_per_token(config: Qwen3Config, seq_len: int) -> float:
@@ -189,6 +190,12 @@ class ExpertLoadBalancer:
         self.ctx = ctx
         self.metrics = metrics
         self.moe_metrics = moe_metrics
+
+    @torch.no_grad()
+    def drop_step(self) -> None:
+        """A step without an update (non-finite): its load does not move the bias."""
+        for _, router in self.routers:
+            router.reset_expert_load()
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int) -> None:
