@@ -26,11 +26,12 @@ from d9d.engine.checkpoint import (
     CheckpointError,
     committed_steps,
     read_manifest,
+    require_listed,
     select_commit,
     verify_manifest,
 )
 from d9d.engine.config import TrainConfig
-from d9d.engine.identity import check_identity
+from d9d.engine.identity import IDENTITY_FILE, check_identity
 
 
 class ResumeError(CheckpointError):
@@ -113,6 +114,8 @@ def decide_resume(
                 "was given)"
             )
         return ResumeDecision("fresh", None, 0, "none", warnings)
+    if (step_dir / IDENTITY_FILE).is_file():
+        require_listed(step_dir, [IDENTITY_FILE])
     check_identity(step_dir, config)
     step = int(read_manifest(step_dir)["step"])
     action: Literal["resume", "finished"] = "finished" if step >= config.trainer.total_steps else "resume"
