@@ -187,6 +187,9 @@ class CheckpointingConfig(_Section):
     save_at_end: bool = True
     # Export the final model in Hugging Face format here (via the model provider's state mapper).
     export_hf_dir: Path | None = None
+    # Export even when the format cannot hold the model exactly (Qwen3-MoE's expert_bias: transformers'
+    # logits will differ; `d9d export --inexact` measures by how much). False: such a config is refused.
+    export_inexact: bool = False
     # Save only what training changes (trainable parameters, buffers, optimizer state). Frozen weights are
     # re-created on resume by the model provider's `initialize` (source checkpoint or seeded init).
     trainable_only: bool = False
