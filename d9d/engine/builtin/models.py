@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
+from d9d.engine.errors import prefixed
 from d9d.engine.events import EventBus, OptimizerStepFinished, StepSkipped
 from d9d.models.hf.config import config_from_hf, config_to_hf
 from d9d.models.hf.io import build_causal_lm, side_files
@@ -51,7 +52,10 @@ class _CausalLMOptions(BaseModel):
         if self.source_checkpoint is not None and not (self.source_checkpoint / "config.json").is_file():
             raise ValueError(f"source_checkpoint {self.source_checkpoint} has no config.json")
         if self.source_checkpoint is None:
-            self.architecture_class.model_validate(self.architecture)  # fail at config time, with field names
+            try:  # fail at config time, with field names under `architecture`
+                self.architecture_class.model_validate(self.architecture)
+            except ValidationError as e:
+                raise prefixed(e, "architecture") from None
         return self
 
 
