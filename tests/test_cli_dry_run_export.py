@@ -43,7 +43,7 @@ IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 4], [8, 6, 0, 13, 2, 9, 1, 30]])
 SIDE = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 MOE_ARCH = {
-    "vocab_size": 64,
+    "vocab_size": 259,  # the byte tokenizer's ids: preflight checks the model covers them
     "hidden_size": 32,
     "num_layers": 2,
     "num_attention_heads": 4,

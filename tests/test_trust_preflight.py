@@ -141,7 +141,18 @@ def test_incomplete_or_misshapen_hf_source_checkpoint_is_refused(tmp_path: Path)
     source = tmp_path / "hf"
     make_hf_qwen3(source)
     job = _engine_job(tmp_path, model={"provider": "qwen3", "options": {"source_checkpoint": str(source)}})
-    job["data"]["options"]["dataset"]["tokenizer"] = {"kind": "byte"}
+    # A tokenizer of the model's 32 ids (the byte tokenizer's 259 would be refused: the vocabulary check).
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 32)}}
+    Tokenizer(models.WordLevel(vocab, unk_token="<pad>")).save(str(tmp_path / "tokenizer.json"))
+    job["data"]["options"]["dataset"]["tokenizer"] = {
+        "kind": "hf",
+        "path": str(tmp_path / "tokenizer.json"),
+        "pad_token": "<pad>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+    }
     from d9d.cluster.client import preflight_job
 
     spec = build_job(job)

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from d9d.core.storage import Location, StorageError, is_uri, location
 
 if TYPE_CHECKING:
@@ -31,12 +29,17 @@ def add_storage_option(parser: argparse.ArgumentParser) -> None:
 
 
 def storage_options(items: Sequence[str]) -> dict[str, Any]:
+    from d9d.engine.config import ConfigError, load_yaml
+
     options: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise StorageError(f"--storage-option {item!r}: expected KEY=VALUE")
-        options[key] = yaml.safe_load(value)
+        try:
+            options[key] = load_yaml(value, f"--storage-option {key}")
+        except ConfigError as e:
+            raise StorageError(str(e)) from None
     return options
 
 

@@ -23,10 +23,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from d9d.engine.config import ConfigError, format_validation_error
+from d9d.engine.config import MAX_CONFIG_BYTES, ConfigError, format_validation_error, load_yaml
 
 # Files Ray accepts as a py_modules entry besides a package directory.
 _MODULE_FILES = (".whl", ".zip")
@@ -113,11 +112,13 @@ def read_runtime_env(path: Path) -> dict[str, Any]:
     """A `--runtime-env` file (YAML or JSON); relative paths in it stay relative to the working directory,
     as with the job file."""
     try:
-        data = yaml.safe_load(path.read_text())
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"--runtime-env {path}: more than {MAX_CONFIG_BYTES:,} bytes; refused")
+        data = load_yaml(path.read_text(), f"--runtime-env {path}")
     except OSError as e:
         raise ConfigError(f"--runtime-env {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--runtime-env {path}: malformed YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--runtime-env {path}: not UTF-8 text: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--runtime-env {path}: expected a mapping of runtime_env keys")
     return data

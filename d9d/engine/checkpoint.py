@@ -43,7 +43,7 @@ import io
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -229,6 +229,31 @@ def verify_manifest(step_dir: Location) -> dict[str, Any]:
     return manifest
 
 
+def require_listed(
+    step_dir: Location, names: Iterable[str], manifest: Mapping[str, Any] | None = None
+) -> None:
+    """Refuse to read files of a commit that its manifest does not cover (nothing vouches for them: an
+    unlisted file is never verified, whatever its content)."""
+    listed = (manifest if manifest is not None else read_manifest(step_dir))["files"]
+    missing = sorted(set(names) - set(listed))
+    if missing:
+        raise CheckpointError(
+            f"{step_dir / MANIFEST} does not list {', '.join(missing)}, which loading this step reads; "
+            "refusing to load files the manifest does not cover"
+        )
+
+
+def dcp_files(step_dir: Location, manifest: Mapping[str, Any] | None = None) -> set[str]:
+    """`.metadata` and every data file it points at, each checked to be listed in the manifest (the
+    metadata itself is checked before it is read)."""
+    manifest = manifest if manifest is not None else read_manifest(step_dir)
+    require_listed(step_dir, [METADATA], manifest)
+    metadata = read_dcp_metadata(step_dir / METADATA)
+    files = {METADATA} | {info.relative_path for info in (metadata.storage_data or {}).values()}
+    require_listed(step_dir, files, manifest)
+    return files
+
+
 @dataclass(frozen=True)
 class Selection:
     """The commit to resume from, and what was passed over on the way (each with the reason)."""
@@ -303,7 +328,7 @@ def _serialized(state: Mapping[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _dcp_problem(error: BaseException) -> str:
+def dcp_problem(error: BaseException) -> str:
     """The informative line of a DCP load failure (it nests every rank's traceback), keys made readable."""
     lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
     for line in reversed(lines):
@@ -471,6 +496,7 @@ class Checkpointer:
         return self.reporter.latest_checkpoint()
 
     def load_engine_state(self, step_dir: Location) -> dict[str, Any]:
+        require_listed(step_dir, [ENGINE_STATE])
         state = load_state_file(step_dir / ENGINE_STATE)
         if not isinstance(state, dict):
             raise CheckpointError(f"{step_dir / ENGINE_STATE} holds a {type(state).__name__}, not a mapping")
@@ -487,7 +513,10 @@ class Checkpointer:
         The rank state is None when the checkpoint came from a different world size (elastic restart):
         RNG streams cannot be mapped onto a new set of ranks, the rest of the state can.
         """
-        read_dcp_metadata(step_dir / METADATA)  # a refusal names the file, not a DCP wrapper
+        manifest = read_manifest(step_dir)
+        dcp_files(step_dir, manifest)  # listed, and a refusal names the file, not a DCP wrapper
+        rank_file = step_dir / rank_state_name(self.ctx.rank)
+        require_listed(step_dir, [ENGINE_STATE], manifest)
         try:
             dcp_load(
                 {"app": _ModelAndOptimizerState(stages, self.trainable_only)},
@@ -496,11 +525,13 @@ class Checkpointer:
                 planner=SafeLoadPlanner(),
             )
         except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"cannot load {step_dir} into this model: {_dcp_problem(e)}") from e
+            raise CheckpointError(f"cannot load {step_dir} into this model: {dcp_problem(e)}") from e
         engine_state = self.load_engine_state(step_dir)
-        rank_file = step_dir / rank_state_name(self.ctx.rank)
         same_world = engine_state.get("world_size") == self.ctx.world_size
-        rank_state = load_state_file(rank_file) if same_world and rank_file.exists() else None
+        rank_state = None
+        if same_world and rank_file.exists():
+            require_listed(step_dir, [rank_file.name], manifest)
+            rank_state = load_state_file(rank_file)
         return engine_state, rank_state
 
 

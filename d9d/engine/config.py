@@ -110,7 +110,15 @@ class BatchingConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    """`on_nonfinite`: what a step whose loss or gradient norm is NaN or infinite does (d9d.engine.nonfinite):
+    `stop` the run with an error naming the step and the rank (default), `skip` its update (the step counts,
+    its batches are consumed, parameters and optimizer state stay as they were), or `rollback` to the newest
+    commit, skipping the batches since it (needs `checkpointing.period`). `max_nonfinite_steps`: with skip
+    or rollback, the non-finite steps one launch attempt tolerates; the next one stops it as `stop` does."""
+
     total_steps: int = Field(ge=1)
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    max_nonfinite_steps: int = Field(10, ge=1)
 
 
 class DataLoadingConfig(_Section):
@@ -179,6 +187,9 @@ class CheckpointingConfig(_Section):
     save_at_end: bool = True
     # Export the final model in Hugging Face format here (via the model provider's state mapper).
     export_hf_dir: Path | None = None
+    # Export even when the format cannot hold the model exactly (Qwen3-MoE's expert_bias: transformers'
+    # logits will differ; `d9d export --inexact` measures by how much). False: such a config is refused.
+    export_inexact: bool = False
     # Save only what training changes (trainable parameters, buffers, optimizer state). Frozen weights are
     # re-created on resume by the model provider's `initialize` (source checkpoint or seeded init).
     trainable_only: bool = False
@@ -278,6 +289,15 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_rollback(self) -> Self:
+        if self.trainer.on_nonfinite == "rollback" and self.checkpointing.period is None:
+            raise ValueError(
+                "trainer.on_nonfinite=rollback goes back to the newest commit, so it needs periodic commits: "
+                "set checkpointing.period (or use skip or stop)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_batching(self) -> Self:
         accumulation = self.batching.gradient_accumulation(self.mesh.data_parallel)
         if self.mesh.pipeline_parallel > 1:
@@ -317,22 +337,96 @@ class TrainConfig(_Section):
 
 
 __all__ = [
+    "MAX_ALIAS_VALUES",
+    "MAX_CONFIG_BYTES",
     "ConfigError",
     "TrainConfig",
     "apply_overrides",
+    "check_expansion",
     "format_validation_error",
     "load_config",
+    "load_yaml",
     "parse_config",
 ]
 
 
+#: Input bounds (docs/engine.md, "Bounded inputs"): a job file, one `--set` value, all `--set` values of a
+#: command, and the values YAML aliases (`*name`) may add by repeating what an anchor (`&name`) holds.
+MAX_CONFIG_BYTES = 4 * 2**20
+MAX_OVERRIDE_BYTES = 64 * 2**10
+MAX_OVERRIDES_BYTES = 2**20
+MAX_ALIAS_VALUES = 100_000
+MAX_DEPTH = 64
+
+
+def check_expansion(value: Any, source: str) -> None:
+    """Refuse a structure whose shared parts (YAML aliases, or one object placed twice) repeat more than
+    `MAX_ALIAS_VALUES` values, that refers to itself, or that nests deeper than `MAX_DEPTH`. Counted over
+    the shared structure itself (each part once), so an alias bomb is refused without being expanded."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+    repeated = 0
+
+    def size(node: Any, depth: int) -> int:
+        nonlocal repeated
+        if not isinstance(node, dict | list):
+            return 1
+        key = id(node)
+        if key in active:
+            raise ConfigError(f"{source}: a YAML alias refers to a node that contains it (a recursive value)")
+        if key in sizes:
+            repeated += sizes[key]
+            if repeated > MAX_ALIAS_VALUES:
+                raise ConfigError(
+                    f"{source}: YAML aliases (*name) expand to more than {MAX_ALIAS_VALUES:,} repeated "
+                    "values; refused (an alias bomb?). Write the values out, or repeat less"
+                )
+            return sizes[key]
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{source}: nested more than {MAX_DEPTH} levels deep; refused")
+        active.add(key)
+        children = node.values() if isinstance(node, dict) else node
+        total = 1 + sum(size(child, depth + 1) for child in children)
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    size(value, 0)
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """`yaml.safe_load` (no `!!python/...` tags) with the bounds above; errors name `source`."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise _yaml_error(e, source) from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to parse; refused") from None
+    check_expansion(value, source)
+    return value
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides; values are parsed as YAML scalars (`3`, `1e-4`, `true`, `[1, 2]`)."""
+    """Apply `a.b.c=value` overrides; values are parsed as YAML scalars (`3`, `1e-4`, `true`, `[1, 2]`).
+    Each override is at most `MAX_OVERRIDE_BYTES`, all of them `MAX_OVERRIDES_BYTES`; the result is checked
+    against the alias bounds before it is copied."""
+    total = sum(len(item.encode()) for item in overrides)
+    if total > MAX_OVERRIDES_BYTES:
+        raise ConfigError(
+            f"--set values are {total:,} bytes together, more than the {MAX_OVERRIDES_BYTES:,} allowed; put "
+            "large settings in the job file"
+        )
+    check_expansion(data, "the job config")
     out: dict[str, Any] = json.loads(json.dumps(data, default=str))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        if len(item.encode()) > MAX_OVERRIDE_BYTES:
+            raise ConfigError(
+                f"--set {key}: the value is {len(raw.encode()):,} bytes, more than the "
+                f"{MAX_OVERRIDE_BYTES:,} one override may have; put it in the job file"
+            )
         node = out
         parts = key.split(".")
         for depth, part in enumerate(parts[:-1]):
@@ -341,6 +435,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
                 raise ConfigError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
             node = child
         node[parts[-1]] = _parse_scalar(raw, f"--set {key} value {raw!r}")
+    check_expansion(out, "the job config with its --set overrides")
     return out
 
 
@@ -355,10 +450,7 @@ def _yaml_error(error: yaml.YAMLError, source: str) -> ConfigError:
 
 
 def _parse_scalar(raw: str, source: str) -> Any:
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        raise _yaml_error(e, source) from None
+    value = load_yaml(raw, source)
     if isinstance(value, str):
         # YAML 1.1 reads "1e-4" (no dot) as a string; users mean a number.
         try:
@@ -373,7 +465,17 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
     try:
-        text = p.read_text()
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config file {p} is {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a job file may have; "
+                "refused before parsing (keep data out of the job file: point at it by path)"
+            )
+        with p.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)  # the file may have grown since stat
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {p} is more than {MAX_CONFIG_BYTES:,} bytes; refused")
+        text = raw.decode()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {p} cannot be read: {e}") from None
     if p.suffix == ".json":
@@ -381,11 +483,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}") from None
+        except RecursionError:
+            raise ConfigError(f"{p}: nested too deeply to parse; refused") from None
+        check_expansion(data, str(p))
     else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise _yaml_error(e, str(p)) from None
+        data = load_yaml(text, str(p))
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must contain a mapping at the top level")
     return data
@@ -397,7 +499,7 @@ def parse_config(data: Mapping[str, Any], *, check_components: bool = True) -> T
     try:
         config = TrainConfig.model_validate(dict(data))
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e, data=data)) from None
     if check_components:
         validate_components(config)
     return config

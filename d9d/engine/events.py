@@ -34,6 +34,17 @@ class OptimizerStepFinished:
 
 
 @dataclass(frozen=True)
+class StepSkipped:
+    """A step's loss or gradient norm was not finite and its update was dropped (`trainer.on_nonfinite`:
+    skip), or the run went back to its newest commit (rollback: `rolled_back_to` is that step). Published
+    instead of `OptimizerStepFinished`; state accumulated for the update (e.g. MoE router load) is dropped."""
+
+    step: int
+    reason: str
+    rolled_back_to: int | None = None
+
+
+@dataclass(frozen=True)
 class StepFinished:
     step: int
     loss: float

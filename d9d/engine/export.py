@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,20 +34,26 @@ from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain, compute_layout
 from d9d.core.storage import AnyLocation, Location, StoragePath, copy_tree
 from d9d.determinism import RankSeeds
+from d9d.engine.builtin.models import CausalLMProvider
 from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.checkpoint import (
     LATEST,
     TRAIN_CONFIG,
     CheckpointError,
+    dcp_files,
+    dcp_problem,
     is_committed,
     read_latest,
+    require_listed,
     step_dir_name,
+    verify_manifest,
 )
-from d9d.engine.checkpoint_io import safe_reader
+from d9d.engine.checkpoint_io import SafeLoadPlanner, safe_reader
 from d9d.engine.config import ConfigError, TrainConfig, parse_config
 from d9d.engine.providers import ModelProvider
-from d9d.engine.registry import build_model
+from d9d.engine.registry import build_model, export_gap
 from d9d.engine.stages import build_stages
+from d9d.modules.moe import TopKRouter
 from d9d.parallel.compile import CompileConfig
 from d9d.peft import trainable_state_dict
 from d9d.pipeline.api import PipelineStageInfo
@@ -80,7 +87,8 @@ def checkpoint_root(run: AnyLocation) -> AnyLocation:
 
 
 def find_step(run: Location, step: int | None) -> Location:
-    """The committed step directory of `run` (a run directory or a checkpoint root): `step`, else latest."""
+    """The committed step directory of `run` (a run directory or a checkpoint root): `step`, else latest;
+    verified against its manifest (`verify_step`) before anything in it is read."""
     match run:  # one call per kind: a Path's steps are Paths, a StoragePath's are StoragePaths
         case Path():
             return _find_step(run, step)
@@ -88,7 +96,23 @@ def find_step(run: Location, step: int | None) -> Location:
             return _find_step(run, step)
 
 
+def verify_step(step_dir: Location) -> None:
+    """What every reader of a commit outside training does first: every file listed in the manifest
+    matches its size and sha256, and the manifest lists `.metadata` and every data file it points at."""
+    try:
+        manifest = verify_manifest(step_dir)
+        dcp_files(step_dir, manifest)
+    except CheckpointError as e:
+        raise CheckpointError(f"{step_dir} does not verify, refusing to read it: {e}") from None
+
+
 def _find_step(run: AnyLocation, step: int | None) -> AnyLocation:
+    step_dir = _committed_step(run, step)
+    verify_step(step_dir)
+    return step_dir
+
+
+def _committed_step(run: AnyLocation, step: int | None) -> AnyLocation:
     root = checkpoint_root(run)
     if step is None:
         latest = read_latest(root)
@@ -113,6 +137,7 @@ def read_train_config(step_dir: Location) -> TrainConfig:
             f"{step_dir} has no {TRAIN_CONFIG} (written by d9d since the export command exists); "
             "pass the job file that trained it with --config"
         )
+    require_listed(step_dir, [TRAIN_CONFIG])
     data: dict[str, Any] = json.loads(path.read_text())
     return parse_config(data)
 
@@ -145,7 +170,9 @@ def _model_state(module: nn.Module, trainable_only: bool) -> dict[str, Any]:
 
 
 def load_model(config: TrainConfig, step_dir: Location) -> tuple[ModelProvider, list[nn.Module]]:
-    """All stages of the model, built like training built them, holding the step's weights (on CPU)."""
+    """All stages of the model, built like training built them, holding the step's weights (on CPU).
+    The step is verified first; non-tensor items load weights-only (`SafeLoadPlanner`), as on resume."""
+    verify_step(step_dir)
     ctx = DistributedContext.local()
     provider = build_model(config.model)
     modules = [
@@ -170,14 +197,111 @@ def load_model(config: TrainConfig, step_dir: Location) -> tuple[ModelProvider, 
                 {"app": {"model": merged}},
                 checkpoint_id=str(step_dir),
                 storage_reader=safe_reader(step_dir),
+                planner=SafeLoadPlanner(),
                 no_dist=True,
             )
-    except Exception as e:
-        raise CheckpointError(f"cannot load the model of {step_dir}: {e}") from e
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot load the model of {step_dir}: {dcp_problem(e)}") from None
     options = StateDictOptions(strict=not trainable_only)
     for module, state in zip(modules, states, strict=True):
         set_model_state_dict(module, {k: merged[k] for k in state}, options=options)
     return provider, modules
+
+
+class InexactExportError(ValueError):
+    """The target format cannot hold the model exactly; the message says what and which options remain."""
+
+
+def refuse_inexact(provider: ModelProvider, flag: str) -> None:
+    """Raise `InexactExportError` when the export would differ from the model, naming the options."""
+    gap = export_gap(provider)
+    if gap is not None:
+        raise InexactExportError(
+            f"refusing to export: {gap}. Options: {flag} to export anyway (d9d export measures how much "
+            "the logits differ on a probe batch); train with expert_bias: false; or keep the model in d9d's "
+            "own checkpoints (d9d reloads expert_bias exactly)"
+        )
+
+
+@dataclass(frozen=True)
+class LogitsComparison:
+    """How far `got` logits are from `reference` logits on a probe batch."""
+
+    tokens: int
+    max_abs: float
+    max_rel: float  # max |got - reference| / max |reference|
+    argmax_agreement: float  # fraction of tokens whose top-1 prediction is the same
+
+    #: Relative difference below which two float32 computations of one model count as the same.
+    TOLERANCE = 1e-3
+
+    @property
+    def exact(self) -> bool:
+        return self.max_rel <= self.TOLERANCE
+
+    def describe(self) -> str:
+        return (
+            f"max |logit difference| {self.max_abs:.3g} (relative {self.max_rel:.3g}), argmax agrees on "
+            f"{self.argmax_agreement:.0%} of {self.tokens} probe tokens"
+        )
+
+
+def compare_logits(reference: torch.Tensor, got: torch.Tensor) -> LogitsComparison:
+    reference, got = reference.double(), got.double()
+    diff = float((got - reference).abs().max())
+    scale = float(reference.abs().max()) or 1.0
+    agree = float((got.argmax(-1) == reference.argmax(-1)).double().mean())
+    return LogitsComparison(reference.shape[:-1].numel(), diff, diff / scale, agree)
+
+
+def probe_ids(vocab_size: int, batch: int = 2, seq: int = 16) -> torch.Tensor:
+    """A fixed probe batch of token ids."""
+    return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def d9d_logits(
+    modules: Sequence[nn.Module], ids: torch.Tensor, *, without_expert_bias: bool = False
+) -> torch.Tensor:
+    """The model's float32 logits on `ids`, the stages run in order on this process (`without_expert_bias`:
+    as a format without the routing bias computes them)."""
+    for module in modules:
+        module.float()
+    routers = [m for module in modules for m in module.modules() if isinstance(m, TopKRouter)]
+    saved = [r.expert_bias.clone() if r.expert_bias is not None else None for r in routers]
+    try:
+        if without_expert_bias:
+            for r in routers:
+                if r.expert_bias is not None:
+                    r.expert_bias.zero_()
+        with torch.no_grad():
+            out: dict[str, torch.Tensor] = {}
+            for i, module in enumerate(modules):
+                out = module(**({"input_ids": ids} if i == 0 else {"hidden_states": out["hidden_states"]}))
+            return out["logits"].float()
+    finally:
+        for r, bias in zip(routers, saved, strict=True):
+            if bias is not None and r.expert_bias is not None:
+                r.expert_bias.copy_(bias)
+
+
+def transformers_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The exported model's float32 logits on `ids`, as `transformers` computes them."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("export --check runs the export in transformers, which is not installed") from None
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits: torch.Tensor = model(input_ids=ids).logits
+    return logits.float()
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    dest: Path
+    gap: str | None = None  # what the format could not hold (exported anyway with `inexact`)
+    drift: LogitsComparison | None = None  # d9d's logits vs d9d's without what the format cannot hold
+    check: LogitsComparison | None = None  # the exported model in transformers vs what d9d promised
 
 
 def export_checkpoint(
@@ -187,13 +311,44 @@ def export_checkpoint(
     kind: ExportKind,
     *,
     base_model_name_or_path: str | None = None,
-) -> Path:
-    """Write `dest` from the committed `step_dir`: merged Hugging Face weights, or a `peft` adapter."""
+    inexact: bool = False,
+    check: bool = False,
+) -> ExportReport:
+    """Write `dest` from the committed `step_dir`: merged Hugging Face weights, or a `peft` adapter.
+
+    An export the format cannot hold exactly is refused (`InexactExportError`) unless `inexact`; then the
+    logit difference it causes is measured on a probe batch (`ExportReport.drift`). `check` loads a merged
+    export in transformers and compares its logits with d9d's (`ExportReport.check`)."""
+    provider = build_model(config.model)
+    gap = export_gap(provider)
+    if not inexact:
+        refuse_inexact(provider, "--inexact")
+    if check and kind != "merged":
+        raise ValueError("export --check compares a merged export's logits; it does not apply to --adapter")
+    if check:
+        _vocab_size(provider)  # a causal LM of the built-in providers, or refused before any loading
     provider, modules = load_model(config, step_dir)
     ctx = DistributedContext.local()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="expert_bias")  # refused above, or accepted by `inexact`
         _export(provider, modules, ctx, dest, kind, base_model_name_or_path)
-    return dest
+    drift = comparison = None
+    if gap is not None or check:
+        ids = probe_ids(_vocab_size(provider))
+        reference = d9d_logits(modules, ids)
+        promised = d9d_logits(modules, ids, without_expert_bias=True) if gap is not None else reference
+        if gap is not None:
+            drift = compare_logits(reference, promised)
+        if check:
+            comparison = compare_logits(promised, transformers_logits(dest, ids))
+    return ExportReport(dest, gap, drift, comparison)
+
+
+def _vocab_size(provider: ModelProvider) -> int:
+    base = provider.base if isinstance(provider, PeftModelProvider) else provider
+    if not isinstance(base, CausalLMProvider):
+        raise ValueError("a logit probe needs a causal LM of the qwen3 / qwen3_moe providers")
+    return base.model_config.vocab_size
 
 
 def _export(

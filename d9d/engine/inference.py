@@ -13,7 +13,11 @@ cp ranks first, as in training.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Self
 
 import torch
@@ -23,10 +27,11 @@ from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
-from d9d.core.files import atomic_write
+from d9d.core.files import atomic_write_bytes, atomic_write_text
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.core.pytree import tree_to
 from d9d.determinism import RankSeeds, seed_everything
+from d9d.engine.checkpoint_io import CheckpointError, load_state_file
 from d9d.engine.components import (
     DataComponent,
     InferenceTaskComponent,
@@ -46,7 +51,10 @@ from d9d.pipeline.runtime.executor import PipelineExecutor
 from d9d.pipeline.schedule.config import InferenceSchedule, build_schedule
 from d9d.pipeline.setup import PipelineSetup
 
-STATE_FILE = "inference_state.pt"
+#: The progress manifest: the current state file's name, size and sha256 (the state file is named by its
+#: hash, so replacing the manifest is the whole commit and a crash leaves the previous pair intact).
+STATE_FILE = "inference_state.json"
+_STATE_PREFIX = "inference_state"
 
 
 class InferenceConfig(_Section):
@@ -98,6 +106,7 @@ class Inference:
         self.config = config
         self.ctx = ctx
         self.state_path = config.run.resolved_dir / STATE_FILE
+        self.state_dir = config.run.resolved_dir
         seeds = RankSeeds.for_rank(ctx.params, ctx.rank, config.determinism.seed)
         self.task = build_inference_task(config.task)
         self.data = build_data(config.data)
@@ -142,8 +151,8 @@ class Inference:
         seed_everything(self.seeds.activations)
         self.module = stages.modules[0]
         self.stages = stages.by_index
-        if self.state_path.is_file():
-            state: dict[str, Any] = torch.load(self.state_path, weights_only=True)
+        state = self._load_state()
+        if state is not None:
             self.steps = int(state["steps"])
             self.data.load_state_dict(state["data"][self._state_rank(state)])
             self.task.load_state_dict(state["task"][self._state_rank(state)])
@@ -180,8 +189,8 @@ class Inference:
             if period is not None and self.steps % period == 0:
                 self._save()
         result = self.task.result(self.ctx)
-        if self.ctx.is_main_process and self.state_path.exists():
-            self.state_path.unlink()  # finished: a later run evaluates anew
+        if self.ctx.is_main_process:
+            self._remove_states(keep=None)  # finished: a later run evaluates anew
         return result
 
     def _prepare(self, microbatch: Any) -> Any:
@@ -234,9 +243,51 @@ class Inference:
         task = gather_object(self.task.state_dict()) if self.ctx.is_distributed else [self.task.state_dict()]
         if self.ctx.is_main_process:
             assert data is not None and task is not None
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            state = {"steps": self.steps, "data": data, "task": task}
-            atomic_write(self.state_path, lambda f: torch.save(state, f))
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            buffer = io.BytesIO()
+            torch.save({"steps": self.steps, "data": data, "task": task}, buffer)
+            payload = buffer.getvalue()
+            digest = hashlib.sha256(payload).hexdigest()
+            name = f"{_STATE_PREFIX}-{digest[:16]}.pt"
+            atomic_write_bytes(self.state_dir / name, payload)
+            manifest = {"file": name, "size": len(payload), "sha256": digest}
+            atomic_write_text(self.state_path, json.dumps(manifest) + "\n")
+            self._remove_states(keep=name)
+
+    def _remove_states(self, keep: str | None) -> None:
+        """Drop state files other than `keep` (and the manifest too when `keep` is None)."""
+        if keep is None:
+            self.state_path.unlink(missing_ok=True)
+        for path in self.state_dir.glob(f"{_STATE_PREFIX}*.pt"):
+            if path.name != keep:
+                path.unlink(missing_ok=True)
+
+    def _load_state(self) -> dict[str, Any] | None:
+        """The saved progress, verified against its manifest (size, sha256) before it is loaded
+        weights-only; None when there is none."""
+        if not self.state_path.is_file():
+            stray = sorted(p.name for p in self.state_dir.glob(f"{_STATE_PREFIX}*.pt"))
+            if stray:
+                raise CheckpointError(
+                    f"{self.state_dir} holds inference progress ({', '.join(stray)}) without its manifest "
+                    f"{STATE_FILE}; nothing vouches for it: delete it to start over"
+                )
+            return None
+        try:
+            manifest = json.loads(self.state_path.read_text())
+            name, size, digest = str(manifest["file"]), int(manifest["size"]), str(manifest["sha256"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.state_path} is not a readable progress manifest: {e}") from None
+        path = self.state_dir / name
+        if Path(name).name != name or not name.startswith(_STATE_PREFIX) or not path.is_file():
+            raise CheckpointError(f"{self.state_path} names {name!r}, which is not a progress file here")
+        data = path.read_bytes()
+        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+            raise CheckpointError(f"{path} does not match the size and sha256 in {self.state_path}")
+        state = load_state_file(path)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path} holds a {type(state).__name__}, not inference progress")
+        return state
 
 
 def run_inference(config: InferenceConfig, ctx: DistributedContext) -> dict[str, float]:

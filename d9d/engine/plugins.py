@@ -76,7 +76,9 @@ class PluginSpec(BaseModel):
         try:
             return config_cls.model_validate(self.options)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, prefix=f"{field}.options")) from None
+            raise ConfigError(
+                format_validation_error(e, prefix=f"{field}.options", data=self.options)
+            ) from None
 
     def check(self, field: str) -> None:
         """Everything `instantiate` would check, without constructing the provider."""

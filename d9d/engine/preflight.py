@@ -35,6 +35,35 @@ def preflight(config: TrainConfig) -> None:
     """Run every check; raise `ConfigError` on the first problem found."""
     check_data(config)
     check_model(config)
+    check_vocabulary(config)
+
+
+def check_vocabulary(config: TrainConfig) -> None:
+    """Every id the text data's tokenizer can produce must index the model's embedding: a tokenizer with
+    more ids than `vocab_size` trains until the first such id (`IndexError` on every rank)."""
+    models = list(_causal_lms(config))
+    if not models:
+        return
+    field, provider = models[0]
+    vocab = provider.model_config.vocab_size
+    where = (
+        f"{field}.options.architecture.vocab_size"
+        if provider.options.architecture and "vocab_size" in provider.options.architecture
+        else f"the vocab_size of {field}.options.source_checkpoint"
+    )
+    sections = [("data", config.data)] + (
+        [("eval.data", config.eval.data)] if config.eval is not None else []
+    )
+    for data_field, section in sections:
+        if not isinstance(section, TextData):
+            continue
+        tokenizer = build_tokenizer(section.options.dataset.tokenizer)
+        if tokenizer.vocab_size > vocab:
+            raise ConfigError(
+                f"{data_field}.options.dataset.tokenizer: has {tokenizer.vocab_size} token ids, more than "
+                f"{where} ({vocab}): ids from {vocab} on would index past the model's embedding. Use the "
+                f"model's tokenizer, or a vocab_size of at least {tokenizer.vocab_size}"
+            )
 
 
 # -- data ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Discriminator, Tag
 
+from d9d.engine.builtin.models import CausalLMProvider
 from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.components import (
     PLUGIN_TAG,
@@ -29,6 +30,7 @@ from d9d.engine.components import (
 from d9d.engine.errors import ConfigError
 from d9d.engine.plugins import PluginSpec
 from d9d.engine.providers import ModelProvider
+from d9d.models.hf.config import hf_export_gap
 
 if TYPE_CHECKING:
     from d9d.engine.config import TrainConfig
@@ -58,6 +60,13 @@ def build_model(
             return build_base_model(component, field)
 
 
+def export_gap(provider: ModelProvider) -> str | None:
+    """Why the provider's Hugging Face export would not reproduce the model's logits, or None (exact, or a
+    plug-in, which answers for its own export)."""
+    base = provider.base if isinstance(provider, PeftModelProvider) else provider
+    return hf_export_gap(base.model_config) if isinstance(base, CausalLMProvider) else None
+
+
 def plugins(config: TrainConfig) -> list[tuple[str, PluginSpec]]:
     """Every plug-in section of a config with its dotted key (the peft wrapper's base included)."""
     sections: list[tuple[str, object]] = [
@@ -84,3 +93,12 @@ def validate_components(config: TrainConfig) -> None:
             build_lr_scheduler(config.lr_scheduler).check_run(config.trainer.total_steps)
         except ValueError as e:
             raise ConfigError(f"lr_scheduler.options: {e}") from None
+    checkpointing = config.checkpointing
+    if checkpointing.export_hf_dir is not None and not checkpointing.export_inexact:
+        gap = export_gap(build_model(config.model))
+        if gap is not None:
+            raise ConfigError(
+                f"checkpointing.export_hf_dir: {gap}. Set checkpointing.export_inexact: true to export "
+                "anyway (then measure the difference with `d9d export RUN --hf DIR --inexact`), remove "
+                "export_hf_dir, or train with expert_bias: false"
+            )

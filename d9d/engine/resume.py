@@ -18,19 +18,28 @@ Rules (docs/engine.md, "Resume semantics and checkpoint trust model"):
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.core.storage import Location
 from d9d.engine.checkpoint import (
+    ENGINE_STATE,
+    TRAIN_CONFIG,
     CheckpointError,
     committed_steps,
     read_manifest,
+    require_listed,
     select_commit,
     verify_manifest,
 )
+from d9d.engine.checkpoint_io import load_state_file
+from d9d.engine.components import build_data
 from d9d.engine.config import TrainConfig
-from d9d.engine.identity import check_identity
+from d9d.engine.identity import IDENTITY_FILE, check_identity
+from d9d.engine.providers import DataSetup
 
 
 class ResumeError(CheckpointError):
@@ -61,9 +70,78 @@ class ResumeDecision:
 
 def check_resume(config: TrainConfig) -> ResumeDecision:
     """The driver's decision for a new launch of `config`, from what is on disk. Reads and hashes the
-    checkpoint it picks; writes nothing."""
+    checkpoint it picks; writes nothing. A resume whose data layout changed is checked here too
+    (`check_data_layout`), before any process group or actor exists."""
     selection = select_commit(config.checkpoint_dir, config.checkpointing.on_damaged)
-    return decide_resume(config, selection.step_dir, new_launch=True, warnings=selection.warnings)
+    decision = decide_resume(config, selection.step_dir, new_launch=True, warnings=selection.warnings)
+    if decision.action == "resume" and decision.step_dir is not None:
+        check_data_layout(config, decision.step_dir)
+    return decision
+
+
+def committed_config(step_dir: Location) -> dict[str, Any] | None:
+    """The job config that wrote a commit (`train_config.json`, JSON, listed in the manifest), or None for
+    a commit from before it was saved."""
+    path = step_dir / TRAIN_CONFIG
+    if not path.is_file():
+        return None
+    require_listed(step_dir, [TRAIN_CONFIG])
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not readable JSON: {e}") from None
+    return data if isinstance(data, dict) else None
+
+
+def _layout(batching: Mapping[str, Any], mesh: Mapping[str, Any]) -> tuple[int, int]:
+    return int(batching["microbatch_size"]), DeviceMeshParameters.model_validate(mesh).data_parallel
+
+
+def check_data_layout(config: TrainConfig, step_dir: Location) -> None:
+    """Microbatch size and data-parallel degree may change on resume only where the data provider continues
+    its saved position exactly: when they differ from the commit's, the provider is set up with the new
+    layout (data-parallel rank 0) and given the commit's data state; a provider that cannot continue it
+    (e.g. the text provider's bucketing packs batches of `microbatch_size`) refuses, and so does the launch,
+    before any actor starts."""
+    old = committed_config(step_dir)
+    if old is None:
+        return
+    try:
+        before = _layout(old["batching"], old.get("mesh", {}))
+    except (KeyError, TypeError, ValueError):
+        return  # a config the commit holds in another shape: the engine's own load decides
+    batching, mesh = config.batching, config.mesh
+    after = (batching.microbatch_size, mesh.data_parallel)
+    if before == after:
+        return
+    change = "; ".join(
+        f"{name} {a} -> {b}"
+        for name, a, b in zip(("batching.microbatch_size", "data parallel"), before, after, strict=True)
+        if a != b
+    )
+    require_listed(step_dir, [ENGINE_STATE])
+    state = load_state_file(step_dir / ENGINE_STATE)
+    if not isinstance(state, dict) or "data" not in state:
+        return
+    provider = build_data(config.data)
+    try:
+        provider.setup(
+            DataSetup(
+                dp_rank=0,
+                dp_size=mesh.data_parallel,
+                microbatch_size=batching.microbatch_size,
+                gradient_accumulation=batching.gradient_accumulation(mesh.data_parallel),
+                global_batch_size=batching.global_batch_size,
+                seed=config.determinism.seed,
+            )
+        )
+        provider.load_state_dict(state["data"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ResumeError(
+            f"{step_dir}: the data provider cannot continue the commit's data position after {change}: {e}. "
+            "Resume with the commit's layout, or start a new run (another run.name or run.dir; "
+            "--resume-from keeps the weights)"
+        ) from None
 
 
 def decide_resume(
@@ -113,6 +191,8 @@ def decide_resume(
                 "was given)"
             )
         return ResumeDecision("fresh", None, 0, "none", warnings)
+    if (step_dir / IDENTITY_FILE).is_file():
+        require_listed(step_dir, [IDENTITY_FILE])
     check_identity(step_dir, config)
     step = int(read_manifest(step_dir)["step"])
     action: Literal["resume", "finished"] = "finished" if step >= config.trainer.total_steps else "resume"

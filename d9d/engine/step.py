@@ -22,7 +22,7 @@ from d9d.core.domains import MeshDomain
 from d9d.core.pytree import tree_map_tensors, tree_to
 from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput, TrainTask
-from d9d.parallel import clip_grad_norm_
+from d9d.parallel import clip_grad_norm_, global_grad_norm
 from d9d.parallel.context import ContextParallelGroup, shard_microbatch
 from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, collect_synced_params
 from d9d.pipeline.runtime.executor import PipelineExecutor
@@ -214,7 +214,8 @@ def global_loss(ctx: DistributedContext, loss_sum: torch.Tensor, weight: torch.T
 
 
 class GradientClipper:
-    """Clips the global gradient norm over every stage (pipeline ranks included); None: no clipping."""
+    """The global gradient norm over every stage (pipeline ranks included), clipped to `max_norm` unless
+    that is None. The norm is computed either way: the non-finite guard checks it (`d9d.engine.nonfinite`)."""
 
     def __init__(
         self, ctx: DistributedContext, parameters: list[nn.Parameter], max_norm: float | None
@@ -225,11 +226,12 @@ class GradientClipper:
         if ctx.is_distributed and ctx.params.pipeline_parallel > 1:
             self.pp_group = ctx.mesh_for(MeshDomain.REGULAR).get_group("pp")
 
-    def clip(self) -> float | None:
-        """The gradient norm before clipping."""
-        if self.max_norm is None or not self.parameters:
-            return None
-        return float(clip_grad_norm_(self.parameters, self.max_norm, pp_group=self.pp_group))
+    def clip(self) -> torch.Tensor:
+        """The gradient norm before clipping, left on the device (the loop reads it with the loss). Every
+        rank calls it, with or without parameters of its own: the norm is a collective over pp."""
+        if self.max_norm is None:
+            return global_grad_norm(self.parameters, pp_group=self.pp_group)
+        return clip_grad_norm_(self.parameters, self.max_norm, pp_group=self.pp_group)
 
 
 def data_group(ctx: DistributedContext) -> dist.ProcessGroup | None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torch import nn
 
 from d9d.core.context import DistributedContext
@@ -28,13 +30,22 @@ from d9d.engine.events import (
     ForwardBackwardFinished,
     OptimizerStepFinished,
     StepFinished,
+    StepSkipped,
     StepStarted,
     TrainingFinished,
 )
 from d9d.engine.export import publish_export, storage_export_dir
+from d9d.engine.nonfinite import (
+    NonFiniteError,
+    StepValues,
+    attribute,
+    check_weights_finite,
+    describe,
+    read_step_values,
+)
 from d9d.engine.offload import HostOffload, SleepReport, WakeReport, training_state_tensors
 from d9d.engine.progress import StepProgress
-from d9d.engine.resume import decide_resume
+from d9d.engine.resume import committed_config, decide_resume
 from d9d.engine.runtime import MetricPoint, RankResult, RunReporter
 from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
@@ -65,6 +76,7 @@ class Trainer:
         self._finished_at_start = False
         self._offload = HostOffload(ctx.device)
         self._saver: AsyncSaver | None = None
+        self._nonfinite_steps = 0  # non-finite steps skipped or rolled back in this attempt
 
     @property
     def parts(self) -> TrainParts:
@@ -99,14 +111,87 @@ class Trainer:
             self._last_saved = self.progress.step
             self.ctx.logger.warning("run %s %s", self.config.run.name, decision.message)
             return
+        configured = self._base_lrs()  # from this launch's config, before the commit overwrites them
         engine_state, rank_state = parts.checkpointer.load(
             latest, parts.optimizer.pair_with(parts.stages.by_index)
         )
-        parts.state.load_state_dict(engine_state)
+        lr_before = parts.optimizer.lr  # the commit's LR for the next step, under the commit's plan
+        parts.state.load_state_dict(engine_state)  # a scheduler re-plans its LR for this config's steps
+        committed_base = self._base_lrs()
         if rank_state is not None:
             parts.state.load_rank_state_dict(rank_state)
+        if self.attempt == 0:
+            # The config wins from the resume step (docs/engine.md, "What may change on resume"); a
+            # restarted attempt continues what its launch decided (an `update` may have moved the LR).
+            self._set_base_lrs(configured)
         self._last_saved = self.progress.step  # that step is committed: never written again
         self.ctx.logger.info("resumed from %s at step %d", latest, self.progress.step)
+        if self.attempt == 0:
+            self._announce_resume(latest, committed_base, configured, lr_before)
+
+    def _base_lrs(self) -> list[float]:
+        """Every param group's base LR: its scheduler's base, or its LR without a scheduler."""
+        parts = self.parts
+        if parts.schedulers is not None:
+            return [float(lr) for s in parts.schedulers.schedulers.values() for lr in s.base_lrs]
+        return [float(g["lr"]) for o in parts.optimizer.optimizers.values() for g in o.param_groups]
+
+    def _set_base_lrs(self, bases: list[float]) -> None:
+        """Make `bases` the groups' base LRs, keeping the schedule's position (the LR scales with it)."""
+        parts = self.parts
+        if parts.schedulers is None:
+            groups = [g for o in parts.optimizer.optimizers.values() for g in o.param_groups]
+            for group, base in zip(groups, bases, strict=True):
+                group["lr"] = base
+            return
+        slots = [
+            (s.base_lrs, i, g)
+            for s in parts.schedulers.schedulers.values()
+            for i, g in enumerate(s.optimizer.param_groups)
+        ]
+        for (base_lrs, i, group), base in zip(slots, bases, strict=True):
+            if base_lrs[i] == base:
+                continue
+            group["lr"] = group["lr"] * (base / base_lrs[i]) if base_lrs[i] else base
+            base_lrs[i] = base
+            if "initial_lr" in group:
+                group["initial_lr"] = base
+
+    def _announce_resume(
+        self, step_dir: Location, committed: list[float], configured: list[float], lr_before: float
+    ) -> None:
+        """Say on the console and to the tracker what this launch changed in the optimization (a new base
+        LR, a re-planned schedule); nothing when it continues as the commit would have."""
+        c = self.config
+        step = self.progress.step
+        old = committed_config(step_dir) or {}
+        lr_after = self.parts.optimizer.lr
+        notes = []
+        if committed != configured:
+            notes.append(
+                f"base LR {_lrs(committed)} -> {_lrs(configured)} (optimizer.options.lr): the new base LR "
+                f"applies from step {step + 1}"
+            )
+        old_total = old.get("trainer", {}).get("total_steps")
+        if old_total is not None and old_total != c.trainer.total_steps:
+            notes.append(
+                f"trainer.total_steps {old_total} -> {c.trainer.total_steps}: the LR schedule is re-planned "
+                f"for {c.trainer.total_steps} steps from step {step + 1} (phases given in steps keep their "
+                "length; percentages and the rest phase are recomputed)"
+            )
+        new_schedule = c.model_dump(mode="json", by_alias=True).get("lr_scheduler")
+        if "lr_scheduler" in old and old.get("lr_scheduler") != new_schedule:
+            notes.append(f"lr_scheduler changed: the new schedule applies from step {step + 1}")
+        if not notes:
+            return
+        if lr_after != lr_before:
+            notes.append(f"the LR for step {step + 1} is {lr_after:.3g} (the commit's plan: {lr_before:.3g})")
+        if self.ctx.is_main_process:
+            for note in notes:
+                self.ctx.logger.warning("resume at step %d: %s", step, note)
+            values = {"resume/lr": lr_after, "resume/lr_before": lr_before, "resume/base_lr": configured[0]}
+            values["resume/total_steps"] = float(c.trainer.total_steps)
+            self.reporter.metrics(MetricPoint(step + 1, 0, values, "train", time.time()))
 
     # -- loop ---------------------------------------------------------------------------------------
 
@@ -132,7 +217,7 @@ class Trainer:
                     if not self.commands.at_boundary():
                         finished = False
                         break
-                    tokens_per_s = self._run_step(progress)
+                    tokens_per_s, advanced = self._run_step(progress)
                     profiler.step()
                     if first_step:
                         # The attempt's first step is done (loading, compilation): hung ranks surface quickly.
@@ -140,7 +225,8 @@ class Trainer:
                         log_compile_warmup(self.ctx, self.parts.stages)
                         self._reserve_checkpoint_buffers()
                         first_step = False
-                    self._after_step(self.progress.step)
+                    if advanced:
+                        self._after_step(self.progress.step)
             self._finish(finished)
         finally:
             self.parts.data.close()  # also after an error: the prefetch thread must not outlive the run
@@ -158,12 +244,16 @@ class Trainer:
             losses=tuple(losses),
         )
 
-    def _run_step(self, progress: StepProgress) -> float | None:
-        """One optimizer step with its reporting; returns its tokens per second."""
+    def _run_step(self, progress: StepProgress) -> tuple[float | None, bool]:
+        """One optimizer step with its reporting; returns its tokens per second, and False when the step
+        rolled the run back to its newest commit (nothing to report or save at this step)."""
         step = self.progress.step + 1
         start = time.perf_counter()
         self.events.publish(StepStarted(step))
-        loss, weight, grad_norm = self._train_step(step)
+        outcome = self._train_step(step)
+        if outcome is None:
+            return None, False
+        loss, weight, grad_norm = outcome
         step_time = time.perf_counter() - start
         tokens_per_s = weight / step_time if step_time > 0 else None
         self.progress.finish_step(step, loss)
@@ -171,7 +261,7 @@ class Trainer:
         lr = self.parts.optimizer.lr
         self.parts.reports.step(step, loss, lr, grad_norm, step_time, tokens_per_s)
         progress.update(step, loss, lr, tokens_per_s)
-        return tokens_per_s
+        return tokens_per_s, True
 
     def _after_step(self, step: int) -> None:
         c = self.config
@@ -231,7 +321,8 @@ class Trainer:
             first_step=self.progress.step,
         )
 
-    def _train_step(self, step: int) -> tuple[float, float, float | None]:
+    def _train_step(self, step: int) -> tuple[float, float, float] | None:
+        """(loss, weight, grad norm) of the step; None when it rolled back (`_nonfinite`)."""
         parts = self.parts
         microbatches = parts.data.next_step()
         if len(microbatches) != parts.grad_accumulation:
@@ -245,19 +336,92 @@ class Trainer:
         parts.optimizer.zero_grad(set_to_none=True)
         loss_sum, weight = parts.runner.forward_backward(microbatches)
         totals = global_loss(self.ctx, loss_sum, weight)
-        total_loss, total_weight = float(totals[0]), float(totals[1])
-        if total_weight <= 0:
-            raise RuntimeError(
-                f"step {step}: the global loss weight is {total_weight}; no sample had a target"
-            )
-        self.events.publish(ForwardBackwardFinished(step, total_loss, total_weight))
         parts.reducer.finish(totals[1])
-        grad_norm = parts.clipper.clip()
-        parts.optimizer.step()
+        # The loss, its weight and the gradient norm reach the host in one read: the non-finite guard
+        # costs no synchronization of its own.
+        values = read_step_values(totals, parts.clipper.clip())
+        if values.weight <= 0:
+            raise RuntimeError(
+                f"step {step}: the global loss weight is {values.weight}; no sample had a target"
+            )
+        self.events.publish(ForwardBackwardFinished(step, values.loss_sum, values.weight))
+        if not values.finite:
+            if not self._nonfinite(step, values, loss_sum):
+                return None
+        else:
+            parts.optimizer.step()
         if parts.schedulers is not None:
-            parts.schedulers.step()
-        self.events.publish(OptimizerStepFinished(step, grad_norm, parts.optimizer.lr))
-        return total_loss / total_weight, total_weight, grad_norm
+            with warnings.catch_warnings():
+                # A skipped first step: torch warns that the schedule moved before the optimizer did.
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                parts.schedulers.step()
+        if values.finite:
+            self.events.publish(OptimizerStepFinished(step, values.grad_norm, parts.optimizer.lr))
+        return values.loss_sum / values.weight, values.weight, values.grad_norm
+
+    def _nonfinite(self, step: int, values: StepValues, local_loss: torch.Tensor) -> bool:
+        """A step whose loss or gradient norm is not finite (every rank gets here at the same step). Stop,
+        skip the update (True: the step counts) or roll back to the newest commit (False)."""
+        c = self.config.trainer
+        parts = self.parts
+        reason, ranks = describe(step, values, attribute(self.ctx, local_loss, self.modules))
+        self._nonfinite_steps += 1
+        if c.on_nonfinite == "stop" or self._nonfinite_steps > c.max_nonfinite_steps:
+            why = (
+                "trainer.on_nonfinite=stop"
+                if c.on_nonfinite == "stop"
+                else f"more than trainer.max_nonfinite_steps={c.max_nonfinite_steps} in this attempt"
+            )
+            raise NonFiniteError(
+                f"{reason}; stopping ({why}). Nothing of this step was applied; the newest commit is "
+                "what a resume continues from (lower the LR, check the data of this step, or set "
+                "trainer.on_nonfinite: skip | rollback)",
+                step,
+                ranks,
+            )
+        parts.optimizer.zero_grad(set_to_none=True)
+        count = f"{self._nonfinite_steps} of at most {c.max_nonfinite_steps} in this attempt"
+        parts.reports.step_metrics["nonfinite_steps"] = float(self._nonfinite_steps)
+        if c.on_nonfinite == "skip":
+            self.ctx.logger.warning("%s; update skipped (trainer.on_nonfinite=skip, %s)", reason, count)
+            self.events.publish(StepSkipped(step, reason))
+            return True
+        to_step = self._rollback(step, reason)
+        self.ctx.logger.warning(
+            "%s; rolled back to the commit of step %d, skipping the batches of steps %d-%d "
+            "(trainer.on_nonfinite=rollback, %s)",
+            reason,
+            to_step,
+            to_step + 1,
+            step,
+            count,
+        )
+        self.events.publish(StepSkipped(step, reason, rolled_back_to=to_step))
+        return False
+
+    def _rollback(self, step: int, reason: str) -> int:
+        """Restore the newest commit, keeping the data position after `step`: the batches since the commit
+        are skipped (they are the ones that led here). Returns the commit's step."""
+        parts = self.parts
+        if self._saver is not None:
+            self._saver.wait()  # a save in flight is a commit to roll back to
+        latest = parts.checkpointer.latest()
+        if latest is None:
+            raise NonFiniteError(
+                f"{reason}; trainer.on_nonfinite=rollback, but the run has no commit to roll back to",
+                step,
+                [],
+            )
+        data_after = parts.data.state_dict()
+        engine_state, rank_state = parts.checkpointer.load(
+            latest, parts.optimizer.pair_with(parts.stages.by_index)
+        )
+        parts.state.load_state_dict(engine_state)
+        if rank_state is not None:
+            parts.state.load_rank_state_dict(rank_state)
+        parts.data.load_state_dict(data_after)
+        self._last_saved = self.progress.step
+        return self.progress.step
 
     # -- commands (CommandTarget) and checkpoints ---------------------------------------------------
 
@@ -332,6 +496,8 @@ class Trainer:
                 self._saver.wait()
             return  # saved already (a request right after a periodic save, or the resumed step)
         parts = self.parts
+        # Never commit non-finite weights (an update from finite gradients can still overflow).
+        check_weights_finite(self.ctx, self.modules, step)
         stages = parts.optimizer.pair_with(parts.stages.by_index)
         engine_state, rank_state = parts.state.state_dict(), parts.state.rank_state_dict()
         if self._saver is not None:
@@ -356,6 +522,11 @@ class Trainer:
 
     def _committed(self, step: int, path: Location) -> None:
         self.events.publish(CheckpointSaved(step, path))
+
+
+def _lrs(values: list[float]) -> str:
+    distinct = sorted(set(values))
+    return f"{distinct[0]:.3g}" if len(distinct) == 1 else "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
 
 
 def _describe_sleep(report: SleepReport) -> str:

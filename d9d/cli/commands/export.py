@@ -1,5 +1,8 @@
-"""`d9d export RUN --hf DIR [--step N] [--merged | --adapter]`: a Hugging Face model (or `peft` adapter)
-from a committed checkpoint of a run, on this machine's CPU, without Ray or a process group.
+"""`d9d export RUN --hf DIR [--step N] [--merged | --adapter] [--check] [--inexact]`: a Hugging Face model
+(or `peft` adapter) from a committed checkpoint of a run, on this machine's CPU, without Ray or a process
+group. The checkpoint is verified against its manifest first and nothing in it is unpickled beyond plain
+data; an export the format cannot hold exactly is refused unless `--inexact` (which measures the
+difference); `--check` compares the export's logits in transformers with d9d's.
 
 RUN and DIR may be storage URIs (`s3://bucket/runs/<run>`, `--storage-option endpoint_url=...`): the
 checkpoint is read from the store, and an export to a URI is written to a local temporary directory first,
@@ -63,17 +66,36 @@ def _run(args: argparse.Namespace) -> int:
             config = load_config(args.config, args.overrides, ignore_sections=["cluster"])
         else:
             config = read_train_config(step_dir)
+        options = {
+            "base_model_name_or_path": args.base_model,
+            "inexact": args.inexact,
+            "check": args.check,
+        }
         if isinstance(dest, Path):
-            export_checkpoint(config, step_dir, dest, kind, base_model_name_or_path=args.base_model)
+            report = export_checkpoint(config, step_dir, dest, kind, **options)
         else:
             with tempfile.TemporaryDirectory(prefix="d9d-export-") as tmp:
                 local = Path(tmp) / "export"
-                export_checkpoint(config, step_dir, local, kind, base_model_name_or_path=args.base_model)
+                report = export_checkpoint(config, step_dir, local, kind, **options)
                 publish_export(local, dest)
     except (CheckpointError, ConfigError, StorageError, ValueError, FileNotFoundError) as e:
         print(f"d9d export: {e}", file=sys.stderr)
         return 2
     print(f"exported {step_dir} ({kind}) to {dest}")
+    if report.gap is not None and report.drift is not None:
+        print(
+            f"inexact export (--inexact): {report.gap}. On a probe batch transformers' logits will differ "
+            f"from d9d's: {report.drift.describe()}"
+        )
+    if report.check is not None:
+        against = "d9d's logits without expert_bias" if report.gap is not None else "d9d's logits"
+        verdict = "match" if report.check.exact else "DIFFER from"
+        print(
+            f"check: the exported model's logits in transformers {verdict} {against}: "
+            f"{report.check.describe()}"
+        )
+        if not report.check.exact:
+            return 1
     return 0
 
 
@@ -126,6 +148,18 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override a key of --config by its dotted path (value parsed as YAML); repeatable",
+    )
+    parser.add_argument(
+        "--inexact",
+        action="store_true",
+        help="export even where the format cannot hold the model (Qwen3-MoE's expert_bias): the exported "
+        "model's logits WILL differ from d9d's; the export prints by how much on a probe batch",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="load the merged export in transformers and compare its logits with d9d's on a probe batch "
+        "(exit 1 when they differ)",
     )
     parser.add_argument(
         "--overwrite",

@@ -64,12 +64,13 @@ def _schedule_section(node: Any, where: str) -> tuple[Any, str]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from d9d.engine.config import read_config_file
     from d9d.engine.errors import format_validation_error
     from d9d.optim.lr import PiecewiseScheduleConfig, plot_schedule
 
     source = Path(args.config)
     try:
-        document = yaml.safe_load(source.read_text())
+        document = read_config_file(source)  # size-capped, safe YAML, bounded aliases
         total_steps, base_lr = _job_defaults(document)
         section, where = _schedule_section(_select(document, args.key, source), args.key or "")
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from d9d.cluster.control.outcome import Failed
+from d9d.engine.nonfinite import NonFiniteError
 
 
 class NonRetryableError(RuntimeError):
@@ -37,14 +38,15 @@ SETUP_ERRORS: tuple[type[BaseException], ...] = (
 def is_retryable(error: BaseException, *, before_first_step: bool = False) -> bool:
     """Whether an attempt that ended with `error` on a rank may succeed when run again.
 
-    `NonRetryableError` never is. Before the attempt's first step completed, a `SETUP_ERRORS` error is
-    not either: setup is deterministic, so the next attempt would fail the same way (after a step, the
-    same error may come from a transient state and the restart budget decides).
+    `NonRetryableError` and the engine's `NonFiniteError` never are. Before the attempt's first step
+    completed, a `SETUP_ERRORS` error is not either: setup is deterministic, so the next attempt would
+    fail the same way (after a step, the same error may come from a transient state and the restart
+    budget decides).
 
     Ray re-raises a rank's exception as a subclass of both its own error type and the original class, so
     the check sees the rank's type."""
-    if isinstance(error, NonRetryableError):
-        return False
+    if isinstance(error, (NonRetryableError, NonFiniteError)):
+        return False  # a non-finite step comes back when the same data meets the same weights
     return not (before_first_step and isinstance(error, SETUP_ERRORS))
 
 

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
-from d9d.engine.events import EventBus, OptimizerStepFinished
+from d9d.engine.errors import prefixed
+from d9d.engine.events import EventBus, OptimizerStepFinished, StepSkipped
 from d9d.models.hf.config import config_from_hf, config_to_hf
 from d9d.models.hf.io import build_causal_lm, side_files
 from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, has_expert_bias, hf_to_d9d_mapper
@@ -51,7 +52,10 @@ class _CausalLMOptions(BaseModel):
         if self.source_checkpoint is not None and not (self.source_checkpoint / "config.json").is_file():
             raise ValueError(f"source_checkpoint {self.source_checkpoint} has no config.json")
         if self.source_checkpoint is None:
-            self.architecture_class.model_validate(self.architecture)  # fail at config time, with field names
+            try:  # fail at config time, with field names under `architecture`
+                self.architecture_class.model_validate(self.architecture)
+            except ValidationError as e:
+                raise prefixed(e, "architecture") from None
         return self
 
 
@@ -148,6 +152,7 @@ class CausalLMProvider:
         if routers:
             balancer = ExpertLoadBalancer(routers, ctx, metrics, MoEMetrics(modules))
             events.subscribe(OptimizerStepFinished, lambda event: balancer.after_optimizer_step(event.step))
+            events.subscribe(StepSkipped, lambda event: balancer.drop_step())
 
 
 def causal_lm_flops_per_token(config: Qwen3Config, seq_len: int) -> float:
@@ -193,6 +198,12 @@ class ExpertLoadBalancer:
         self.ctx = ctx
         self.metrics = metrics
         self.moe_metrics = moe_metrics
+
+    @torch.no_grad()
+    def drop_step(self) -> None:
+        """A step without an update (non-finite): its load does not move the bias."""
+        for _, router in self.routers:
+            router.reset_expert_load()
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int) -> None:

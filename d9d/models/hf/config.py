@@ -148,6 +148,17 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> Qwen3Config:
     return Qwen3MoEConfig(**{**fields, **overrides})
 
 
+def hf_export_gap(config: Qwen3Config) -> str | None:
+    """Why transformers would compute different logits from a Hugging Face export of `config` (a part of
+    the model its format cannot hold), or None when the export is exact."""
+    if isinstance(config, Qwen3MoEConfig) and config.expert_bias:
+        return (
+            "the model routes with expert_bias (auxiliary-loss-free balancing), which Hugging Face Qwen3-MoE "
+            "cannot hold: transformers would route without it, so its logits would differ from d9d's"
+        )
+    return None
+
+
 def config_to_hf(config: Qwen3Config) -> dict[str, Any]:
     """The `config.json` content transformers needs to rebuild `config`."""
     if config.rope_style != "half":

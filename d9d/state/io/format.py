@@ -99,7 +99,33 @@ def read_header(path: Path) -> FileHeader:
     data_start = 8 + n
     metadata = header.pop("__metadata__", None) or {}
     entries = {key: _entry(path, key, spec, data_start, size) for key, spec in header.items()}
+    _check_layout(path, entries, data_start, size)
     return FileHeader(path, entries, {str(k): str(v) for k, v in metadata.items()})
+
+
+def _check_layout(path: Path, entries: Mapping[str, TensorEntry], data_start: int, size: int) -> None:
+    """The `safetensors` library's own rule: taken in offset order, the tensors tile the data buffer
+    exactly, from its first byte to the file's last, each starting where the previous ended. Overlapping
+    tensors (two keys reading the same bytes), holes and trailing bytes are refused."""
+    expected = data_start
+    previous: str | None = None
+    for key, entry in sorted(entries.items(), key=lambda item: (item[1].start, item[1].end)):
+        if entry.start != expected:
+            begin, want = entry.start - data_start, expected - data_start
+            if entry.start < expected:
+                problem = (
+                    f"overlaps {previous!r}: it starts at byte {begin}, before {previous!r} ends at {want}"
+                )
+            else:
+                where = f"{previous!r} ends at" if previous is not None else "the data starts at"
+                problem = f"leaves a hole: it starts at byte {begin}, but {where} {want}"
+            raise CheckpointFormatError(f"{path}: invalid offsets, {key!r} {problem}")
+        expected, previous = entry.end, key
+    if expected != size:
+        raise CheckpointFormatError(
+            f"{path}: invalid offsets, the tensors end at byte {expected - data_start} of the data but the "
+            f"file holds {size - data_start} bytes of data ({size - expected} bytes no tensor covers)"
+        )
 
 
 def _entry(path: Path, key: str, spec: Any, data_start: int, size: int) -> TensorEntry:

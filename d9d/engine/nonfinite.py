@@ -1,0 +1,128 @@
+"""The non-finite guard: a step whose loss or gradient norm is NaN or infinite never updates the weights,
+and a checkpoint whose weights are not finite is never committed (docs/engine.md, "Non-finite steps").
+
+The check is fused into the one host read a step already makes: the global loss sum, the global loss
+weight and the global gradient norm (all identical on every rank, so every rank takes the same decision
+without another collective) come back to the host together (`read_step_values`). Only on the failure path
+do the ranks exchange which of them saw the problem first (`attribute`), so the error names the step and
+the rank.
+
+`trainer.on_nonfinite` says what happens then: `stop` (the default) raises `NonFiniteError`, `skip` drops
+the update (parameters and optimizer state stay bitwise what they were; the step still counts and its
+batches are consumed), `rollback` restores the newest commit and skips the batches since it. Both
+tolerate `trainer.max_nonfinite_steps` such steps per launch attempt, then stop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from d9d.core.context import DistributedContext
+from d9d.core.dist_ops import all_gather_object
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm, or the weights about to be saved, are not finite. Running the attempt
+    again from the last commit would repeat it, so launchers do not retry it."""
+
+    def __init__(self, message: str, step: int, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = tuple(ranks)
+
+
+@dataclass(frozen=True)
+class StepValues:
+    """A step's global loss sum, loss weight and gradient norm, read to the host in one transfer."""
+
+    loss_sum: float
+    weight: float
+    grad_norm: float
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss_sum) and math.isfinite(self.grad_norm)
+
+
+def read_step_values(totals: torch.Tensor, grad_norm: torch.Tensor) -> StepValues:
+    """One device-to-host read of `[loss sum, weight]` (`global_loss`) and the global gradient norm."""
+    values = torch.cat([totals.double().flatten(), grad_norm.to(totals.device, torch.float64).reshape(1)])
+    loss_sum, weight, norm = values.tolist()
+    return StepValues(loss_sum, weight, norm)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _first_nonfinite(named: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity (a failure-path scan, one sync each)."""
+    for name, tensor in named:
+        if tensor is not None and tensor.numel() > 0 and not bool(torch.isfinite(_local(tensor)).all()):
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class RankReport:
+    rank: int
+    loss_finite: bool
+    grad: str | None  # the first parameter whose local gradient is not finite
+
+
+def attribute(
+    ctx: DistributedContext, local_loss: torch.Tensor, modules: Sequence[nn.Module]
+) -> list[RankReport]:
+    """Every rank's view of a non-finite step (a collective; only on the failure path)."""
+    grads = ((name, p.grad) for m in modules for name, p in m.named_parameters())
+    mine = RankReport(ctx.rank, bool(torch.isfinite(local_loss).all()), _first_nonfinite(grads))
+    return all_gather_object(mine) if ctx.is_distributed else [mine]
+
+
+def describe(step: int, values: StepValues, reports: Sequence[RankReport]) -> tuple[str, list[int]]:
+    """`step N: non-finite loss (nan) on rank 1 ...`, and the ranks named (where it showed first)."""
+    parts = []
+    ranks = [r.rank for r in reports if not r.loss_finite]
+    if not math.isfinite(values.loss_sum):
+        where = f"on rank {_ranks(ranks)}" if ranks else "in the sum over ranks"
+        parts.append(f"non-finite loss ({values.loss_sum}) {where}")
+    if not math.isfinite(values.grad_norm):
+        grad_ranks = [r for r in reports if r.grad is not None]
+        text = f"non-finite gradient norm ({values.grad_norm})"
+        if grad_ranks:
+            first = grad_ranks[0]
+            text += f", first in {first.grad} on rank {_ranks([r.rank for r in grad_ranks])}"
+        parts.append(text)
+        if not ranks:
+            ranks = [r.rank for r in grad_ranks]
+    return f"step {step}: " + "; ".join(parts), ranks
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]} (and {len(ranks) - 1} more)"
+
+
+def check_weights_finite(ctx: DistributedContext, modules: Sequence[nn.Module], step: int) -> None:
+    """Raise `NonFiniteError` when any rank's parameters hold a NaN or an infinity (a collective: every
+    rank calls it at the same save). One `isfinite` pass per parameter and one host read per save."""
+    local = [_local(p.detach()) for m in modules for p in m.parameters() if p.numel() > 0]
+    flags = [torch.isfinite(t).all() for t in local]
+    ok = bool(torch.stack(flags).all()) if flags else True
+    bad = None if ok else _first_nonfinite((n, p) for m in modules for n, p in m.named_parameters())
+    reports = all_gather_object((ctx.rank, bad)) if ctx.is_distributed else [(ctx.rank, bad)]
+    culprits = [(rank, name) for rank, name in reports if name is not None]
+    if culprits:
+        name = culprits[0][1]
+        ranks = [r for r, _ in culprits]
+        raise NonFiniteError(
+            f"step {step}: the weights are not finite ({name} on rank {_ranks(ranks)}); the checkpoint is "
+            "not written, the newest commit stays the one to resume from",
+            step,
+            ranks,
+        )
