@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -129,6 +130,7 @@ class TrainingJob:
         self._seq = 0
         self._launch_id = ""
         self._lost: RunSummary | None = None  # what this driver recorded when the coordinator died
+        self._lost_lock = threading.Lock()  # `status()` and `follow()` may see the death from two threads
 
     @classmethod
     def attach(
@@ -150,6 +152,7 @@ class TrainingJob:
         job._seq = 0
         job._launch_id = ""  # another driver's launch: it records its own end
         job._lost = None
+        job._lost_lock = threading.Lock()
         return job
 
     @classmethod
@@ -371,7 +374,13 @@ class TrainingJob:
     def _coordinator_lost(self, error: RayActorError) -> None:
         """The coordinator died under this driver: give the run's placement groups back (they belong to
         the driver's job, not to the dead actor) and, unless the coordinator recorded the launch's end
-        before it went, record it as failed."""
+        before it went, record it as failed. Once, whichever thread (a `status()` beside `follow()`) saw it
+        first; the others then read what it recorded."""
+        with self._lost_lock:
+            if self._lost is None:
+                self._record_lost(error)
+
+    def _record_lost(self, error: RayActorError) -> None:
         spec = self.spec
         removed = remove_run_placement_groups(spec.run_name)
         summary = RunSummary(
@@ -379,7 +388,7 @@ class TrainingJob:
             status=JobState.FAILED.value,
             steps=0,
             restarts=0,
-            error=f"{COORDINATOR_LOST}: {error}".strip(),
+            error=coordinator_lost_error(spec, error),
             launch_id=self._launch_id,
             ended_at=time.time(),
         )
@@ -392,6 +401,13 @@ class TrainingJob:
             record_launch(spec.storage_root, summary)
         _log.error("run %s: %s (%d placement groups removed)", spec.run_name, COORDINATOR_LOST, removed)
         self._lost = summary
+
+    @property
+    def coordinator_lost(self) -> bool:
+        """The coordinator died under this handle before it recorded the run's end (`d9d resume` then
+        continues the run)."""
+        lost = self._lost
+        return lost is not None and (lost.error or "").startswith(COORDINATOR_LOST)
 
     def _lost_status(self) -> JobStatus:
         lost = self._lost
@@ -410,6 +426,16 @@ class TrainingJob:
             last_failure=lost.failures[-1] if lost.failures else None,
             error=lost.error,
         )
+
+
+def coordinator_lost_error(spec: JobSpec, error: BaseException) -> str:
+    """What a driver records and says when the run's coordinator died under it."""
+    lines = str(error).strip().splitlines()
+    why = f" ({lines[0]})" if lines else ""
+    return (
+        f"{COORDINATOR_LOST}: the coordinator of run {spec.run_name} died{why}; the run is not over: "
+        f"`d9d resume {spec.run_dir}` continues it from its newest commit"
+    )
 
 
 def preflight_job(spec: JobSpec) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -30,6 +31,7 @@ import ray
 from d9d.cluster.checkpoints import Arrival, CheckpointStore, CommittedStep
 from d9d.cluster.config import CoordinatorStorage
 from d9d.cluster.control.controller import Controller
+from d9d.cluster.control.failure import RankError
 from d9d.cluster.control.journal import CommitRecord, Journal, spec_data, unfinished_journal, write_journal
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.metrics import MetricsHub, loss_step, reports_pause
@@ -146,6 +148,7 @@ class Coordinator:
             last_loss=self._metrics.last_loss,
             last_failure=c.failures.failures[-1] if c.failures.failures else None,
             error=c.summary.error,
+            failures=len(c.failures.failures),
             asleep=self._metrics.asleep and not c.machine.state.terminal,
             standby_ready=c.standby_ready,
         )
@@ -192,6 +195,14 @@ class Coordinator:
         at = self._control.current(attempt)
         if at is not None:
             at.live.heartbeats[rank] = time.monotonic()
+
+    async def rank_failed(self, attempt: int, error: RankError) -> None:
+        """A rank raised (it calls this before tearing its process group down): the attempt's runner
+        blames the first rank's own exception, not the broken collectives it causes on the others."""
+        at = self._control.current(attempt)
+        if at is not None:
+            at.live.errors.append(dataclasses.replace(error, seen_at=time.monotonic()))
+            await self._changes.notify()
 
     async def boundary(self, attempt: int, step: int, points: list[MetricPoint]) -> None:
         """Rank 0 reached a step boundary (sent once per step, with the points reported since the last

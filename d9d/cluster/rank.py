@@ -23,11 +23,14 @@ CUDA with the devices the job's ranks on its node see (docs/cluster.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib
+import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +41,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported by c10d, not re-declared
 
+from d9d.cluster.control.failure import RankError
 from d9d.cluster.reporter import CoordinatorTransfer, RayRunReporter
 from d9d.core.context import init_process_group
-from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime
+from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime, failed_step
 
 RANK_LOG_DIR = "logs"
 # Setup durations of one rank (seconds), in order; a key is left out when its end was not seen.
@@ -48,6 +52,8 @@ SETUP_PROCESS_GROUP = "setup_process_group_s"  # run() entered -> process group 
 SETUP_BUILD = "setup_build_s"  # -> the engine asks for the latest checkpoint
 SETUP_LOAD = "setup_load_s"  # -> rank 0's first step boundary (the checkpoint is loaded)
 SETUP_KEYS = (SETUP_PROCESS_GROUP, SETUP_BUILD, SETUP_LOAD)
+_REPORT_TIMEOUT_S = 5.0  # a failing rank's wait for the coordinator to take its error
+_log = logging.getLogger(__name__)
 
 
 def rank_log_path(run_dir: Path, rank: int) -> Path:
@@ -290,18 +296,39 @@ class RankActor:
                     f"{launch.cuda_visible_devices}"
                 )
             os.environ["CUDA_VISIBLE_DEVICES"] = launch.cuda_visible_devices
-        self._init_process_group(launch)
-        reporter = PhasedReporter(
-            launch, self._coordinator, run_at=run_at, process_group_at=time.time()
-        ).start()
+        reporter: RayRunReporter | None = None
         try:
+            self._init_process_group(launch)
+            reporter = PhasedReporter(
+                launch, self._coordinator, run_at=run_at, process_group_at=time.time()
+            ).start()
             entrypoint = resolve_entrypoint(launch.entrypoint)
             result: RankResult = entrypoint(launch.config, rt, reporter)
             return result
+        except Exception as e:
+            # Before the process group goes: tearing it down breaks the peers' collectives, and their errors
+            # must reach the coordinator after this one, the cause.
+            self._report_failure(launch, e)
+            raise
         finally:
-            reporter.close()
+            if reporter is not None:
+                reporter.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+    def _report_failure(self, launch: RankLaunch, error: Exception) -> None:
+        """Tell the coordinator this rank's own exception (and write it to the rank's log), waiting briefly
+        for the call: the coordinator then blames this error, not what it causes on the other ranks."""
+        rt = launch.runtime
+        traceback.print_exc()
+        sys.stderr.flush()
+        failure = RankError.of(rt.rank, error, step=failed_step(error))
+        if launch.rank_output == "files":
+            failure = dataclasses.replace(failure, log=str(rank_log_path(rt.run_dir, rt.rank)))
+        try:
+            ray.get(self._coordinator.rank_failed.remote(rt.attempt, failure), timeout=_REPORT_TIMEOUT_S)
+        except Exception:  # the coordinator is gone or busy: the failed `run` call still says it
+            _log.warning("could not report the failure to the coordinator", exc_info=True)
 
     def _init_process_group(self, launch: RankLaunch) -> None:
         rt = launch.runtime

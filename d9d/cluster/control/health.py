@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from d9d.cluster.control.failure import RankError
 from d9d.cluster.control.outcome import Failed
 
 
@@ -30,6 +31,7 @@ class Liveness:
     step_done: bool = False  # a step completed in this attempt
     returned: frozenset[int] = frozenset()  # ranks whose `run` returned
     first_returned: float | None = None
+    errors: list[RankError] = field(default_factory=list)  # in the order they arrived (`seen_at` set)
 
 
 HealthCheck = Callable[[Liveness, Limits, float, bool], Failed | None]
