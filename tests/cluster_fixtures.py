@@ -173,6 +173,7 @@ class _Toy:
         self.mom = torch.zeros(self.model.dim)
         self.step = 0
         self.position = 0  # next global sample index
+        self.saved = 0  # the newest step committed (or resumed from)
         self.losses: list[float] = []
         self.ckpt_root = self.cfg.checkpoint_dir
         log_dir = runtime.run_dir / "samples"
@@ -195,6 +196,7 @@ class _Toy:
         self.step = int(meta["step"])
         self.position = int(meta["position"])
         self.lr = float(meta["lr"])
+        self.saved = self.step
 
     def save(self) -> None:
         step_dir = self.ckpt_root / step_dir_name(self.step)
@@ -221,6 +223,7 @@ class _Toy:
         if self.rank == 0:
             self.reporter.commit_checkpoint(self.step, reports)
         dist.barrier()
+        self.saved = self.step
 
     # -- loop -------------------------------------------------------------------------------------------
 
@@ -296,6 +299,8 @@ class _Toy:
         while self.step < total:
             if not self.apply_commands():
                 status = "stopped"
+                if self.step > self.saved:  # as the engine does: a stopped run commits the step it stopped at
+                    self.save()
                 break
             if self.model.step_sleep_s:  # inside the step: commands sent meanwhile wait for its end
                 time.sleep(self.model.step_sleep_s)

@@ -181,7 +181,7 @@ class TrainingJob:
             raise RuntimeError(
                 f"{journal_path(directory)} is the journal of run {journal.run_name!r}, not of {run_name!r}"
             )
-        if journal.ended:
+        if journal.ended and journal.state is not JobState.STOPPED:
             raise RuntimeError(
                 f"run {journal.run_name} already ended ({journal.state.value}); nothing to resume "
                 "(d9d train starts it again from its newest commit)"
@@ -328,12 +328,28 @@ class TrainingJob:
         """Change settings that are safe to change live (the engine applies `lr`, ignores the rest)."""
         self._send(Command(CommandKind.UPDATE, dict(values)))
 
-    def stop(self, *, force: bool = False) -> None:
-        """Stop at the next step boundary; `force` kills the ranks at once (nothing is saved)."""
+    def stop(self, *, force: bool = False, reason: str | None = None) -> None:
+        """Stop at the next step boundary, where the ranks save a checkpoint of that step; `force` kills
+        the ranks at once (nothing is saved). `reason` goes to the summary (`stop_reason`)."""
         if force:
-            ray.get(self._coordinator.kill.remote())
+            ray.get(self._coordinator.kill.remote(reason))
         else:
-            self._send(Command(CommandKind.STOP))
+            self._send(Command(CommandKind.STOP, {"reason": reason} if reason else {}))
+
+    def checkpoint_and_stop(self, grace_s: float, *, reason: str | None = None) -> RunSummary:
+        """Stop at the next step boundary (a checkpoint of that step is committed) and wait for the end; if
+        the ranks have not stopped within `grace_s`, kill them (the steps since the last commit are lost,
+        `stop_reason` says so). The summary of the ended run; the run may have ended meanwhile."""
+        deadline = time.monotonic() + grace_s
+        with contextlib.suppress(RuntimeError):  # it has ended already (or it is ending)
+            self.stop(reason=reason)
+        try:
+            return self.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            late = f"{reason or 'stop'}: not stopped within {grace_s}s, killed"
+            with contextlib.suppress(RuntimeError, RayActorError):
+                self.stop(force=True, reason=late)
+            return self.result(timeout=30)
 
     def kill_rank(self, rank: int) -> None:
         """Kill one rank actor, as a crash would (failover drills, recovery benchmarks)."""

@@ -158,12 +158,16 @@ class Coordinator:
         if state.terminal:
             raise RuntimeError(f"run {self._spec.run_name} has already ended ({state.value})")
         self._mailbox.post(command)
+        if command.kind is CommandKind.STOP and command.values.get("reason"):
+            self._control.summary.stop_reason = str(command.values["reason"])
         if command.kind is CommandKind.RESUME:
             self._control.resumed()
         await self._changes.notify()
 
-    async def kill(self) -> None:
+    async def kill(self, reason: str | None = None) -> None:
         """Stop now without waiting for a step boundary (ranks are killed, nothing is saved)."""
+        if reason:
+            self._control.summary.stop_reason = reason
         self._mailbox.request_kill()
         await self._changes.notify()
 

@@ -108,6 +108,8 @@ class RunSummary:
     standby_ranks_used: list[int] = field(default_factory=list)  # per attempt: ranks taken from standbys
     losses: dict[int, float] = field(default_factory=dict)  # per step, as finally trained
     error: str | None = None
+    # Why a stopped run stopped, when its stop said (`preempted: SIGTERM to the driver`, `d9d stop`).
+    stop_reason: str | None = None
     # Which launch of the run this is (`TrainingJob.start` picks it): a file holds one record per launch.
     launch_id: str = ""
     ended_at: float | None = None  # wall clock
