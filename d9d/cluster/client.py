@@ -27,6 +27,7 @@ from d9d.cluster.checkpoints import check_launch
 from d9d.cluster.config import ENGINE_ENTRYPOINT
 from d9d.cluster.control.journal import find_run_dir, journal_path, read_journal, spec_of
 from d9d.cluster.coordinator import Coordinator
+from d9d.cluster.lease import Lease, acquire, release
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
 from d9d.cluster.placement import run_placement_groups
 from d9d.cluster.rank import resolve_entrypoint
@@ -212,6 +213,25 @@ class TrainingJob:
             local_cpus=int(spec.max_workers * spec.cluster.resources.cpus + 0.999),
             runtime_env=runtime_env,
         )
+        self._launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
+        # One live launch per run (`d9d.cluster.lease`): raises LeaseHeld naming the live one.
+        acquire(
+            spec.run_dir,
+            spec.run_name,
+            self._launch_id,
+            ray_address=_cluster_address(),
+            coordinator_running=_coordinator_running_here,
+        )
+        try:
+            self._create_coordinator(spec)
+        except BaseException:
+            release(spec.run_dir, self._launch_id)
+            raise
+        register_run(spec, self._launch_id)  # `d9d status/logs/stop/list` find the run by its name
+        return self
+
+    def _create_coordinator(self, spec: JobSpec) -> None:
+        runtime_env = spec.cluster.runtime_env
         name = coordinator_name(spec.run_name)
         _release_finished(spec.run_name)
         # Ranks of an earlier launch whose coordinator died go with it, asynchronously; their names must be
@@ -232,7 +252,6 @@ class TrainingJob:
             # The head outlives worker nodes (in coordinator-storage mode it also holds the checkpoints);
             # a hard affinity, since a busy head would otherwise see the coordinator spill to a worker.
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
-        self._launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
         try:
             self._handle = (
                 ray.remote(Coordinator)
@@ -245,8 +264,6 @@ class TrainingJob:
                 "attach to it with TrainingJob.attach or choose another run.name"
             ) from e
         ray.get(self._handle.start.remote())
-        register_run(spec, self._launch_id)  # `d9d status/logs/stop/list` find the run by its name
-        return self
 
     def status(self) -> JobStatus:
         if self._lost is not None:
@@ -481,6 +498,28 @@ def remove_run_placement_groups(run_name: str) -> int:
     for pg_id in ids:
         remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
     return len(ids)
+
+
+def _cluster_address() -> str:
+    try:
+        return str(ray.get_runtime_context().gcs_address or "")
+    except Exception:  # a Ray client connection may not say
+        return ""
+
+
+def _coordinator_running_here(lease: Lease) -> bool | None:
+    """Whether the coordinator holding `lease` runs in the Ray cluster this driver joined (None: the lease
+    is of another cluster, which this one cannot tell about)."""
+    if not lease.ray_address or lease.ray_address != _cluster_address():
+        return None
+    try:
+        old: Any = ray.get_actor(coordinator_name(lease.run_name), namespace=NAMESPACE)
+        status: JobStatus = ray.get(old.status.remote(), timeout=10)
+    except (ValueError, RayActorError):
+        return False
+    except Exception:  # busy: assume it lives
+        return True
+    return not status.state.terminal
 
 
 def _head_node_id() -> str | None:

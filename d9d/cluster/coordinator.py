@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -37,6 +38,9 @@ from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.metrics import MetricsHub, loss_step, reports_pause
 from d9d.cluster.control.signal import Changes
 from d9d.cluster.control.workers import Attempt
+from d9d.cluster.lease import RENEW_S as LEASE_RENEW_S
+from d9d.cluster.lease import Lease, LeaseLost, read_lease, renew
+from d9d.cluster.lease import release as release_lease
 from d9d.cluster.sink import MetricSink, MetricsWriter
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, JobStatus, RunSummary
@@ -63,6 +67,9 @@ class Coordinator:
             spec, self._store, self._mailbox, self._metrics, self._changes, launch_id=launch_id
         )
         self._main: asyncio.Task[None] | None = None
+        self._launch_id = launch_id
+        self._lease: Lease | None = None  # this launch's lease on the run (`d9d.cluster.lease`)
+        self._lease_task: asyncio.Task[None] | None = None
         self._done = False  # terminal, summary written, tracker closed
         self._journal = self._open_journal(launch_id)
         self._journaled: tuple[object, ...] = ()
@@ -122,6 +129,9 @@ class Coordinator:
     async def start(self) -> None:
         if self._main is None:
             loop = asyncio.get_running_loop()
+            if self._launch_id:
+                await asyncio.to_thread(self._renew_lease)  # the driver's lease is this actor's from now on
+                self._lease_task = loop.create_task(self._keep_lease())
             self._journal_task = loop.create_task(self._keep_journal())
             self._main = loop.create_task(self._run_job())
 
@@ -316,9 +326,42 @@ class Coordinator:
                 # The terminal state is on disk before the actor may go; the writer logs its own errors.
                 with contextlib.suppress(Exception):
                     await self._journal_task
+            if self._lease_task is not None:  # the run is over: another launch may start it again
+                with contextlib.suppress(Exception):
+                    await self._lease_task
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(release_lease, self._spec.run_dir, self._launch_id)
             if self._spec.cluster.detach:
                 await asyncio.sleep(self._spec.cluster.linger_s)
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def _renew_lease(self) -> None:
+        spec = self._spec
+        lease = self._lease or read_lease(spec.run_dir)
+        if lease is None or lease.launch_id != self._launch_id:
+            held = "nobody" if lease is None else lease.describe()
+            raise LeaseLost(f"run {spec.run_name}: launch {self._launch_id} does not hold the lease ({held})")
+        self._lease = renew(
+            spec.run_dir, lease, owner="coordinator", host=socket.gethostname(), pid=os.getpid()
+        )
+
+    async def _keep_lease(self) -> None:
+        """Renew the launch's lease until the run ended; a lease another launch took over ends the run
+        (two launches must not train one run side by side)."""
+        while not self._done:
+            await self._changes.wait_until(lambda: self._done, LEASE_RENEW_S)
+            if self._done:
+                return
+            try:
+                await asyncio.to_thread(self._renew_lease)
+            except LeaseLost as e:
+                _log.error("%s: ending this launch", e)
+                self._control.summary.error = str(e)
+                self._mailbox.request_kill()
+                await self._changes.notify()
+                return
+            except OSError as e:  # a full or unreachable disk: the next renewal may succeed
+                _log.warning("run %s: cannot renew the launch lease: %s", self._spec.run_name, e)
 
     async def _keep_journal(self) -> None:
         """Rewrite the journal whenever what it records changed: an attempt started, a commit was made or

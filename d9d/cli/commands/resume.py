@@ -21,6 +21,7 @@ def _run(args: argparse.Namespace) -> int:
     from d9d.cluster import TrainingJob
     from d9d.cluster.checkpoints import RunFinished
     from d9d.cluster.follow import follow
+    from d9d.cluster.lease import LeaseHeld
     from d9d.engine.checkpoint import CheckpointError
 
     run: str | Path = args.run_dir or args.run
@@ -28,7 +29,10 @@ def _run(args: argparse.Namespace) -> int:
         job = TrainingJob.resume_run(run, args.address, detach=True if args.detach else None)
     except RunFinished as e:
         print(f"d9d resume: {e}", file=sys.stderr)
-        return 0
+        return exit_codes.ALREADY_FINISHED
+    except LeaseHeld as e:  # its coordinator lives (another `d9d resume`, or it did not die)
+        print(f"d9d resume: {e}", file=sys.stderr)
+        return exit_codes.LIVE_LAUNCH
     except (CheckpointError, RuntimeError, ValueError) as e:
         print(f"d9d resume: {e}", file=sys.stderr)
         return 2

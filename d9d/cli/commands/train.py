@@ -110,8 +110,10 @@ def dry_run(spec: JobSpec, config_path: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from d9d.cli import exit_codes
     from d9d.cluster import TrainingJob, load_job
     from d9d.cluster.checkpoints import RunFinished
+    from d9d.cluster.lease import LeaseHeld
     from d9d.engine.checkpoint import CheckpointError
     from d9d.engine.config import ConfigError
 
@@ -141,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
         job = TrainingJob(spec).start(address=args.address)
     except RunFinished as e:
         print(f"d9d train: {e}", file=sys.stderr)
-        return 0
+        return exit_codes.FINISHED if args.finished_ok else exit_codes.ALREADY_FINISHED
+    except LeaseHeld as e:  # another launch of this run is live
+        print(f"d9d train: {e}", file=sys.stderr)
+        return exit_codes.LIVE_LAUNCH
     except (CheckpointError, ValueError) as e:  # resume refused: identity, run.resume, damaged commits
         print(f"d9d train: {e}", file=sys.stderr)
         return 2
@@ -229,6 +234,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)")
     parser.add_argument(
         "--detach", action="store_true", help="return once started; the run outlives this process"
+    )
+    parser.add_argument(
+        "--finished-ok",
+        action="store_true",
+        help="exit 0 when the run has already finished (default: exit status 5, saying so)",
     )
     parser.add_argument(
         "--verbose",
