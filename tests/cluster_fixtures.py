@@ -19,6 +19,7 @@ model small enough that a whole Ray test takes seconds:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from d9d.core.inflight import storage_operation
 from d9d.engine.checkpoint import LocalRunReporter, step_dir_name
 from d9d.engine.config import parse_config
 from d9d.engine.runtime import (
@@ -53,7 +55,14 @@ class _Opts(BaseModel):
 
 
 class Fault(_Opts):
-    kind: Literal["hang", "exit_in_checkpoint", "raise", "raise_non_retryable"]
+    kind: Literal[
+        "hang",
+        "exit_in_checkpoint",
+        "raise",
+        "raise_non_retryable",
+        "enospc_in_checkpoint",
+        "stall_in_checkpoint",
+    ]
     step: int
     rank: int = 0
     attempt: int = 0
@@ -210,6 +219,12 @@ class _Toy:
         if self._fault("exit_in_checkpoint", self.step):
             (step_dir / name).write_bytes(b"half a shard")
             os._exit(1)
+        if self._fault("enospc_in_checkpoint", self.step):
+            (step_dir / name).write_bytes(b"half a shard")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(step_dir / name))
+        if self._fault("stall_in_checkpoint", self.step):
+            with storage_operation("writing", str(step_dir / name)):  # a store that stops answering
+                time.sleep(2.5)
         torch.save(payload, step_dir / name)
         if self.rank == 0:
             meta = {"step": self.step, "position": self.position, "world_size": self.world, "lr": self.lr}

@@ -41,10 +41,12 @@ from d9d.cluster.control.workers import Attempt
 from d9d.cluster.lease import RENEW_S as LEASE_RENEW_S
 from d9d.cluster.lease import Lease, LeaseLost, read_lease, renew
 from d9d.cluster.lease import release as release_lease
+from d9d.cluster.reporter import storage_stalls
 from d9d.cluster.sink import MetricSink, MetricsWriter
 from d9d.cluster.spec import JobSpec
-from d9d.cluster.state import JobState, JobStatus, RunSummary
+from d9d.cluster.state import MAX_NOTICES, JobState, JobStatus, RunSummary
 from d9d.cluster.transfer import TransferStats, start_node_store
+from d9d.core.inflight import Operation
 from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankCheckpointReport
 
 _COMMAND_POLL_S = 10.0
@@ -58,18 +60,27 @@ class Coordinator:
 
     def __init__(self, spec: JobSpec, sink_factory: Callable[[], MetricSink], launch_id: str = "") -> None:
         self._spec = spec
+        self._notice_count = 0
         ckpt = spec.train.checkpointing
         self._store = CheckpointStore(spec.checkpoint_dir, ckpt.keep_last, ckpt.on_damaged)
         self._changes = Changes()
         self._mailbox = CommandMailbox()
         self._metrics = MetricsHub(MetricsWriter(sink_factory))
         self._control = Controller(
-            spec, self._store, self._mailbox, self._metrics, self._changes, launch_id=launch_id
+            spec,
+            self._store,
+            self._mailbox,
+            self._metrics,
+            self._changes,
+            launch_id=launch_id,
+            notice=self._notice,
         )
         self._main: asyncio.Task[None] | None = None
         self._launch_id = launch_id
+        self._stalled: dict[int, tuple[Operation, float]] = {}  # this process's storage stalls named so far
         self._lease: Lease | None = None  # this launch's lease on the run (`d9d.cluster.lease`)
         self._lease_task: asyncio.Task[None] | None = None
+        self._storage_task: asyncio.Task[None] | None = None
         self._done = False  # terminal, summary written, tracker closed
         self._journal = self._open_journal(launch_id)
         self._journaled: tuple[object, ...] = ()
@@ -133,6 +144,7 @@ class Coordinator:
                 await asyncio.to_thread(self._renew_lease)  # the driver's lease is this actor's from now on
                 self._lease_task = loop.create_task(self._keep_lease())
             self._journal_task = loop.create_task(self._keep_journal())
+            self._storage_task = loop.create_task(self._watch_storage())
             self._main = loop.create_task(self._run_job())
 
     async def spec(self) -> JobSpec:
@@ -159,6 +171,8 @@ class Coordinator:
             last_failure=c.failures.failures[-1] if c.failures.failures else None,
             error=c.summary.error,
             failures=len(c.failures.failures),
+            notices=tuple(c.summary.notices[-20:]),
+            notice_count=self._notice_count,
             asleep=self._metrics.asleep and not c.machine.state.terminal,
             standby_ready=c.standby_ready,
         )
@@ -217,6 +231,27 @@ class Coordinator:
         if at is not None:
             at.live.errors.append(dataclasses.replace(error, seen_at=time.monotonic()))
             await self._changes.notify()
+
+    async def notice(self, attempt: int, text: str) -> None:
+        """Something the user should see now (a rank's storage stall): logged, on `d9d train`'s console
+        through `status()`, and in the summary's `notices`."""
+        if self._control.current(attempt) is not None:
+            await self._notice(text)
+
+    async def _notice(self, text: str) -> None:
+        _log.warning("run %s: %s", self._spec.run_name, text)
+        notices = self._control.summary.notices
+        notices.append(text)
+        del notices[:-MAX_NOTICES]
+        self._notice_count += 1
+        await self._changes.notify()
+
+    async def _watch_storage(self) -> None:
+        """Name this process's own stalled storage operations (commits, the journal) as ranks do theirs."""
+        while not self._done:
+            await self._changes.wait_until(lambda: self._done, 1.0)
+            for text in storage_stalls(self._stalled, self._spec.cluster.storage_stall_s, time.monotonic()):
+                await self._notice(f"coordinator: {text}")
 
     async def boundary(self, attempt: int, step: int, points: list[MetricPoint]) -> None:
         """Rank 0 reached a step boundary (sent once per step, with the points reported since the last

@@ -116,6 +116,7 @@ class RankLaunch:
     transfer: CoordinatorTransfer | None
     # "files": stdout/stderr to <run dir>/logs/rank<r>.log; "forward": left to Ray (to the driver).
     rank_output: Literal["files", "forward"] = "files"
+    storage_stall_s: float = 10.0  # cluster.storage_stall_s
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ class PhasedReporter(RayRunReporter):
             launch.command_seq,
             launch.transfer,
             heartbeat_interval_s=launch.heartbeat_interval_s,
+            storage_stall_s=launch.storage_stall_s,
         )
         self._setup_rank = rt.rank
         self._run_at = run_at

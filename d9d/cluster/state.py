@@ -13,6 +13,7 @@ from typing import Any
 from d9d.core.storage import Location, move_tree, write_text
 
 SUMMARY_FILE = "run_summary.json"
+MAX_NOTICES = 100  # kept in a status and a summary
 _log = logging.getLogger(__name__)
 # `record_launch` reads, updates and rewrites the file: threads of one process take turns (the coordinator
 # writes from its event loop and its threads, a driver from whichever thread saw the coordinator die).
@@ -82,6 +83,10 @@ class JobStatus:
     last_failure: str | None = None
     error: str | None = None
     failures: int = 0  # attempts that failed so far (`last_failure` is the newest's reason)
+    # What the coordinator said as it happened (storage stalls, ...): the newest `MAX_NOTICES`, of
+    # `notice_count` so far.
+    notices: tuple[str, ...] = ()
+    notice_count: int = 0
     # The ranks' training state is in host memory (`TrainingJob.sleep`); the state is then PAUSED.
     asleep: bool = False
     standby_ready: int = 0  # warm standby ranks ready to be taken by a restart (`cluster.standby_ranks`)
@@ -108,6 +113,7 @@ class RunSummary:
     standby_ranks_used: list[int] = field(default_factory=list)  # per attempt: ranks taken from standbys
     losses: dict[int, float] = field(default_factory=dict)  # per step, as finally trained
     error: str | None = None
+    notices: list[str] = field(default_factory=list)  # storage stalls and the like, as they happened
     # Why a stopped run stopped, when its stop said (`preempted: SIGTERM to the driver`, `d9d stop`).
     stop_reason: str | None = None
     # Which launch of the run this is (`TrainingJob.start` picks it): a file holds one record per launch.

@@ -11,6 +11,7 @@ ranks that failed together, the one that names the attempt's failure.
 
 from __future__ import annotations
 
+import errno
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,18 @@ def is_collective_error(error: BaseException) -> bool:
     return any(marker in text for marker in _COLLECTIVE_TEXT)
 
 
+def is_no_space(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from) says the device is full (ENOSPC)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 @dataclass(frozen=True)
 class RankError:
     """One rank's failure as plain data: its exception (`died`: the process itself went away)."""
@@ -94,6 +107,7 @@ class RankError:
     collective: bool = False  # a broken collective: probably a consequence of another rank's failure
     non_retryable: bool = False  # a NonRetryableError
     setup_error: bool = False  # one of SETUP_ERRORS
+    no_space: bool = False  # the device is full (ENOSPC)
     died: bool = False
     log: str = ""  # the rank's log file, which holds the whole traceback
     seen_at: float = 0.0  # monotonic, on the coordinator: when it arrived
@@ -111,6 +125,7 @@ class RankError:
             collective=is_collective_error(error),
             non_retryable=isinstance(error, NonRetryableError),
             setup_error=isinstance(error, SETUP_ERRORS),
+            no_space=is_no_space(error),
         )
 
     @property
@@ -127,7 +142,9 @@ class RankError:
         reason = self.headline if self.step is None else f"{self.headline} (step {self.step})"
         key = "" if self.died or self.collective else f"{self.type}: {self.message}"
         detail = f"{self.traceback}\n(rank {self.rank}'s log: {self.log})" if self.log else self.traceback
-        return Failed(reason, retryable=retryable, detail=detail, step=self.step, key=key)
+        return Failed(
+            reason, retryable=retryable, detail=detail, step=self.step, key=key, no_space=self.no_space
+        )
 
 
 def tail(text: str, lines: int = TRACEBACK_LINES) -> str:
@@ -188,6 +205,7 @@ class FailurePolicy:
     failures: list[str] = field(default_factory=list)
     # (step, key) of every exception seen at a known step: the same one again is deterministic.
     _seen: set[tuple[int, str]] = field(default_factory=set, repr=False)
+    no_space_seen: bool = False  # a failure said the device was full: the restart freed what it could
 
     def decide(self, failure: Failed) -> FailureDecision:
         """Record `failure` and say what to do about it."""
@@ -195,6 +213,17 @@ class FailurePolicy:
         count = len(self.failures)
         if not failure.retryable:
             return GiveUp(_with_detail(f"not retryable: {failure.reason}", failure.detail))
+        if failure.no_space:
+            if self.no_space_seen:
+                return GiveUp(
+                    _with_detail(
+                        f"{failure.reason}: no space left on the device again, after a restart that freed "
+                        "the uncommitted checkpoint steps; free space on the checkpoint store (or lower "
+                        "checkpointing.keep_last), then `d9d resume` the run",
+                        failure.detail,
+                    )
+                )
+            self.no_space_seen = True
         if failure.step is not None and failure.key:
             seen = (failure.step, failure.key)
             if seen in self._seen:

@@ -32,6 +32,7 @@ class Failed:
     detail: str = ""
     step: int | None = None
     key: str = ""
+    no_space: bool = False  # ENOSPC: retried once (the restart frees the uncommitted steps), then fatal
 
 
 @dataclass(frozen=True)

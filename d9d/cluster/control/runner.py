@@ -12,7 +12,15 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from d9d.cluster.control.failure import SETUP_ERRORS, NonRetryableError, RankError, blame, is_retryable, tail
+from d9d.cluster.control.failure import (
+    SETUP_ERRORS,
+    NonRetryableError,
+    RankError,
+    blame,
+    is_no_space,
+    is_retryable,
+    tail,
+)
 from d9d.cluster.control.health import Limits, first_failure
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.metrics import MetricsHub
@@ -70,6 +78,7 @@ def rank_error(rank: int, error: BaseException, seen_at: float) -> RankError:
         found,
         non_retryable=found.non_retryable or isinstance(error, NonRetryableError),
         setup_error=found.setup_error or isinstance(error, SETUP_ERRORS),
+        no_space=found.no_space or is_no_space(error),
         seen_at=seen_at,
     )
 

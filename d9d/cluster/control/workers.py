@@ -313,6 +313,7 @@ class WorkerGroup:
             command_seq=self._mailbox.delivered,
             transfer=transfer,
             rank_output=c.rank_output,
+            storage_stall_s=c.storage_stall_s,
         )
 
     async def teardown(self, at: Attempt) -> None:
