@@ -62,6 +62,7 @@ class Fault(_Opts):
         "raise_non_retryable",
         "enospc_in_checkpoint",
         "stall_in_checkpoint",
+        "skip_collective",
     ]
     step: int
     rank: int = 0
@@ -291,7 +292,8 @@ class _Toy:
             from d9d.cluster import NonRetryableError
 
             raise NonRetryableError(f"injected fatal error at step {self.step + 1}")
-        dist.all_reduce(packed)
+        if not self._fault("skip_collective", self.step + 1):  # a rank that skips it goes on to the next one
+            dist.all_reduce(packed)
         loss = self.update(packed)
         self.position += self.global_batch
         self.step += 1

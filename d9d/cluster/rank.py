@@ -25,16 +25,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import importlib
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import ray
 import torch
@@ -94,6 +96,15 @@ class RankNode:
     node_id: str
     ip: str
     gpu_ids: tuple[str, ...]  # what Ray assigned to this actor
+    pid: int = 0
+
+
+def rank_stacks_path(run_dir: Path, rank: int) -> Path:
+    """Where a rank's `faulthandler` writes its threads' stacks on STACKS_SIGNAL (appended)."""
+    return run_dir / RANK_LOG_DIR / f"rank{rank}.stacks"
+
+
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(frozen=True)
@@ -218,6 +229,7 @@ class RankActor:
         self._coordinator = coordinator
         self._warm: StandbyReady | None = None
         self._store: TCPStore | None = None
+        self._stacks_file: TextIO | None = None
         # Ray starts workers at nice 15 (RAY_worker_niceness) so its own daemons stay responsive; a rank is
         # the job's critical path and should not lose its core to every other process on the node. Going
         # back to 0 needs CAP_SYS_NICE (root in most containers); without it the rank keeps Ray's value.
@@ -256,6 +268,7 @@ class RankActor:
             node_id=ctx.get_node_id(),
             ip=ray.util.get_node_ip_address(),
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            pid=os.getpid(),
         )
 
     def open_store(self, world_size: int, timeout_s: float) -> int:
@@ -282,6 +295,7 @@ class RankActor:
     def _run(self, launch: RankLaunch) -> RankResult:
         run_at = time.time()
         rt = launch.runtime
+        self._dump_stacks_on_signal(rank_stacks_path(rt.run_dir, rt.rank))
         os.environ.update(
             RANK=str(rt.rank),
             WORLD_SIZE=str(rt.world_size),
@@ -317,6 +331,16 @@ class RankActor:
                 reporter.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+    def _dump_stacks_on_signal(self, path: Path) -> None:
+        """On STACKS_SIGNAL, `faulthandler` writes every thread's stack to `path` from its C signal handler:
+        it works while the training thread is stuck in C code (a collective) or holds the GIL. The
+        coordinator sends the signal when it declares the attempt hung (`WorkerGroup.dump_stacks`)."""
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if self._stacks_file is None or self._stacks_file.name != str(path):
+                self._stacks_file = path.open("a")
+            faulthandler.register(STACKS_SIGNAL, file=self._stacks_file, all_threads=True, chain=False)
 
     def _report_failure(self, launch: RankLaunch, error: Exception) -> None:
         """Tell the coordinator this rank's own exception (and write it to the rank's log), waiting briefly

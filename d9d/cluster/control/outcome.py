@@ -33,6 +33,7 @@ class Failed:
     step: int | None = None
     key: str = ""
     no_space: bool = False  # ENOSPC: retried once (the restart frees the uncommitted steps), then fatal
+    hung: bool = False  # a health check declared ranks hung: their stacks are collected before the teardown
 
 
 @dataclass(frozen=True)

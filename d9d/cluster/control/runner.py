@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -21,6 +22,7 @@ from d9d.cluster.control.failure import (
     is_retryable,
     tail,
 )
+from d9d.cluster.control.hang import attribute, render
 from d9d.cluster.control.health import Limits, first_failure
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.metrics import MetricsHub
@@ -29,9 +31,11 @@ from d9d.cluster.control.signal import Changes
 from d9d.cluster.control.workers import Attempt, WorkerGroup
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, StateMachine
+from d9d.core.files import atomic_write_text
 from d9d.engine.runtime import Command, CommandKind, RankResult, failed_step
 
 _POLL_S = 0.1
+_log = logging.getLogger(__name__)
 
 
 def _cause(error: BaseException) -> BaseException:
@@ -164,8 +168,31 @@ class AttemptRunner:
                 self.on_result(final)
                 return Finished() if final.status == "finished" else Stopped()
             outcome = self._interrupted(at, results)
+            if isinstance(outcome, Failed) and outcome.hung:
+                return await self._explain_hang(at, outcome)
             if outcome is not None:
                 return outcome
+
+    async def _explain_hang(self, at: Attempt, failure: Failed) -> Failed:
+        """Before the hung ranks are torn down: every rank's stacks, who is behind and where — in the
+        failure's reason (the console, `d9d status`, the summary) and in `<run dir>/hang-attempt<N>.txt`."""
+        try:
+            stacks = await self.workers.dump_stacks(at)
+        except Exception as e:  # no explanation is no reason to keep the hung ranks
+            _log.warning("run %s: could not collect the ranks' stacks: %s", self.spec.run_name, e)
+            return failure
+        report = attribute(stacks, at.plan.world_size, at.live.returned)
+        path = self.spec.run_dir / f"hang-attempt{at.index}.txt"
+        try:
+            await asyncio.to_thread(atomic_write_text, path, render(report, stacks, failure.reason))
+        except OSError as e:
+            _log.warning("run %s: cannot write %s: %s", self.spec.run_name, path, e)
+        detail = "\n".join(f"rank {r}: {line}" for r, line in sorted(report.positions.items()))
+        return dataclasses.replace(
+            failure,
+            reason=f"{failure.reason}; {report.summary} (all stacks: {path})",
+            detail=f"{failure.detail}\n{detail}".strip(),
+        )
 
     def _interrupted(self, at: Attempt, results: dict[int, RankResult]) -> Outcome | None:
         """Why a running attempt must end now: a kill, a failed health check, or a resize."""
