@@ -19,6 +19,7 @@ model small enough that a whole Ray test takes seconds:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
+from d9d.core.inflight import storage_operation
 from d9d.engine.checkpoint import LocalRunReporter, step_dir_name
 from d9d.engine.config import parse_config
 from d9d.engine.runtime import (
@@ -53,7 +55,15 @@ class _Opts(BaseModel):
 
 
 class Fault(_Opts):
-    kind: Literal["hang", "exit_in_checkpoint", "raise", "raise_non_retryable"]
+    kind: Literal[
+        "hang",
+        "exit_in_checkpoint",
+        "raise",
+        "raise_non_retryable",
+        "enospc_in_checkpoint",
+        "stall_in_checkpoint",
+        "skip_collective",
+    ]
     step: int
     rank: int = 0
     attempt: int = 0
@@ -173,6 +183,7 @@ class _Toy:
         self.mom = torch.zeros(self.model.dim)
         self.step = 0
         self.position = 0  # next global sample index
+        self.saved = 0  # the newest step committed (or resumed from)
         self.losses: list[float] = []
         self.ckpt_root = self.cfg.checkpoint_dir
         log_dir = runtime.run_dir / "samples"
@@ -195,6 +206,7 @@ class _Toy:
         self.step = int(meta["step"])
         self.position = int(meta["position"])
         self.lr = float(meta["lr"])
+        self.saved = self.step
 
     def save(self) -> None:
         step_dir = self.ckpt_root / step_dir_name(self.step)
@@ -208,6 +220,12 @@ class _Toy:
         if self._fault("exit_in_checkpoint", self.step):
             (step_dir / name).write_bytes(b"half a shard")
             os._exit(1)
+        if self._fault("enospc_in_checkpoint", self.step):
+            (step_dir / name).write_bytes(b"half a shard")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(step_dir / name))
+        if self._fault("stall_in_checkpoint", self.step):
+            with storage_operation("writing", str(step_dir / name)):  # a store that stops answering
+                time.sleep(2.5)
         torch.save(payload, step_dir / name)
         if self.rank == 0:
             meta = {"step": self.step, "position": self.position, "world_size": self.world, "lr": self.lr}
@@ -221,6 +239,7 @@ class _Toy:
         if self.rank == 0:
             self.reporter.commit_checkpoint(self.step, reports)
         dist.barrier()
+        self.saved = self.step
 
     # -- loop -------------------------------------------------------------------------------------------
 
@@ -273,7 +292,8 @@ class _Toy:
             from d9d.cluster import NonRetryableError
 
             raise NonRetryableError(f"injected fatal error at step {self.step + 1}")
-        dist.all_reduce(packed)
+        if not self._fault("skip_collective", self.step + 1):  # a rank that skips it goes on to the next one
+            dist.all_reduce(packed)
         loss = self.update(packed)
         self.position += self.global_batch
         self.step += 1
@@ -296,6 +316,8 @@ class _Toy:
         while self.step < total:
             if not self.apply_commands():
                 status = "stopped"
+                if self.step > self.saved:  # as the engine does: a stopped run commits the step it stopped at
+                    self.save()
                 break
             if self.model.step_sleep_s:  # inside the step: commands sent meanwhile wait for its end
                 time.sleep(self.model.step_sleep_s)

@@ -77,9 +77,10 @@ def test_resume_refuses_a_run_without_journal_or_already_ended(tmp_path: Path) -
     with pytest.raises(RuntimeError, match=r"coordinator\.json does not exist"):
         TrainingJob.resume_run(tmp_path / "nothing")
     spec = build_job(_job("ended", tmp_path / "run"))
-    journal = Journal(run_name="ended", launch_id="L", spec=spec_data(spec), state=JobState.STOPPED)
+    # (A stopped run is resumed: its stop committed the step it stopped at; `test_cluster_driver_faults`.)
+    journal = Journal(run_name="ended", launch_id="L", spec=spec_data(spec), state=JobState.FINISHED)
     write_journal(spec.run_dir, journal)
-    with pytest.raises(RuntimeError, match="already ended \\(stopped\\)"):
+    with pytest.raises(RuntimeError, match="already ended \\(finished\\)"):
         TrainingJob.resume_run(spec.run_dir)
     with pytest.raises(RuntimeError, match="journal of run 'ended', not of 'other'"):
         TrainingJob.resume_run(spec.run_dir, run_name="other")

@@ -489,32 +489,90 @@ def test_controller_stops_before_reserving_again_after_a_stop(tmp_path: Path) ->
     assert asyncio.run(main()) is JobState.STOPPED
 
 
-def test_of_ranks_failing_together_a_dead_process_then_a_fatal_error_names_the_failure() -> None:
-    import asyncio
-
+def test_of_ranks_failing_together_the_first_own_exception_then_a_dead_process_names_the_failure() -> None:
+    """A broken collective (what the peers of a rank that raised or died see) names the failure only when
+    nothing better arrives within the grace; a rank's own exception wins even when it arrived later."""
     from ray.exceptions import RayActorError
 
-    from d9d.cluster.control.runner import failure_precedence
+    from d9d.cluster.control.failure import RankError, blame
+    from d9d.cluster.control.runner import attempt_errors, rank_error
 
-    async def futures() -> list[int]:
+    gloo = rank_error(0, RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"), 1.0)
+    own = rank_error(2, KeyError("no such expert"), 1.5)
+    later = rank_error(3, ValueError("second"), 1.6)
+    dead = rank_error(1, RayActorError(), 1.2)
+    assert gloo.collective and not own.collective and dead.died and own.type == "KeyError"
+
+    assert blame([gloo, dead, own, later], now=1.7, all_done=False) is own
+    assert blame([gloo, dead], now=1.7, all_done=False) is dead
+    assert blame([gloo], now=2.0, all_done=False) is None  # within the grace: the cause may still come
+    assert blame([gloo], now=3.1, all_done=False) is gloo
+    assert blame([gloo], now=1.1, all_done=True) is gloo  # nothing more can come
+    assert blame([], now=9.0, all_done=True) is None
+
+    # A rank's report and its failed call are one exception: the report (which came first) stands.
+    reported = RankError(2, "KeyError", "no such expert", step=7, seen_at=1.4)
+    assert attempt_errors([reported], {2: own, 0: gloo}) == [gloo, reported]
+
+    failed = reported.outcome(before_first_step=False)
+    assert failed.reason == "rank 2: KeyError: no such expert (step 7)" and failed.retryable
+    assert failed.step == 7 and failed.key == "KeyError: no such expert"
+    assert not gloo.outcome(before_first_step=False).key  # a broken collective never counts as recurring
+    assert not RankError(0, "ValueError", "bad", setup_error=True).outcome(before_first_step=True).retryable
+
+
+def test_the_same_exception_at_the_same_step_after_a_restart_is_not_retried_again() -> None:
+    policy = FailurePolicy(max_failures=5, backoff_s=0.0, max_backoff_s=0.0)
+    boom = Failed(
+        "rank 1: RuntimeError: boom (step 3)", detail="Traceback ...", step=3, key="RuntimeError: boom"
+    )
+    assert isinstance(policy.decide(boom), Retry)
+    # Another step, another message, or no step known: the restart budget decides.
+    assert isinstance(policy.decide(Failed("x", step=4, key="RuntimeError: boom")), Retry)
+    assert isinstance(policy.decide(Failed("x", step=3, key="RuntimeError: other")), Retry)
+    assert isinstance(policy.decide(Failed("rank 1: process died")), Retry)
+    decision = policy.decide(boom)
+    assert isinstance(decision, GiveUp)
+    assert decision.error.startswith("rank 1: RuntimeError: boom (step 3), again after a restart")
+    assert decision.error.endswith("Traceback ...")
+
+
+def test_a_reported_rank_error_ends_the_attempt_without_waiting_for_the_ranks(tmp_path: Path) -> None:
+    """On NCCL a rank that raised may hang tearing its process group down, and its peers hang in the
+    collective: the reported error alone ends the attempt (the teardown then kills every rank)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from d9d.cluster.control.failure import RankError
+    from d9d.cluster.control.runner import AttemptRunner
+
+    live = Liveness(2)
+    live.heartbeats = {0: time.monotonic(), 1: time.monotonic()}
+    runner = AttemptRunner(
+        spec=build_job(toy_job("watch", tmp_path)),
+        workers=None,  # type: ignore[arg-type]
+        mailbox=CommandMailbox(),
+        metrics=None,  # type: ignore[arg-type]
+        machine=StateMachine(),
+        changes=None,  # type: ignore[arg-type]
+        on_result=lambda result: None,
+    )
+
+    async def watch() -> tuple[Outcome, float]:
         loop = asyncio.get_running_loop()
-        errors: list[BaseException | None] = [
-            RuntimeError("gloo: connection closed by peer"),
-            NonRetryableError("bad input"),
-            None,  # returned
-            RayActorError(),
-        ]
-        futs = []
-        for error in errors:
-            fut: asyncio.Future[Any] = loop.create_future()
-            if error is None:
-                fut.set_result(0)
-            else:
-                fut.set_exception(error)
-            futs.append(fut)
-        return [failure_precedence(f) for f in futs]
+        runs = {loop.create_future(): 0, loop.create_future(): 1}  # never complete
+        loop.call_later(
+            0.3,
+            live.errors.append,
+            RankError(1, "RuntimeError", "compiled backward", seen_at=time.monotonic()),
+        )
+        started = time.monotonic()
+        outcome = await runner._watch(SimpleNamespace(live=live), runs)  # type: ignore[arg-type]
+        return outcome, time.monotonic() - started
 
-    assert asyncio.run(futures()) == [2, 1, 2, 0]
+    outcome, took = asyncio.run(watch())
+    assert isinstance(outcome, Failed) and outcome.reason == "rank 1: RuntimeError: compiled backward"
+    assert took < 1.0
 
 
 def test_a_grow_decided_at_a_commit_waits_for_rank_0_to_report_that_step(tmp_path: Path) -> None:

@@ -207,8 +207,10 @@ def test_launching_a_finished_run_changes_nothing(
     before = snapshot(run_dir)
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(_job(run_dir)))
-    # `d9d train` (the Ray driver): says so, exit 0, Ray never started.
-    assert d9d_main(["train", str(job), "--cpu"]) == 0
+    # `d9d train` (the Ray driver): says so, exit 5 (0 when asked: --finished-ok), Ray never started.
+    assert d9d_main(["train", str(job), "--cpu"]) == 5
+    assert "already finished: the newest commit" in capsys.readouterr().err
+    assert d9d_main(["train", str(job), "--cpu", "--finished-ok"]) == 0
     assert "already finished: the newest commit" in capsys.readouterr().err
     # The torchrun / single-process launcher.
     assert launch_main([str(job)]) == 0
@@ -219,7 +221,7 @@ def test_launching_a_finished_run_changes_nothing(
     assert snapshot(run_dir) == before
     # `--resume-from` into a run with commits of its own is refused with exit status 2.
     code = d9d_main(["train", str(job), "--cpu", "--resume-from", str(run_dir / "checkpoints" / STEP10)])
-    assert code == 0  # the same commit as the run's own newest: nothing ambiguous, and finished
+    assert code == 5  # the same commit as the run's own newest: nothing ambiguous, and finished
     other = run_dir / "checkpoints" / "step-00000005"
     assert d9d_main(["train", str(job), "--cpu", "--resume-from", str(other)]) == 2
     assert "drop --resume-from" in capsys.readouterr().err

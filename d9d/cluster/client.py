@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,7 @@ from d9d.cluster.checkpoints import check_launch
 from d9d.cluster.config import ENGINE_ENTRYPOINT
 from d9d.cluster.control.journal import find_run_dir, journal_path, read_journal, spec_of
 from d9d.cluster.coordinator import Coordinator
+from d9d.cluster.lease import Lease, acquire, release
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
 from d9d.cluster.placement import run_placement_groups
 from d9d.cluster.rank import resolve_entrypoint
@@ -129,6 +131,7 @@ class TrainingJob:
         self._seq = 0
         self._launch_id = ""
         self._lost: RunSummary | None = None  # what this driver recorded when the coordinator died
+        self._lost_lock = threading.Lock()  # `status()` and `follow()` may see the death from two threads
 
     @classmethod
     def attach(
@@ -150,6 +153,7 @@ class TrainingJob:
         job._seq = 0
         job._launch_id = ""  # another driver's launch: it records its own end
         job._lost = None
+        job._lost_lock = threading.Lock()
         return job
 
     @classmethod
@@ -178,7 +182,7 @@ class TrainingJob:
             raise RuntimeError(
                 f"{journal_path(directory)} is the journal of run {journal.run_name!r}, not of {run_name!r}"
             )
-        if journal.ended:
+        if journal.ended and journal.state is not JobState.STOPPED:
             raise RuntimeError(
                 f"run {journal.run_name} already ended ({journal.state.value}); nothing to resume "
                 "(d9d train starts it again from its newest commit)"
@@ -209,6 +213,25 @@ class TrainingJob:
             local_cpus=int(spec.max_workers * spec.cluster.resources.cpus + 0.999),
             runtime_env=runtime_env,
         )
+        self._launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
+        # One live launch per run (`d9d.cluster.lease`): raises LeaseHeld naming the live one.
+        acquire(
+            spec.run_dir,
+            spec.run_name,
+            self._launch_id,
+            ray_address=_cluster_address(),
+            coordinator_running=_coordinator_running_here,
+        )
+        try:
+            self._create_coordinator(spec)
+        except BaseException:
+            release(spec.run_dir, self._launch_id)
+            raise
+        register_run(spec, self._launch_id)  # `d9d status/logs/stop/list` find the run by its name
+        return self
+
+    def _create_coordinator(self, spec: JobSpec) -> None:
+        runtime_env = spec.cluster.runtime_env
         name = coordinator_name(spec.run_name)
         _release_finished(spec.run_name)
         # Ranks of an earlier launch whose coordinator died go with it, asynchronously; their names must be
@@ -229,7 +252,6 @@ class TrainingJob:
             # The head outlives worker nodes (in coordinator-storage mode it also holds the checkpoints);
             # a hard affinity, since a busy head would otherwise see the coordinator spill to a worker.
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
-        self._launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
         try:
             self._handle = (
                 ray.remote(Coordinator)
@@ -242,8 +264,6 @@ class TrainingJob:
                 "attach to it with TrainingJob.attach or choose another run.name"
             ) from e
         ray.get(self._handle.start.remote())
-        register_run(spec, self._launch_id)  # `d9d status/logs/stop/list` find the run by its name
-        return self
 
     def status(self) -> JobStatus:
         if self._lost is not None:
@@ -325,12 +345,28 @@ class TrainingJob:
         """Change settings that are safe to change live (the engine applies `lr`, ignores the rest)."""
         self._send(Command(CommandKind.UPDATE, dict(values)))
 
-    def stop(self, *, force: bool = False) -> None:
-        """Stop at the next step boundary; `force` kills the ranks at once (nothing is saved)."""
+    def stop(self, *, force: bool = False, reason: str | None = None) -> None:
+        """Stop at the next step boundary, where the ranks save a checkpoint of that step; `force` kills
+        the ranks at once (nothing is saved). `reason` goes to the summary (`stop_reason`)."""
         if force:
-            ray.get(self._coordinator.kill.remote())
+            ray.get(self._coordinator.kill.remote(reason))
         else:
-            self._send(Command(CommandKind.STOP))
+            self._send(Command(CommandKind.STOP, {"reason": reason} if reason else {}))
+
+    def checkpoint_and_stop(self, grace_s: float, *, reason: str | None = None) -> RunSummary:
+        """Stop at the next step boundary (a checkpoint of that step is committed) and wait for the end; if
+        the ranks have not stopped within `grace_s`, kill them (the steps since the last commit are lost,
+        `stop_reason` says so). The summary of the ended run; the run may have ended meanwhile."""
+        deadline = time.monotonic() + grace_s
+        with contextlib.suppress(RuntimeError):  # it has ended already (or it is ending)
+            self.stop(reason=reason)
+        try:
+            return self.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            late = f"{reason or 'stop'}: not stopped within {grace_s}s, killed"
+            with contextlib.suppress(RuntimeError, RayActorError):
+                self.stop(force=True, reason=late)
+            return self.result(timeout=30)
 
     def kill_rank(self, rank: int) -> None:
         """Kill one rank actor, as a crash would (failover drills, recovery benchmarks)."""
@@ -371,7 +407,13 @@ class TrainingJob:
     def _coordinator_lost(self, error: RayActorError) -> None:
         """The coordinator died under this driver: give the run's placement groups back (they belong to
         the driver's job, not to the dead actor) and, unless the coordinator recorded the launch's end
-        before it went, record it as failed."""
+        before it went, record it as failed. Once, whichever thread (a `status()` beside `follow()`) saw it
+        first; the others then read what it recorded."""
+        with self._lost_lock:
+            if self._lost is None:
+                self._record_lost(error)
+
+    def _record_lost(self, error: RayActorError) -> None:
         spec = self.spec
         removed = remove_run_placement_groups(spec.run_name)
         summary = RunSummary(
@@ -379,7 +421,7 @@ class TrainingJob:
             status=JobState.FAILED.value,
             steps=0,
             restarts=0,
-            error=f"{COORDINATOR_LOST}: {error}".strip(),
+            error=coordinator_lost_error(spec, error),
             launch_id=self._launch_id,
             ended_at=time.time(),
         )
@@ -392,6 +434,13 @@ class TrainingJob:
             record_launch(spec.storage_root, summary)
         _log.error("run %s: %s (%d placement groups removed)", spec.run_name, COORDINATOR_LOST, removed)
         self._lost = summary
+
+    @property
+    def coordinator_lost(self) -> bool:
+        """The coordinator died under this handle before it recorded the run's end (`d9d resume` then
+        continues the run)."""
+        lost = self._lost
+        return lost is not None and (lost.error or "").startswith(COORDINATOR_LOST)
 
     def _lost_status(self) -> JobStatus:
         lost = self._lost
@@ -410,6 +459,16 @@ class TrainingJob:
             last_failure=lost.failures[-1] if lost.failures else None,
             error=lost.error,
         )
+
+
+def coordinator_lost_error(spec: JobSpec, error: BaseException) -> str:
+    """What a driver records and says when the run's coordinator died under it."""
+    lines = str(error).strip().splitlines()
+    why = f" ({lines[0]})" if lines else ""
+    return (
+        f"{COORDINATOR_LOST}: the coordinator of run {spec.run_name} died{why}; the run is not over: "
+        f"`d9d resume {spec.run_dir}` continues it from its newest commit"
+    )
 
 
 def preflight_job(spec: JobSpec) -> None:
@@ -439,6 +498,28 @@ def remove_run_placement_groups(run_name: str) -> int:
     for pg_id in ids:
         remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
     return len(ids)
+
+
+def _cluster_address() -> str:
+    try:
+        return str(ray.get_runtime_context().gcs_address or "")
+    except Exception:  # a Ray client connection may not say
+        return ""
+
+
+def _coordinator_running_here(lease: Lease) -> bool | None:
+    """Whether the coordinator holding `lease` runs in the Ray cluster this driver joined (None: the lease
+    is of another cluster, which this one cannot tell about)."""
+    if not lease.ray_address or lease.ray_address != _cluster_address():
+        return None
+    try:
+        old: Any = ray.get_actor(coordinator_name(lease.run_name), namespace=NAMESPACE)
+        status: JobStatus = ray.get(old.status.remote(), timeout=10)
+    except (ValueError, RayActorError):
+        return False
+    except Exception:  # busy: assume it lives
+        return True
+    return not status.state.terminal
 
 
 def _head_node_id() -> str | None:

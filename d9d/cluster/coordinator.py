@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
+import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -30,15 +32,21 @@ import ray
 from d9d.cluster.checkpoints import Arrival, CheckpointStore, CommittedStep
 from d9d.cluster.config import CoordinatorStorage
 from d9d.cluster.control.controller import Controller
+from d9d.cluster.control.failure import RankError
 from d9d.cluster.control.journal import CommitRecord, Journal, spec_data, unfinished_journal, write_journal
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.metrics import MetricsHub, loss_step, reports_pause
 from d9d.cluster.control.signal import Changes
 from d9d.cluster.control.workers import Attempt
+from d9d.cluster.lease import RENEW_S as LEASE_RENEW_S
+from d9d.cluster.lease import Lease, LeaseLost, read_lease, renew
+from d9d.cluster.lease import release as release_lease
+from d9d.cluster.reporter import storage_stalls
 from d9d.cluster.sink import MetricSink, MetricsWriter
 from d9d.cluster.spec import JobSpec
-from d9d.cluster.state import JobState, JobStatus, RunSummary
+from d9d.cluster.state import MAX_NOTICES, JobState, JobStatus, RunSummary
 from d9d.cluster.transfer import TransferStats, start_node_store
+from d9d.core.inflight import Operation
 from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankCheckpointReport
 
 _COMMAND_POLL_S = 10.0
@@ -52,15 +60,27 @@ class Coordinator:
 
     def __init__(self, spec: JobSpec, sink_factory: Callable[[], MetricSink], launch_id: str = "") -> None:
         self._spec = spec
+        self._notice_count = 0
         ckpt = spec.train.checkpointing
         self._store = CheckpointStore(spec.checkpoint_dir, ckpt.keep_last, ckpt.on_damaged)
         self._changes = Changes()
         self._mailbox = CommandMailbox()
         self._metrics = MetricsHub(MetricsWriter(sink_factory))
         self._control = Controller(
-            spec, self._store, self._mailbox, self._metrics, self._changes, launch_id=launch_id
+            spec,
+            self._store,
+            self._mailbox,
+            self._metrics,
+            self._changes,
+            launch_id=launch_id,
+            notice=self._notice,
         )
         self._main: asyncio.Task[None] | None = None
+        self._launch_id = launch_id
+        self._stalled: dict[int, tuple[Operation, float]] = {}  # this process's storage stalls named so far
+        self._lease: Lease | None = None  # this launch's lease on the run (`d9d.cluster.lease`)
+        self._lease_task: asyncio.Task[None] | None = None
+        self._storage_task: asyncio.Task[None] | None = None
         self._done = False  # terminal, summary written, tracker closed
         self._journal = self._open_journal(launch_id)
         self._journaled: tuple[object, ...] = ()
@@ -120,7 +140,11 @@ class Coordinator:
     async def start(self) -> None:
         if self._main is None:
             loop = asyncio.get_running_loop()
+            if self._launch_id:
+                await asyncio.to_thread(self._renew_lease)  # the driver's lease is this actor's from now on
+                self._lease_task = loop.create_task(self._keep_lease())
             self._journal_task = loop.create_task(self._keep_journal())
+            self._storage_task = loop.create_task(self._watch_storage())
             self._main = loop.create_task(self._run_job())
 
     async def spec(self) -> JobSpec:
@@ -146,6 +170,9 @@ class Coordinator:
             last_loss=self._metrics.last_loss,
             last_failure=c.failures.failures[-1] if c.failures.failures else None,
             error=c.summary.error,
+            failures=len(c.failures.failures),
+            notices=tuple(c.summary.notices[-20:]),
+            notice_count=self._notice_count,
             asleep=self._metrics.asleep and not c.machine.state.terminal,
             standby_ready=c.standby_ready,
         )
@@ -155,12 +182,16 @@ class Coordinator:
         if state.terminal:
             raise RuntimeError(f"run {self._spec.run_name} has already ended ({state.value})")
         self._mailbox.post(command)
+        if command.kind is CommandKind.STOP and command.values.get("reason"):
+            self._control.summary.stop_reason = str(command.values["reason"])
         if command.kind is CommandKind.RESUME:
             self._control.resumed()
         await self._changes.notify()
 
-    async def kill(self) -> None:
+    async def kill(self, reason: str | None = None) -> None:
         """Stop now without waiting for a step boundary (ranks are killed, nothing is saved)."""
+        if reason:
+            self._control.summary.stop_reason = reason
         self._mailbox.request_kill()
         await self._changes.notify()
 
@@ -192,6 +223,35 @@ class Coordinator:
         at = self._control.current(attempt)
         if at is not None:
             at.live.heartbeats[rank] = time.monotonic()
+
+    async def rank_failed(self, attempt: int, error: RankError) -> None:
+        """A rank raised (it calls this before tearing its process group down): the attempt's runner
+        blames the first rank's own exception, not the broken collectives it causes on the others."""
+        at = self._control.current(attempt)
+        if at is not None:
+            at.live.errors.append(dataclasses.replace(error, seen_at=time.monotonic()))
+            await self._changes.notify()
+
+    async def notice(self, attempt: int, text: str) -> None:
+        """Something the user should see now (a rank's storage stall): logged, on `d9d train`'s console
+        through `status()`, and in the summary's `notices`."""
+        if self._control.current(attempt) is not None:
+            await self._notice(text)
+
+    async def _notice(self, text: str) -> None:
+        _log.warning("run %s: %s", self._spec.run_name, text)
+        notices = self._control.summary.notices
+        notices.append(text)
+        del notices[:-MAX_NOTICES]
+        self._notice_count += 1
+        await self._changes.notify()
+
+    async def _watch_storage(self) -> None:
+        """Name this process's own stalled storage operations (commits, the journal) as ranks do theirs."""
+        while not self._done:
+            await self._changes.wait_until(lambda: self._done, 1.0)
+            for text in storage_stalls(self._stalled, self._spec.cluster.storage_stall_s, time.monotonic()):
+                await self._notice(f"coordinator: {text}")
 
     async def boundary(self, attempt: int, step: int, points: list[MetricPoint]) -> None:
         """Rank 0 reached a step boundary (sent once per step, with the points reported since the last
@@ -301,9 +361,42 @@ class Coordinator:
                 # The terminal state is on disk before the actor may go; the writer logs its own errors.
                 with contextlib.suppress(Exception):
                     await self._journal_task
+            if self._lease_task is not None:  # the run is over: another launch may start it again
+                with contextlib.suppress(Exception):
+                    await self._lease_task
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(release_lease, self._spec.run_dir, self._launch_id)
             if self._spec.cluster.detach:
                 await asyncio.sleep(self._spec.cluster.linger_s)
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def _renew_lease(self) -> None:
+        spec = self._spec
+        lease = self._lease or read_lease(spec.run_dir)
+        if lease is None or lease.launch_id != self._launch_id:
+            held = "nobody" if lease is None else lease.describe()
+            raise LeaseLost(f"run {spec.run_name}: launch {self._launch_id} does not hold the lease ({held})")
+        self._lease = renew(
+            spec.run_dir, lease, owner="coordinator", host=socket.gethostname(), pid=os.getpid()
+        )
+
+    async def _keep_lease(self) -> None:
+        """Renew the launch's lease until the run ended; a lease another launch took over ends the run
+        (two launches must not train one run side by side)."""
+        while not self._done:
+            await self._changes.wait_until(lambda: self._done, LEASE_RENEW_S)
+            if self._done:
+                return
+            try:
+                await asyncio.to_thread(self._renew_lease)
+            except LeaseLost as e:
+                _log.error("%s: ending this launch", e)
+                self._control.summary.error = str(e)
+                self._mailbox.request_kill()
+                await self._changes.notify()
+                return
+            except OSError as e:  # a full or unreachable disk: the next renewal may succeed
+                _log.warning("run %s: cannot renew the launch lease: %s", self._spec.run_name, e)
 
     async def _keep_journal(self) -> None:
         """Rewrite the journal whenever what it records changed: an attempt started, a commit was made or

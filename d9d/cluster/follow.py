@@ -202,6 +202,7 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
     display = _Display(total, out, out.isatty() if interactive is None else interactive)
     progress = ConsoleProgress(total)
     last: JobStatus | None = None
+    said = 0  # notices printed
     try:
         while True:
             points, ended = job.poll_metrics(1.0)
@@ -213,6 +214,15 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
                 elif point.rank == CLUSTER_RANK:
                     display.line(", ".join(f"{k} {v:.4g}" for k, v in point.values.items()))
             status = job.status()
+            fresh = status.notice_count - said
+            for notice in (
+                status.notices[len(status.notices) - min(fresh, len(status.notices)) :] if fresh else ()
+            ):
+                display.line(notice)
+            said = status.notice_count
+            if status.failures > (last.failures if last is not None else 0) and status.last_failure:
+                # As it happens, even when the restart is over before this poll saw it.
+                display.line(f"attempt failed: {status.last_failure}")
             if last is None or status.state != last.state or status.asleep != last.asleep:
                 text = f"run {status.run_name}: {status.state.value}"
                 if status.asleep:
@@ -237,6 +247,8 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
     )
     if summary.error:
         display.line(summary.error)
+    if job.coordinator_lost:
+        print(f"d9d: {summary.error}", file=sys.stderr, flush=True)
     for where in where_everything_is(job.spec):
         display.line(f"  {where}")
     return summary

@@ -23,24 +23,30 @@ CUDA with the devices the job's ranks on its node see (docs/cluster.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import faulthandler
 import importlib
+import logging
 import os
+import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import ray
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported by c10d, not re-declared
 
+from d9d.cluster.control.failure import RankError
 from d9d.cluster.reporter import CoordinatorTransfer, RayRunReporter
 from d9d.core.context import init_process_group
-from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime
+from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime, failed_step
 
 RANK_LOG_DIR = "logs"
 # Setup durations of one rank (seconds), in order; a key is left out when its end was not seen.
@@ -48,6 +54,8 @@ SETUP_PROCESS_GROUP = "setup_process_group_s"  # run() entered -> process group 
 SETUP_BUILD = "setup_build_s"  # -> the engine asks for the latest checkpoint
 SETUP_LOAD = "setup_load_s"  # -> rank 0's first step boundary (the checkpoint is loaded)
 SETUP_KEYS = (SETUP_PROCESS_GROUP, SETUP_BUILD, SETUP_LOAD)
+_REPORT_TIMEOUT_S = 5.0  # a failing rank's wait for the coordinator to take its error
+_log = logging.getLogger(__name__)
 
 
 def rank_log_path(run_dir: Path, rank: int) -> Path:
@@ -88,6 +96,15 @@ class RankNode:
     node_id: str
     ip: str
     gpu_ids: tuple[str, ...]  # what Ray assigned to this actor
+    pid: int = 0
+
+
+def rank_stacks_path(run_dir: Path, rank: int) -> Path:
+    """Where a rank's `faulthandler` writes its threads' stacks on STACKS_SIGNAL (appended)."""
+    return run_dir / RANK_LOG_DIR / f"rank{rank}.stacks"
+
+
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(frozen=True)
@@ -110,6 +127,7 @@ class RankLaunch:
     transfer: CoordinatorTransfer | None
     # "files": stdout/stderr to <run dir>/logs/rank<r>.log; "forward": left to Ray (to the driver).
     rank_output: Literal["files", "forward"] = "files"
+    storage_stall_s: float = 10.0  # cluster.storage_stall_s
 
 
 @dataclass(frozen=True)
@@ -141,6 +159,7 @@ class PhasedReporter(RayRunReporter):
             launch.command_seq,
             launch.transfer,
             heartbeat_interval_s=launch.heartbeat_interval_s,
+            storage_stall_s=launch.storage_stall_s,
         )
         self._setup_rank = rt.rank
         self._run_at = run_at
@@ -210,6 +229,7 @@ class RankActor:
         self._coordinator = coordinator
         self._warm: StandbyReady | None = None
         self._store: TCPStore | None = None
+        self._stacks_file: TextIO | None = None
         # Ray starts workers at nice 15 (RAY_worker_niceness) so its own daemons stay responsive; a rank is
         # the job's critical path and should not lose its core to every other process on the node. Going
         # back to 0 needs CAP_SYS_NICE (root in most containers); without it the rank keeps Ray's value.
@@ -248,6 +268,7 @@ class RankActor:
             node_id=ctx.get_node_id(),
             ip=ray.util.get_node_ip_address(),
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            pid=os.getpid(),
         )
 
     def open_store(self, world_size: int, timeout_s: float) -> int:
@@ -274,6 +295,7 @@ class RankActor:
     def _run(self, launch: RankLaunch) -> RankResult:
         run_at = time.time()
         rt = launch.runtime
+        self._dump_stacks_on_signal(rank_stacks_path(rt.run_dir, rt.rank))
         os.environ.update(
             RANK=str(rt.rank),
             WORLD_SIZE=str(rt.world_size),
@@ -290,18 +312,49 @@ class RankActor:
                     f"{launch.cuda_visible_devices}"
                 )
             os.environ["CUDA_VISIBLE_DEVICES"] = launch.cuda_visible_devices
-        self._init_process_group(launch)
-        reporter = PhasedReporter(
-            launch, self._coordinator, run_at=run_at, process_group_at=time.time()
-        ).start()
+        reporter: RayRunReporter | None = None
         try:
+            self._init_process_group(launch)
+            reporter = PhasedReporter(
+                launch, self._coordinator, run_at=run_at, process_group_at=time.time()
+            ).start()
             entrypoint = resolve_entrypoint(launch.entrypoint)
             result: RankResult = entrypoint(launch.config, rt, reporter)
             return result
+        except Exception as e:
+            # Before the process group goes: tearing it down breaks the peers' collectives, and their errors
+            # must reach the coordinator after this one, the cause.
+            self._report_failure(launch, e)
+            raise
         finally:
-            reporter.close()
+            if reporter is not None:
+                reporter.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+    def _dump_stacks_on_signal(self, path: Path) -> None:
+        """On STACKS_SIGNAL, `faulthandler` writes every thread's stack to `path` from its C signal handler:
+        it works while the training thread is stuck in C code (a collective) or holds the GIL. The
+        coordinator sends the signal when it declares the attempt hung (`WorkerGroup.dump_stacks`)."""
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if self._stacks_file is None or self._stacks_file.name != str(path):
+                self._stacks_file = path.open("a")
+            faulthandler.register(STACKS_SIGNAL, file=self._stacks_file, all_threads=True, chain=False)
+
+    def _report_failure(self, launch: RankLaunch, error: Exception) -> None:
+        """Tell the coordinator this rank's own exception (and write it to the rank's log), waiting briefly
+        for the call: the coordinator then blames this error, not what it causes on the other ranks."""
+        rt = launch.runtime
+        traceback.print_exc()
+        sys.stderr.flush()
+        failure = RankError.of(rt.rank, error, step=failed_step(error))
+        if launch.rank_output == "files":
+            failure = dataclasses.replace(failure, log=str(rank_log_path(rt.run_dir, rt.rank)))
+        try:
+            ray.get(self._coordinator.rank_failed.remote(rt.attempt, failure), timeout=_REPORT_TIMEOUT_S)
+        except Exception:  # the coordinator is gone or busy: the failed `run` call still says it
+            _log.warning("could not report the failure to the coordinator", exc_info=True)
 
     def _init_process_group(self, launch: RankLaunch) -> None:
         rt = launch.runtime

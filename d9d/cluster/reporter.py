@@ -25,6 +25,7 @@ import ray
 import torch.distributed as dist
 
 from d9d.cluster.transfer import CoordinatorTransfer, Fetcher, Uploader, upload_report
+from d9d.core.inflight import Operation, operations
 from d9d.engine.runtime import Command, MetricPoint, RankCheckpointReport
 
 __all__ = ["CoordinatorTransfer", "RayRunReporter"]
@@ -42,6 +43,7 @@ class RayRunReporter:
         transfer: CoordinatorTransfer | None,
         heartbeat_interval_s: float = 0.5,
         courier_interval_s: float = 0.05,
+        storage_stall_s: float = 10.0,
     ) -> None:
         self._coordinator = coordinator
         self.attempt = attempt
@@ -50,6 +52,8 @@ class RayRunReporter:
         self._transfer = transfer
         self._heartbeat_s = heartbeat_interval_s
         self._courier_s = courier_interval_s
+        self._stall_s = storage_stall_s
+        self._stalled: dict[int, tuple[Operation, float]] = {}  # reported stalls: op id -> (op, last said)
         self._lock = threading.Lock()
         self._pending: list[MetricPoint] = []
         self._step: int | None = None  # rank 0's latest step boundary
@@ -76,6 +80,10 @@ class RayRunReporter:
             self._stop.set()
             if self._courier.is_alive():
                 self._courier.join()
+            try:
+                self._report_stalls()  # a stall that just ended is said before the rank's last points
+            except Exception:
+                _log.debug("stall report failed", exc_info=True)
             self._send(wait=True)
 
     # -- the step path: local memory only ----------------------------------------------------------------
@@ -121,8 +129,15 @@ class RayRunReporter:
                 if time.monotonic() >= next_beat:
                     self._coordinator.heartbeat.remote(self.attempt, self._rank)
                     next_beat = time.monotonic() + self._heartbeat_s
+                    self._report_stalls()
             except Exception:  # the coordinator is gone: its supervisor tears this rank down
                 _log.debug("courier call failed", exc_info=True)
+
+    def _report_stalls(self) -> None:
+        """Name storage operations of this process in flight for `storage_stall_s` (again every as long),
+        and those that ended after being named."""
+        for text in storage_stalls(self._stalled, self._stall_s, time.monotonic()):
+            self._coordinator.notice.remote(self.attempt, f"rank {self._rank}: {text}")
 
     def _listen(self) -> None:
         """Rank 0: one long-poll for commands outstanding at all times; results wait for the next boundary."""
@@ -193,3 +208,22 @@ class RayRunReporter:
         nbytes = upload_report(store, self.attempt, report, self._transfer)
         # A long upload at the end of a run is progress, as a step boundary is (the hang detector).
         self._coordinator.uploaded.remote(self.attempt, self._rank, report.step, nbytes)
+
+
+def storage_stalls(stalled: dict[int, tuple[Operation, float]], stall_s: float, now: float) -> list[str]:
+    """What to say about this process's storage operations now (updating `stalled`, the ones said so far):
+    one in flight for `stall_s` (and every `stall_s` after), and one that ended after it was said."""
+    texts = []
+    live = {op.id: op for op in operations()}
+    for op_id, (op, _) in list(stalled.items()):
+        if op_id not in live:
+            del stalled[op_id]
+            texts.append(
+                f"storage: {op.what} {op.where} ({op.store}) done after about {now - op.started:.0f}s"
+            )
+    for op in live.values():
+        said = stalled.get(op.id)
+        if now - op.started >= stall_s and (said is None or now - said[1] >= stall_s):
+            stalled[op.id] = (op, now)
+            texts.append(f"storage stalled: {op.describe(now)}, still waiting")
+    return texts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,11 @@ from typing import Any
 from d9d.core.storage import Location, move_tree, write_text
 
 SUMMARY_FILE = "run_summary.json"
+MAX_NOTICES = 100  # kept in a status and a summary
 _log = logging.getLogger(__name__)
+# `record_launch` reads, updates and rewrites the file: threads of one process take turns (the coordinator
+# writes from its event loop and its threads, a driver from whichever thread saw the coordinator die).
+_RECORD_LOCK = threading.Lock()
 
 
 class JobState(enum.StrEnum):
@@ -77,6 +82,11 @@ class JobStatus:
     last_loss: float | None
     last_failure: str | None = None
     error: str | None = None
+    failures: int = 0  # attempts that failed so far (`last_failure` is the newest's reason)
+    # What the coordinator said as it happened (storage stalls, ...): the newest `MAX_NOTICES`, of
+    # `notice_count` so far.
+    notices: tuple[str, ...] = ()
+    notice_count: int = 0
     # The ranks' training state is in host memory (`TrainingJob.sleep`); the state is then PAUSED.
     asleep: bool = False
     standby_ready: int = 0  # warm standby ranks ready to be taken by a restart (`cluster.standby_ranks`)
@@ -103,6 +113,9 @@ class RunSummary:
     standby_ranks_used: list[int] = field(default_factory=list)  # per attempt: ranks taken from standbys
     losses: dict[int, float] = field(default_factory=dict)  # per step, as finally trained
     error: str | None = None
+    notices: list[str] = field(default_factory=list)  # storage stalls and the like, as they happened
+    # Why a stopped run stopped, when its stop said (`preempted: SIGTERM to the driver`, `d9d stop`).
+    stop_reason: str | None = None
     # Which launch of the run this is (`TrainingJob.start` picks it): a file holds one record per launch.
     launch_id: str = ""
     ended_at: float | None = None  # wall clock
@@ -143,6 +156,11 @@ def record_launch(run_dir: Location, summary: RunSummary) -> None:
     Every launch keeps its own record under `launches`, so a failed relaunch never erases what an earlier
     launch finished; the top level repeats the latest record's fields for readers of the one-record
     format. An unreadable file is moved aside, not overwritten: it may be the only record of a launch."""
+    with _RECORD_LOCK:
+        _record_launch(run_dir, summary)
+
+
+def _record_launch(run_dir: Location, summary: RunSummary) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / SUMMARY_FILE
     record = summary.to_json()

@@ -14,6 +14,7 @@ from typing import Any
 from ray.job_submission import JobStatus as RayJobStatus
 from ray.job_submission import JobSubmissionClient
 
+from d9d.cluster.lease import check_no_live_launch
 from d9d.cluster.names import NAMESPACE, coordinator_name
 from d9d.cluster.reach import pin_relative_paths
 from d9d.cluster.runtime_env import RuntimeEnvConfig, with_runtime_env
@@ -65,6 +66,7 @@ def submit(
     local paths of the job file do not exist there)."""
     data = with_runtime_env(apply_overrides(read_config_file(config), overrides), runtime_env)
     spec = build_job(data, num_workers=num_workers, cpu=cpu)
+    check_no_live_launch(spec.run_dir)  # the job's own `d9d train` checks again, on the cluster
     pinned = pin_relative_paths(data, spec)
     env = spec.cluster.runtime_env or RuntimeEnvConfig()
     if env.working_dir is not None and "://" in env.working_dir:

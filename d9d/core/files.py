@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -11,11 +12,12 @@ from typing import BinaryIO
 def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool = False) -> None:
     """Calls `write` on a temporary file beside `path`, then renames it over `path`.
 
-    The temporary name carries the pid, so two processes writing the same target never share one. With
+    The temporary name is unique per call (pid and a random part), so two processes or two threads of one
+    process writing the same target never share one; the last rename wins. With
     `fsync`, the data reaches the disk before the rename makes it visible (a crash then leaves the old file
     or the complete new one, not an empty one).
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     try:
         with tmp.open("wb") as f:
             write(f)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar
 
 from d9d.core.files import atomic_write_bytes
+from d9d.core.inflight import storage_operation
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -70,7 +71,8 @@ class LocalStorage:
     """A local or network file system: writes go through a temporary file and a rename."""
 
     def write_bytes(self, path: str, data: bytes) -> None:
-        atomic_write_bytes(Path(path), data, fsync=True)
+        with storage_operation("writing", path):
+            atomic_write_bytes(Path(path), data, fsync=True)
 
     def remove_tree(self, path: str) -> None:
         target = Path(path)
@@ -107,7 +109,8 @@ class FsspecStorage:
             raise StorageError(f"cannot open {self.protocol}:// storage: {e}") from None
 
     def write_bytes(self, path: str, data: bytes) -> None:
-        self.fs.pipe_file(path, data)
+        with storage_operation("writing", path):
+            self.fs.pipe_file(path, data)
 
     def remove_tree(self, path: str) -> None:
         fs = self.fs

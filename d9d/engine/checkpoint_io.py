@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.serialization import _get_layout
 
+from d9d.core.inflight import storage_operation
 from d9d.core.storage import Location, StoragePath
 
 METADATA = ".metadata"
@@ -118,7 +119,7 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         target = Path(path)
-        with target.open(mode) as raw:
+        with storage_operation("writing", str(target)), target.open(mode) as raw:
             stream = _HashingStream(cast(IO[bytes], raw))
             yield stream
             stream.flush()
@@ -160,12 +161,19 @@ class _HashingFsspecFileSystem(_StorageFileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as raw:
+        with storage_operation("writing", self._uri(path)), super().create_stream(path, mode) as raw:
             stream = _HashingStream(cast(IO[bytes], raw))
             yield stream
             stream.flush()
         with self._lock:
             self.written[PurePosixPath(str(path)).name] = WrittenFile(stream.size, stream.sha256)
+
+    def _uri(self, path: str | os.PathLike[str]) -> str:
+        text = str(path)
+        if "://" in text:
+            return text
+        protocol = getattr(self.fs, "protocol", "file")
+        return f"{protocol[0] if isinstance(protocol, (tuple, list)) else protocol}://{text}"
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)

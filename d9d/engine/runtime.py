@@ -21,6 +21,7 @@ Rules the engine follows (and launchers may rely on):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -120,3 +121,22 @@ class RunReporter(Protocol):
         """The committed step directory to resume from, if any (every rank calls it at start-up): the newest
         commit whose files verify against its manifest (`d9d.engine.checkpoint.select_commit`)."""
         ...
+
+
+_STEP_ATTR = "d9d_step"
+
+
+def mark_failed_step(error: BaseException, step: int) -> None:
+    """Note on `error` the training step it was raised in, for a launcher to report (`failed_step`) and in
+    its traceback. The first mark wins."""
+    if failed_step(error) is not None:
+        return
+    with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
+        setattr(error, _STEP_ATTR, step)
+        error.add_note(f"(d9d: raised in training step {step})")
+
+
+def failed_step(error: BaseException) -> int | None:
+    """The training step `error` was raised in, when the engine marked it (`mark_failed_step`)."""
+    step = getattr(error, _STEP_ATTR, None)
+    return step if isinstance(step, int) else None

@@ -46,7 +46,7 @@ from d9d.engine.nonfinite import (
 from d9d.engine.offload import HostOffload, SleepReport, WakeReport, training_state_tensors
 from d9d.engine.progress import StepProgress
 from d9d.engine.resume import committed_config, decide_resume
-from d9d.engine.runtime import MetricPoint, RankResult, RunReporter
+from d9d.engine.runtime import MetricPoint, RankResult, RunReporter, mark_failed_step
 from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
 from d9d.engine.step import global_loss, to_device
@@ -211,9 +211,11 @@ class Trainer:
         finished = True
         first_step = True
         profiler = self._build_profiler()
+        in_step = self.progress.step + 1
         try:
             with profiler:
                 while self.progress.step < c.trainer.total_steps:
+                    in_step = self.progress.step + 1  # an error from here on is this step's
                     if not self.commands.at_boundary():
                         finished = False
                         break
@@ -228,6 +230,9 @@ class Trainer:
                     if advanced:
                         self._after_step(self.progress.step)
             self._finish(finished)
+        except Exception as e:
+            mark_failed_step(e, in_step)  # for launchers: the same error at the same step is not retried
+            raise
         finally:
             self.parts.data.close()  # also after an error: the prefetch thread must not outlive the run
             progress.close()

@@ -10,25 +10,18 @@ followed to its end, as by `d9d train`, unless `--detach`.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 
-class _Terminated(Exception):
-    pass
-
-
-def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated
-
-
 def _run(args: argparse.Namespace) -> int:
+    from d9d.cli import exit_codes
+    from d9d.cli.commands.train import follow_preemptible
     from d9d.cluster import TrainingJob
     from d9d.cluster.checkpoints import RunFinished
     from d9d.cluster.follow import follow
+    from d9d.cluster.lease import LeaseHeld
     from d9d.engine.checkpoint import CheckpointError
 
     run: str | Path = args.run_dir or args.run
@@ -36,7 +29,10 @@ def _run(args: argparse.Namespace) -> int:
         job = TrainingJob.resume_run(run, args.address, detach=True if args.detach else None)
     except RunFinished as e:
         print(f"d9d resume: {e}", file=sys.stderr)
-        return 0
+        return exit_codes.ALREADY_FINISHED
+    except LeaseHeld as e:  # its coordinator lives (another `d9d resume`, or it did not die)
+        print(f"d9d resume: {e}", file=sys.stderr)
+        return exit_codes.LIVE_LAUNCH
     except (CheckpointError, RuntimeError, ValueError) as e:
         print(f"d9d resume: {e}", file=sys.stderr)
         return 2
@@ -47,17 +43,13 @@ def _run(args: argparse.Namespace) -> int:
     # Followed here even when the run is detached (`cluster.detach` from its journal): its coordinator
     # then outlives this command, as it outlived the driver that started it.
     print(f"run {name} resumed", flush=True)
-    signal.signal(signal.SIGTERM, _raise_terminated)  # as `d9d train`: stop the ranks, write the summary
-    try:
-        summary = follow(job)
-    except (KeyboardInterrupt, _Terminated):
-        if job.spec.cluster.detach:
+    if job.spec.cluster.detach:
+        try:
+            return exit_codes.of_run(job, follow(job))
+        except KeyboardInterrupt:
             print(f"d9d resume: no longer following run {name}; it goes on", file=sys.stderr)
-            return 0
-        print(f"d9d resume: stopping run {name}", file=sys.stderr, flush=True)
-        job.stop(force=True)
-        summary = job.result(timeout=30)
-    return 1 if summary.status == "failed" else 0
+            return exit_codes.FINISHED
+    return follow_preemptible(job, "resume")  # as `d9d train`: a signal saves the step and stops
 
 
 def register(subparsers: Any) -> None:

@@ -44,6 +44,8 @@ def _run(args: argparse.Namespace) -> int:
         )
         if status.last_failure:
             print(f"  last failure: {status.last_failure}")
+        if status.error:
+            print("  error: " + status.error.replace("\n", "\n    "))
         return 0
     files = loc.record.files(options) if loc.record else (run_dir or root / run)
     summary = files / SUMMARY_FILE

@@ -1,6 +1,7 @@
 """`d9d stop RUN`: stop a run found by its name and wait until it ended: its Ray job (`ray job stop`: the
-driver kills the ranks and writes the summary), else its live coordinator (ranks killed at once, as
-`ray job stop` does)."""
+driver, `d9d train`, gets SIGTERM and stops the ranks as below within `cluster.preemption_grace_s`), else its
+live coordinator: the ranks stop at the next step boundary and commit that step (killed if they have not
+within `--timeout`); `--now` kills them at once, losing the steps since the last commit."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ def _run(args: argparse.Namespace) -> int:
     run, loc = lookup.run, lookup.found
     if loc.submission is not None:
         sub, address = loc.submission, jobs.dashboard_address(args.address)
+        if not args.now and loc.ray_address is not None:
+            # `ray job stop` gives the driver only a few seconds (RAY_JOB_STOP_WAIT_TIME_S) after its
+            # SIGTERM: have the coordinator commit the step the ranks are at first, when it is reachable.
+            try:
+                job = attach(loc)
+                if job is not None:
+                    summary = job.checkpoint_and_stop(args.timeout, reason="d9d stop")
+                    print(f"run {sub.run_name}: {summary.status} after {summary.steps} steps")
+            except Exception as e:  # the Ray job stop below still ends it
+                print(f"d9d stop: could not stop run {run!r} at a step boundary: {e}", file=sys.stderr)
         print(f"run {sub.run_name}: Ray job {sub.submission_id} {jobs.stop(sub.submission_id, address)}")
         return 0
     job = attach(loc)
@@ -29,9 +40,16 @@ def _run(args: argparse.Namespace) -> int:
         where = "it has ended" if loc.ended else "no Ray job or live coordinator found"
         print(f"d9d stop: run {run!r}: {where}", file=sys.stderr)
         return 1
-    job.stop(force=True)
-    summary = job.result(timeout=_STOP_WAIT_S)
-    print(f"run {run}: {summary.status} after {summary.steps} steps")
+    if args.now:
+        job.stop(force=True, reason="d9d stop --now")
+        summary = job.result(timeout=_STOP_WAIT_S)
+    else:
+        print(f"run {run}: stopping at the next step boundary, which is saved", flush=True)
+        summary = job.checkpoint_and_stop(args.timeout, reason="d9d stop")
+    latest = (
+        f"; latest commit: step {job.status().latest_checkpoint_step}" if not job.coordinator_lost else ""
+    )
+    print(f"run {run}: {summary.status} after {summary.steps} steps{latest}")
     return 0
 
 
@@ -40,4 +58,18 @@ def register(subparsers: Any) -> None:
 
     parser = subparsers.add_parser("stop", help="stop a run, found by its name")
     add_lookup_options(parser)
+    parser.add_argument(
+        "--now",
+        action="store_true",
+        help="kill the ranks at once (the steps since the last commit are lost) instead of stopping at the "
+        "next step boundary with a checkpoint of it",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=_STOP_WAIT_S,
+        metavar="S",
+        help="kill the ranks if they have not stopped at a step boundary within S seconds "
+        f"(default {_STOP_WAIT_S:g})",
+    )
     parser.set_defaults(handler=_run)

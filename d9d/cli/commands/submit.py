@@ -9,7 +9,9 @@ from typing import Any
 
 
 def _run(args: argparse.Namespace) -> int:
+    from d9d.cli import exit_codes
     from d9d.cli.commands.train import runtime_env_option
+    from d9d.cluster.lease import LeaseHeld
     from d9d.cluster.submit import dashboard_address, submit
     from d9d.engine.config import ConfigError
 
@@ -28,7 +30,10 @@ def _run(args: argparse.Namespace) -> int:
         )
     except (ConfigError, ValueError) as e:
         print(f"d9d submit: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.REFUSED
+    except LeaseHeld as e:
+        print(f"d9d submit: {e}", file=sys.stderr)
+        return exit_codes.LIVE_LAUNCH
     print(sub.submission_id)
     return 0
 

@@ -16,16 +16,74 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from d9d.cluster.client import TrainingJob
     from d9d.cluster.runtime_env import RuntimeEnvConfig
     from d9d.cluster.spec import JobSpec
 
 
-class _Terminated(Exception):
-    pass
+class Preempted(Exception):
+    """SIGTERM or SIGINT reached the driver."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
-def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated
+def _raise_preempted(signum: int, frame: FrameType | None) -> None:
+    raise Preempted(signum)
+
+
+def follow_preemptible(job: TrainingJob, command: str) -> int:
+    """Follow `job` to its end; on SIGTERM or SIGINT (a preemption, `ray job stop`, Ctrl-C) stop it at the
+    next step boundary, which commits that step, within `cluster.preemption_grace_s` (a second signal
+    kills the ranks at once). The exit status (`d9d.cli.exit_codes`)."""
+    from d9d.cli import exit_codes
+    from d9d.cluster.follow import follow
+
+    previous = {s: signal.signal(s, _raise_preempted) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            summary = follow(job)
+        except Preempted as e:
+            return _preempted(job, command, e)
+        return exit_codes.of_run(job, summary)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _preempted(job: TrainingJob, command: str, signal_: Preempted) -> int:
+    from d9d.cli import exit_codes
+
+    grace = job.spec.cluster.preemption_grace_s
+    reason = f"preempted: {signal_} to the driver"
+    print(
+        f"d9d {command}: {signal_}: stopping run {job.run_name} at the next step boundary, which is saved "
+        f"(at most {grace:g}s; a second signal kills the ranks now)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        summary = job.checkpoint_and_stop(grace, reason=reason)
+    except Preempted:
+        print(f"d9d {command}: killing the ranks of run {job.run_name} now", file=sys.stderr, flush=True)
+        job.stop(force=True, reason=f"{reason}, killed by a second signal")
+        summary = job.result(timeout=30)
+    if job.coordinator_lost:
+        print(f"d9d {command}: {summary.error}", file=sys.stderr, flush=True)
+        return exit_codes.COORDINATOR_LOST
+    if summary.status == "failed":
+        print(f"d9d {command}: run {job.run_name} failed: {summary.error}", file=sys.stderr, flush=True)
+        return exit_codes.FAILED
+    if summary.status == "finished":
+        return exit_codes.FINISHED
+    print(
+        f"d9d {command}: run {job.run_name} {summary.status} at step {summary.steps} "
+        f"({summary.stop_reason}); `d9d resume {job.spec.run_dir}` continues it",
+        file=sys.stderr,
+        flush=True,
+    )
+    return exit_codes.PREEMPTED
 
 
 def resolved_config(spec: JobSpec) -> dict[str, Any]:
@@ -52,9 +110,10 @@ def dry_run(spec: JobSpec, config_path: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from d9d.cli import exit_codes
     from d9d.cluster import TrainingJob, load_job
     from d9d.cluster.checkpoints import RunFinished
-    from d9d.cluster.follow import follow
+    from d9d.cluster.lease import LeaseHeld
     from d9d.engine.checkpoint import CheckpointError
     from d9d.engine.config import ConfigError
 
@@ -84,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
         job = TrainingJob(spec).start(address=args.address)
     except RunFinished as e:
         print(f"d9d train: {e}", file=sys.stderr)
-        return 0
+        return exit_codes.FINISHED if args.finished_ok else exit_codes.ALREADY_FINISHED
+    except LeaseHeld as e:  # another launch of this run is live
+        print(f"d9d train: {e}", file=sys.stderr)
+        return exit_codes.LIVE_LAUNCH
     except (CheckpointError, ValueError) as e:  # resume refused: identity, run.resume, damaged commits
         print(f"d9d train: {e}", file=sys.stderr)
         return 2
@@ -99,15 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if spec.cluster.detach:
         print(f"run {spec.run_name} started (detached); follow it with TrainingJob.attach({spec.run_name!r})")
         return 0
-    # `ray job stop` sends SIGTERM: stop the ranks at once and write the summary before Ray's SIGKILL.
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        summary = follow(job)
-    except (KeyboardInterrupt, _Terminated):
-        print(f"d9d train: stopping run {spec.run_name}", file=sys.stderr, flush=True)
-        job.stop(force=True)
-        summary = job.result(timeout=30)
-    return 1 if summary.status == "failed" else 0
+    # `ray job stop`, a scheduler's preemption and Ctrl-C: the ranks save the step they are at and stop.
+    return follow_preemptible(job, "train")
 
 
 def add_override_option(parser: argparse.ArgumentParser) -> None:
@@ -179,6 +234,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)")
     parser.add_argument(
         "--detach", action="store_true", help="return once started; the run outlives this process"
+    )
+    parser.add_argument(
+        "--finished-ok",
+        action="store_true",
+        help="exit 0 when the run has already finished (default: exit status 5, saying so)",
     )
     parser.add_argument(
         "--verbose",

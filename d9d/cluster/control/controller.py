@@ -12,9 +12,13 @@ Restart: restarting; End: terminal), through the `StateMachine`, whose table say
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from d9d.cluster.checkpoints import CheckpointStore
@@ -129,12 +133,15 @@ class Controller:
         workers: Workers | None = None,
         runner: Runs | None = None,
         launch_id: str = "",
+        notice: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self._spec = spec
         self._store = store
         self._mailbox = mailbox
         self._metrics = metrics
         self._changes = changes
+        self._notice = notice  # says something on the console as it happens (the coordinator's notices)
+        self._space_noted = False
         self.machine = StateMachine()
         self.summary = RunSummary(
             run_name=spec.run_name, status=JobState.PENDING.value, steps=0, restarts=0, launch_id=launch_id
@@ -216,6 +223,9 @@ class Controller:
         if state.growing:
             self._scaling.resize_reserved(state.target, plan.world_size, self._workers.alive())
         at.resumed_from = await asyncio.to_thread(self._prepare_store)
+        if self.failures.no_space_seen and not self._space_noted and self._notice is not None:
+            self._space_noted = True
+            await self._notice(f"no space left on the device: {await asyncio.to_thread(self._freed)}")
         self.summary.standby_ranks_used.append(len(pg.standbys) if isinstance(pg, Reservation) else 0)
         if self._recovery is not None:
             self._recovery.placed = time.time()
@@ -287,6 +297,14 @@ class Controller:
         ready = {"standby_ranks_ready": float(self._standby.ready_count)}
         self._metrics.add(MetricPoint(self._metrics.last_step, CLUSTER_RANK, ready, "health", time.time()))
         await self._changes.notify()
+
+    def _freed(self) -> str:
+        root = self._spec.checkpoint_dir
+        said = f"the uncommitted checkpoint steps under {root} were removed; retrying once"
+        if isinstance(root, Path):
+            with contextlib.suppress(OSError):
+                return f"{said} ({shutil.disk_usage(root).free / 2**30:.2f} GiB free there now)"
+        return said
 
     def _prepare_store(self) -> int:
         self._store.clear_uncommitted()

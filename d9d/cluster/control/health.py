@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from d9d.cluster.control.failure import RankError
 from d9d.cluster.control.outcome import Failed
 
 
@@ -30,6 +31,7 @@ class Liveness:
     step_done: bool = False  # a step completed in this attempt
     returned: frozenset[int] = frozenset()  # ranks whose `run` returned
     first_returned: float | None = None
+    errors: list[RankError] = field(default_factory=list)  # in the order they arrived (`seen_at` set)
 
 
 HealthCheck = Callable[[Liveness, Limits, float, bool], Failed | None]
@@ -40,13 +42,13 @@ def stragglers(live: Liveness, limits: Limits, now: float, paused: bool) -> Fail
     if live.first_returned is None or now - live.first_returned <= limits.step_timeout_s:
         return None
     missing = sorted(set(range(live.world_size)) - live.returned)
-    return Failed(f"ranks {missing} did not finish {limits.step_timeout_s}s after the others")
+    return Failed(f"ranks {missing} did not finish {limits.step_timeout_s}s after the others", hung=True)
 
 
 def missed_heartbeats(live: Liveness, limits: Limits, now: float, paused: bool) -> Failed | None:
     for rank, seen in live.heartbeats.items():
         if now - seen > limits.heartbeat_timeout_s:
-            return Failed(f"rank {rank}: no heartbeat for {now - seen:.1f}s")
+            return Failed(f"rank {rank}: no heartbeat for {now - seen:.1f}s", hung=True)
     return None
 
 
@@ -56,7 +58,7 @@ def hang(live: Liveness, limits: Limits, now: float, paused: bool) -> Failed | N
     if paused or now - live.progress <= limit:
         return None
     what = "step" if live.step_done else "first step (init timeout)"
-    return Failed(f"hang: no {what} completed for {now - live.progress:.1f}s (limit {limit}s)")
+    return Failed(f"hang: no {what} completed for {now - live.progress:.1f}s (limit {limit}s)", hung=True)
 
 
 CHECKS: tuple[HealthCheck, ...] = (stragglers, missed_heartbeats, hang)

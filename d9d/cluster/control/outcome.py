@@ -21,11 +21,19 @@ class Stopped:
 class Failed:
     """A rank died, raised, hung or missed its heartbeats; `retryable` is False when trying again cannot
     help (see `failure.is_retryable`). `reason` is one line (logged per attempt, kept in the summary's
-    failure list); `detail` the whole exception chain with its files and lines, for the final error."""
+    failure list); `detail` the exception chain's last lines with their files, for the final error.
+
+    `step` is the training step a rank raised in (None: not known, or not an exception) and `key` what
+    makes two exceptions the same (type and message): the same key at the same step after a restart is
+    not retried again (`FailurePolicy`)."""
 
     reason: str
     retryable: bool = True
     detail: str = ""
+    step: int | None = None
+    key: str = ""
+    no_space: bool = False  # ENOSPC: retried once (the restart frees the uncommitted steps), then fatal
+    hung: bool = False  # a health check declared ranks hung: their stacks are collected before the teardown
 
 
 @dataclass(frozen=True)

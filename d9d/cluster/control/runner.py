@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -11,7 +13,16 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from d9d.cluster.control.failure import is_retryable
+from d9d.cluster.control.failure import (
+    SETUP_ERRORS,
+    NonRetryableError,
+    RankError,
+    blame,
+    is_no_space,
+    is_retryable,
+    tail,
+)
+from d9d.cluster.control.hang import attribute, render
 from d9d.cluster.control.health import Limits, first_failure
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.metrics import MetricsHub
@@ -20,24 +31,33 @@ from d9d.cluster.control.signal import Changes
 from d9d.cluster.control.workers import Attempt, WorkerGroup
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, StateMachine
-from d9d.engine.runtime import Command, CommandKind, RankResult
+from d9d.core.files import atomic_write_text
+from d9d.engine.runtime import Command, CommandKind, RankResult, failed_step
 
 _POLL_S = 0.1
+_log = logging.getLogger(__name__)
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The rank's own exception inside Ray's `RayTaskError` (the error itself otherwise)."""
+    cause = getattr(error, "cause", None) if isinstance(error, RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else error
 
 
 def describe(error: BaseException) -> str:
-    """One line: the error's type and the last line of its message."""
+    """One line: the error's type (the rank's own, not Ray's wrapper) and the last line of its message."""
+    error = _cause(error)
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[-1] if text else ''}"
 
 
 def describe_chain(error: BaseException) -> str:
-    """The whole exception chain with files and lines. A rank's error arrives as Ray's `RayTaskError`,
-    whose text is the rank's own formatted traceback (causes and contexts included); the driver-side
-    frames of re-raising it would say nothing."""
+    """The exception chain's last lines with files and lines. A rank's error arrives as Ray's
+    `RayTaskError`, whose text is the rank's own formatted traceback (causes and contexts included); the
+    driver-side frames of re-raising it would say nothing."""
     if isinstance(error, RayTaskError):
-        return str(error).strip()
-    return "".join(traceback.format_exception(error)).strip()
+        return tail(str(error))
+    return tail("".join(traceback.format_exception(error)))
 
 
 def failed(where: str, error: BaseException, *, before_first_step: bool) -> Failed:
@@ -48,15 +68,31 @@ def failed(where: str, error: BaseException, *, before_first_step: bool) -> Fail
     )
 
 
-def failure_precedence(fut: asyncio.Future[Any], *, before_first_step: bool = False) -> int:
-    """Which of the ranks that failed together names the attempt's failure: one whose process died (its
-    peers' collectives broke because of it), then one whose error is not retryable, then any."""
-    error = fut.exception()
+def rank_error(rank: int, error: BaseException, seen_at: float) -> RankError:
+    """What a rank's failed `run` call says, as a `RankError` (its process died: `died`)."""
     if isinstance(error, RayActorError):
-        return 0
-    if error is not None and not is_retryable(error, before_first_step=before_first_step):
-        return 1
-    return 2
+        return RankError(
+            rank, type(error).__name__, str(error).strip(), tail(str(error)), died=True, seen_at=seen_at
+        )
+    cause = _cause(error)
+    text = str(error) if isinstance(error, RayTaskError) else ""
+    found = RankError.of(rank, cause, step=failed_step(cause), text=text)
+    # Ray's wrapper derives from the rank's class, so the retry checks see the rank's type either way.
+    return dataclasses.replace(
+        found,
+        non_retryable=found.non_retryable or isinstance(error, NonRetryableError),
+        setup_error=found.setup_error or isinstance(error, SETUP_ERRORS),
+        no_space=found.no_space or is_no_space(error),
+        seen_at=seen_at,
+    )
+
+
+def attempt_errors(reported: list[RankError], crashed: dict[int, RankError]) -> list[RankError]:
+    """The errors of one attempt in the order they arrived: what ranks reported, and the failed `run` calls
+    of ranks that reported nothing (a rank's report and its call's error are the same exception)."""
+    ranks = {e.rank for e in reported}
+    errors = [*reported, *(e for r, e in crashed.items() if r not in ranks)]
+    return sorted(errors, key=lambda e: e.seen_at)
 
 
 def _consume(futures: Iterable[asyncio.Future[Any]]) -> None:
@@ -106,27 +142,57 @@ class AttemptRunner:
 
     async def _watch(self, at: Attempt, runs: dict[asyncio.Future[Any], int]) -> Outcome:
         results: dict[int, RankResult] = {}
+        crashed: dict[int, RankError] = {}  # ranks whose `run` call failed
         pending = set(runs)
         while True:
             done, pending = await asyncio.wait(pending, timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-            setup = not at.live.step_done
-
-            def order(f: asyncio.Future[Any], setup: bool = setup) -> tuple[int, int]:
-                return failure_precedence(f, before_first_step=setup), runs[f]
-
-            for fut in sorted(done, key=order):
+            now = time.monotonic()
+            for fut in done:
                 rank = runs[fut]
-                try:
+                error = fut.exception()
+                if error is None:
                     results[rank] = fut.result()
-                except Exception as e:
-                    return failed(f"rank {rank}", e, before_first_step=setup)
+                else:
+                    crashed[rank] = rank_error(rank, error, now)
+            errors = attempt_errors(at.live.errors, crashed)
+            if errors:
+                # The first rank's own exception; a broken collective only when nothing better came.
+                blamed = blame(errors, now=now, all_done=not pending)
+                if blamed is not None:
+                    return blamed.outcome(before_first_step=not at.live.step_done)
+                if self.mailbox.kill:
+                    return Stopped("killed by request")
+                continue  # within the grace for the error that broke the collectives
             if not pending:
                 final = results[0]
                 self.on_result(final)
                 return Finished() if final.status == "finished" else Stopped()
             outcome = self._interrupted(at, results)
+            if isinstance(outcome, Failed) and outcome.hung:
+                return await self._explain_hang(at, outcome)
             if outcome is not None:
                 return outcome
+
+    async def _explain_hang(self, at: Attempt, failure: Failed) -> Failed:
+        """Before the hung ranks are torn down: every rank's stacks, who is behind and where — in the
+        failure's reason (the console, `d9d status`, the summary) and in `<run dir>/hang-attempt<N>.txt`."""
+        try:
+            stacks = await self.workers.dump_stacks(at)
+        except Exception as e:  # no explanation is no reason to keep the hung ranks
+            _log.warning("run %s: could not collect the ranks' stacks: %s", self.spec.run_name, e)
+            return failure
+        report = attribute(stacks, at.plan.world_size, at.live.returned)
+        path = self.spec.run_dir / f"hang-attempt{at.index}.txt"
+        try:
+            await asyncio.to_thread(atomic_write_text, path, render(report, stacks, failure.reason))
+        except OSError as e:
+            _log.warning("run %s: cannot write %s: %s", self.spec.run_name, path, e)
+        detail = "\n".join(f"rank {r}: {line}" for r, line in sorted(report.positions.items()))
+        return dataclasses.replace(
+            failure,
+            reason=f"{failure.reason}; {report.summary} (all stacks: {path})",
+            detail=f"{failure.detail}\n{detail}".strip(),
+        )
 
     def _interrupted(self, at: Attempt, results: dict[int, RankResult]) -> Outcome | None:
         """Why a running attempt must end now: a kill, a failed health check, or a resize."""

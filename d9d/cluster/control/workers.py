@@ -12,9 +12,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import shutil
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -25,7 +29,7 @@ from ray.util.placement_group import (
     placement_group_table,
     remove_placement_group,
 )
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from d9d.cluster.config import CoordinatorStorage
 from d9d.cluster.control.health import Liveness
@@ -42,7 +46,7 @@ from d9d.cluster.placement import (
     node_capacity,
     placement_group_name,
 )
-from d9d.cluster.rank import RankActor, RankLaunch, RankNode
+from d9d.cluster.rank import STACKS_SIGNAL, RankActor, RankLaunch, RankNode, rank_stacks_path
 from d9d.cluster.reporter import CoordinatorTransfer
 from d9d.cluster.spec import JobSpec
 from d9d.engine.runtime import RankRuntime
@@ -71,6 +75,44 @@ def _bundle_gpus() -> tuple[str, ...]:
     return tuple(str(g) for g in ray.get_gpu_ids())
 
 
+_STACKS_TIMEOUT_S = 3.0
+
+
+@ray.remote(num_cpus=0)
+def _dump_stacks(pid: int, path: str, timeout_s: float) -> str | None:
+    """Run on a rank's node: have process `pid` dump its stacks into `path` (its faulthandler) and return
+    what it wrote; with py-spy on the node, also its dump (native frames included)."""
+    stacks = Path(path)
+    start = stacks.stat().st_size if stacks.exists() else 0
+    try:
+        os.kill(pid, STACKS_SIGNAL)
+    except ProcessLookupError:
+        return None
+    deadline = time.monotonic() + timeout_s
+    size, stable_since = start, time.monotonic()
+    while time.monotonic() < deadline:  # faulthandler writes in pieces: wait until the file stops growing
+        time.sleep(0.05)
+        now_size = stacks.stat().st_size if stacks.exists() else 0
+        if now_size != size:
+            size, stable_since = now_size, time.monotonic()
+        elif size > start and time.monotonic() - stable_since > 0.3:
+            break
+    text = None
+    if size > start:
+        with stacks.open("rb") as f:
+            f.seek(start)
+            text = f.read(size - start).decode(errors="replace")
+    spy = shutil.which("py-spy")
+    if spy is not None:
+        with contextlib.suppress(Exception):
+            dump = subprocess.run(
+                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s
+            )
+            if dump.returncode == 0:
+                text = f"{text or ''}\n---- py-spy dump ----\n{dump.stdout}"
+    return text
+
+
 @dataclass
 class Attempt:
     index: int
@@ -80,6 +122,7 @@ class Attempt:
     live: Liveness
     actors: list[Any] = field(default_factory=list)
     sites: list[StandbySite] = field(default_factory=list)  # GPU jobs: each rank's node and devices
+    nodes: list[RankNode] = field(default_factory=list)  # each rank's node and process
 
 
 class WorkerGroup:
@@ -205,6 +248,7 @@ class WorkerGroup:
         )
         if res.hold is not None:
             nodes = await self._drive_held_gpus(at, slots, cold, nodes)
+        at.nodes = list(nodes)
         port: int = await at.actors[0].open_store.remote(at.plan.world_size, spec.init_timeout_s)
         placement = device_placement(nodes, gpus=c.resources.gpus > 0)
         at.sites = [
@@ -313,7 +357,30 @@ class WorkerGroup:
             command_seq=self._mailbox.delivered,
             transfer=transfer,
             rank_output=c.rank_output,
+            storage_stall_s=c.storage_stall_s,
         )
+
+    async def dump_stacks(self, at: Attempt, timeout_s: float = _STACKS_TIMEOUT_S) -> dict[int, str | None]:
+        """Every rank's threads' stacks, dumped by the rank process itself (`faulthandler` on
+        STACKS_SIGNAL), read back on its node; with py-spy installed there, its dump is added. None for a
+        rank that gave none within `timeout_s` (a frozen process)."""
+        run_dir = self._spec.run_dir
+
+        async def one(rank: int, node: RankNode) -> str | None:
+            strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+            ref = _dump_stacks.options(scheduling_strategy=strategy).remote(
+                node.pid, str(rank_stacks_path(run_dir, rank)), timeout_s
+            )
+            try:
+                text: str | None = await asyncio.wait_for(ref, timeout_s + 5.0)
+            except Exception as e:  # the node is gone, the task could not run
+                _log.warning("run %s: no stacks from rank %d: %s", self._spec.run_name, rank, e)
+                return None
+            return text
+
+        found = await asyncio.gather(*[one(r, n) for r, n in enumerate(at.nodes) if n.pid])
+        ranks = [r for r, n in enumerate(at.nodes) if n.pid]
+        return dict(zip(ranks, found, strict=True))
 
     async def teardown(self, at: Attempt) -> None:
         """Kill every rank, those that were standbys included (a survivor may be blocked in a collective

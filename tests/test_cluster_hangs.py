@@ -1,0 +1,104 @@
+"""Hang attribution (issue 29, deliverable 6): when an attempt is declared hung, every rank's Python stacks
+are collected before the teardown, and the failure says which rank is behind and where — on the console,
+in run_summary.json and in `<run dir>/hang-attempt<N>.txt`."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from d9d.cluster import TrainingJob, build_job
+from d9d.cluster.control.hang import attribute, position, training_thread
+from d9d.cluster.follow import follow
+from tests.cluster_fixtures import toy_job
+
+_RUN = '  File "/x/d9d/cluster/rank.py", line 300 in _run\n'
+_SLEEPING = (
+    "Thread 0x00007f01 (most recent call first):\n"
+    '  File "/x/d9d/cluster/reporter.py", line 120 in _carry\n\n'
+    "Current thread 0x00007f02 (most recent call first):\n"
+    '  File "/x/tests/cluster_fixtures.py", line 276 in train_step\n'
+    '  File "/x/tests/cluster_fixtures.py", line 320 in run\n' + _RUN
+)
+
+
+def _waiting(collective: str, line: int, func: str) -> str:
+    return (
+        "Current thread 0x00007f02 (most recent call first):\n"
+        f'  File "/v/torch/distributed/distributed_c10d.py", line 2800 in {collective}\n'
+        '  File "/v/torch/distributed/c10d_logger.py", line 81 in wrapper\n'
+        f'  File "/x/tests/cluster_fixtures.py", line {line} in {func}\n' + _RUN
+    )
+
+
+def test_the_rank_outside_the_collective_or_at_another_one_is_named() -> None:
+    frames = training_thread(_SLEEPING)
+    assert frames is not None and frames[0].func == "train_step"  # not the courier thread
+    assert (
+        position(frames).describe()
+        == "not in a collective, at /x/tests/cluster_fixtures.py:276 in train_step"
+    )
+
+    sleeping = attribute({0: _waiting("all_reduce", 280, "train_step"), 1: _SLEEPING}, 2)
+    assert sleeping.behind == (1,)
+    assert sleeping.summary == (
+        "rank 1 is behind, not in a collective, at /x/tests/cluster_fixtures.py:276 in train_step; ranks [0] "
+        "wait for it in all_reduce called at /x/tests/cluster_fixtures.py:280 in train_step"
+    )
+    skipped = attribute(
+        {r: _waiting("all_reduce", 280, "train_step") for r in (0, 2)}
+        | {1: _waiting("broadcast_object_list", 250, "_commands")},
+        3,
+    )
+    assert skipped.behind == (1,) and "ranks wait in different collectives" in skipped.summary
+    assert "rank 1 in broadcast_object_list called at /x/tests/cluster_fixtures.py:250" in skipped.summary
+    frozen = attribute({0: _waiting("all_reduce", 280, "train_step"), 1: None}, 2)
+    assert frozen.behind == (1,) and "rank 1 gave no stacks (frozen" in frozen.summary
+    stuck = attribute({r: _waiting("all_reduce", 280, "train_step") for r in (0, 1)}, 2)
+    assert stuck.behind == () and stuck.summary.startswith("every rank waits in all_reduce")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray() -> Iterator[None]:
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["hang", "skip_collective"])
+def test_a_hung_rank_is_named_with_where_it_is_before_the_teardown(tmp_path: Path, kind: str) -> None:
+    """`hang`: rank 1 sleeps inside step 3 while rank 0 waits in the gradient all-reduce. `skip_collective`:
+    rank 1 skips that all-reduce and goes on to the next step's command broadcast, where it waits."""
+    fault = {"kind": kind, "step": 3, "rank": 1}
+    job = toy_job(
+        kind,
+        tmp_path,
+        steps=8,
+        model={"options": {"faults": [fault]}},
+        timeouts={"init_s": 60, "step_s": 3},
+        cluster={"max_failures": 0},
+    )
+    console = io.StringIO()
+    summary = follow(TrainingJob(build_job(job)).start(), out=console, interactive=False)
+
+    assert summary.status == "failed" and len(summary.failures) == 1
+    failure = summary.failures[0]
+    hang_file = tmp_path / "hang-attempt0.txt"
+    assert failure.startswith("hang: no step completed") and f"(all stacks: {hang_file})" in failure
+    if kind == "hang":
+        assert "rank 1 is behind, not in a collective, at " in failure and "cluster_fixtures.py" in failure
+        assert "in train_step; ranks [0] wait for it in all_reduce called at " in failure
+    else:
+        assert "ranks wait in different collectives (a rank skipped or added one)" in failure
+        assert "rank 0 in all_reduce called at" in failure and "in train_step" in failure
+        assert "rank 1 in broadcast_object_list called at" in failure and "in _commands" in failure
+    assert summary.error is not None and failure in summary.error  # run_summary.json
+    assert f"attempt failed: {failure}" in console.getvalue()  # the console
+    text = hang_file.read_text()  # the file: the attribution, then every rank's whole dump
+    assert "==== rank 0 ====" in text and "==== rank 1 ====" in text and "d9d/cluster/reporter.py" in text
