@@ -223,11 +223,39 @@ def _globs(text: str) -> list[str]:
     return [g.strip() for g in text.split(",") if g.strip()]
 
 
+# The order rows run in: what a short budget (`--budget-s`) must not lose first. The table keeps the order
+# of `all_rows` (by model).
+RUN_ORDER = (
+    "dense-1gpu",
+    "titan-dense-1gpu",
+    "dense-fsdp",
+    "titan-dense-fsdp",
+    "moe-1gpu",
+    "titan-moe-1gpu",
+    "moe-fsdp-ep",
+    "titan-moe-fsdp-ep",
+    "dense-fsdp@ray",
+    "moe-fsdp-ep@ray",
+    "moe-pp-zbv",
+    "dense-pp-zbv",
+    "dense-pp-1f1b",
+    "moe-pp-1f1b",
+    "dense-pp-dualpipev",
+    "dense-hsdp",
+    "moe-hsdp-ep",
+    "dense-tp-fsdp",
+    "dense-cp-fsdp",
+)
+
+
 def select(rows: list[Row], args: argparse.Namespace) -> list[Row]:
+    """The rows `--rows` and `--launchers` choose, in run order."""
     globs = _globs(args.rows)
     launchers = set(_globs(args.launchers))
     chosen = [r for r in rows if any(fnmatch.fnmatchcase(r.id, g) for g in globs)]
-    return [r for r in chosen if r.framework != "d9d" or r.launcher in launchers]
+    chosen = [r for r in chosen if r.framework != "d9d" or r.launcher in launchers]
+    rank = {row_id: i for i, row_id in enumerate(RUN_ORDER)}
+    return sorted(chosen, key=lambda r: rank.get(r.id, len(RUN_ORDER)))  # stable: the rest in table order
 
 
 # ---- what each row runs ----
@@ -638,6 +666,7 @@ def main_run(args: argparse.Namespace) -> int:
     if n < 1:
         print("multi_gpu: no GPU visible (use --smoke for the CPU check)", file=sys.stderr)
         return 2
+    table_order = {row.id: i for i, row in enumerate(all_rows(n, args))}
     rows = select(all_rows(n, args), args)
     if args.list:
         for row in rows:
@@ -683,7 +712,8 @@ def main_run(args: argparse.Namespace) -> int:
             write_json(out, {**env, "args": vars(args), "results": results})
     if out is None:
         out = default_out(env)
-        write_json(out, {**env, "args": vars(args), "results": results})
+    results.sort(key=lambda r: table_order[r["id"]])
+    write_json(out, {**env, "args": vars(args), "results": results})
     print(f"\n{json.dumps(env)}\n{table(results)}\nresults: {out}", flush=True)
     return 0
 
