@@ -46,7 +46,8 @@ that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
   `--compile.enable --compile.components model,loss`, `--activation_checkpoint.mode none`,
   `--optimizer.implementation fused --optimizer.lr 1e-4 --optimizer.weight_decay 0`, `--metrics.log_freq 1`.
   Its trainer clips gradients every step (`--training.max_norm 1.0`, its default; it has no off switch), which
-  d9d's rows do not: a gradient norm per step, a few milliseconds.
+  d9d's rows do not: a gradient norm per step, a few milliseconds. Its Qwen3 spec builds the optimizer
+  without the MoE load-balancing hook (no expert-bias update), like the 1-GPU loop of `train_throughput.py`.
   It needs torchtitan 0.2.2 and the packages it imports (torchdata, tyro, docstring-parser, typeguard);
   `datasets` is stubbed, as in `throughput/titan_peer.py`.
 
@@ -79,8 +80,8 @@ process, whichever launcher; torchtitan: the recording metrics processor):
   stage, over ranks, timed steps and microbatches; communication latency 0), and `sim unit` with unit costs
   (F = I = W = 1), which is what `d9d pipeline-sim --schedule K --pp 2 --microbatches M` prints. The
   simulator's bubble is the same quantity: idle time of all ranks over ranks × makespan.
-  On the steps, the per-pass events add ~4 host calls per pass; the pipeline rows are timed with the probe
-  on, like every d9d row.
+  The probe costs two event records per pass and a small JSON write per step (every d9d row runs with it;
+  rows without a pipeline record only step times and peaks).
 
 Not measured: the first step (compile), start-up time, checkpointing. Every row is a fresh process tree on
 the same machine, one after another; torch.compile's on-disk cache is shared, so later rows compile faster
@@ -92,7 +93,7 @@ Output: a markdown table on stdout and a JSON file (`--out`, default
 environment (device name as the ranks saw it, GPU count, torch / torchtitan versions, date), the arguments
 and every row's numbers, per-rank records summarized, the job config it ran, and its error if any.
 
-`--smoke`: CPU ranks on gloo (2 by default), the 4-layer shapes of `common.SMOKE_ARCHS`, float32, no compile,
+`--smoke`: CPU ranks on gloo (2 by default), the 6-layer shapes of `common.SMOKE_ARCHS`, float32, no compile,
 4 × 32 tokens per rank (CP at 64, one sequence per microbatch on the pipeline rows), 2 steps after 1; checks
 the script end to end, numbers mean nothing. torchtitan rows need CUDA and fail there (recorded).
 Without `--smoke` it needs CUDA.
@@ -392,7 +393,10 @@ def child_env(args: argparse.Namespace, row_dir: Path) -> dict[str, str]:
     return env
 
 
-_EXCEPTION = re.compile(r"^(?:\[[^\]]*\]:?\s*)?([\w.]+(?:Error|Exception|Interrupt|Exit))\b:?(.*)$")
+# An exception's last traceback line, maybe behind a launcher's prefix (`[rank1]:`, Ray's `(Actor pid=…)`).
+_EXCEPTION = re.compile(
+    r"^(?:\[[^\]]*\]:?\s*|\([^)]*\)\s*)?([\w.]+(?:Error|Exception|Interrupt|Exit))\b:?(.*)$"
+)
 
 
 def first_exception(path: Path) -> str | None:
@@ -688,10 +692,10 @@ def main_run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     for i, row in enumerate(rows):
         timeout = args.timeout_per_row
-        if deadline is not None:
-            timeout = min(timeout, deadline - time.perf_counter())
+        left = deadline - time.perf_counter() if deadline is not None else float("inf")
+        timeout = min(timeout, left)
         entry = {**asdict(row)}
-        if timeout < 30:
+        if left < 30:
             entry["error"] = "skipped: out of the --budget-s time"
         else:
             print(
