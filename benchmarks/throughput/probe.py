@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,7 +143,8 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
 
 
 def _wrap_pipeline(probe: RankProbe) -> None:
-    """Time the stage passes and the rank's pipeline program (class attributes: every instance)."""
+    """Time the stage passes and the rank's pipeline program (class attributes: every instance). The wrappers
+    pass every argument through, so a change of those methods' signatures does not break a run."""
     from d9d.pipeline.runtime.executor import PipelineExecutor
     from d9d.pipeline.runtime.stage import StageRuntime
 
@@ -153,15 +155,15 @@ def _wrap_pipeline(probe: RankProbe) -> None:
     )
     train_step = PipelineExecutor.train_step
 
-    def timed_forward(self: StageRuntime, microbatch: int, *args: Any, **kwargs: Any) -> Any:
-        return probe.timed("F", self.index, lambda: forward(self, microbatch, *args, **kwargs))
+    def timed_forward(self: StageRuntime, *args: Any, **kwargs: Any) -> Any:
+        return probe.timed("F", self.index, lambda: forward(self, *args, **kwargs))
 
-    def timed_backward(self: StageRuntime, microbatch: int, output_grads: Any, *, split: bool) -> Any:
-        kind = "I" if split else "B"
-        return probe.timed(kind, self.index, lambda: backward(self, microbatch, output_grads, split=split))
+    def timed_backward(self: StageRuntime, *args: Any, **kwargs: Any) -> Any:
+        kind = "I" if kwargs.get("split") else "B"
+        return probe.timed(kind, self.index, lambda: backward(self, *args, **kwargs))
 
-    def timed_backward_weight(self: StageRuntime, microbatch: int) -> None:
-        probe.timed("W", self.index, lambda: backward_weight(self, microbatch))
+    def timed_backward_weight(self: StageRuntime, *args: Any, **kwargs: Any) -> Any:
+        return probe.timed("W", self.index, lambda: backward_weight(self, *args, **kwargs))
 
     def timed_train_step(self: PipelineExecutor, *args: Any, **kwargs: Any) -> Any:
         return probe.span(lambda: train_step(self, *args, **kwargs))
@@ -181,7 +183,10 @@ def install(out_dir: Path) -> RankProbe:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         out_dir.mkdir(parents=True, exist_ok=True)
         _installed = RankProbe(out_dir, rank)
-        _wrap_pipeline(_installed)
+        try:
+            _wrap_pipeline(_installed)
+        except (ImportError, AttributeError) as e:  # an engine without these: step times only
+            print(f"throughput.probe: no pipeline timings ({type(e).__name__}: {e})", file=sys.stderr)
     return _installed
 
 
