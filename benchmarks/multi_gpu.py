@@ -80,8 +80,8 @@ process, whichever launcher; torchtitan: the recording metrics processor):
   stage, over ranks, timed steps and microbatches; communication latency 0), and `sim unit` with unit costs
   (F = I = W = 1), which is what `d9d pipeline-sim --schedule K --pp 2 --microbatches M` prints. The
   simulator's bubble is the same quantity: idle time of all ranks over ranks × makespan.
-  The probe costs two event records per pass and a small JSON write per step (every d9d row runs with it;
-  rows without a pipeline record only step times and peaks).
+  The probe costs two event records per pass and a small JSON write per step, which is left out of the
+  step's time (every d9d row runs with it; rows without a pipeline record only step times and peaks).
 
 Not measured: the first step (compile), start-up time, checkpointing. Every row is a fresh process tree on
 the same machine, one after another; torch.compile's on-disk cache is shared, so later rows compile faster

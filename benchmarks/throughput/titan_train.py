@@ -21,8 +21,8 @@ with:
 - a metrics processor that, besides torchtitan's own log line, writes each rank's step times and peak
   memory in the format of `throughput.probe` (`step_s`, `peak_gib` by step). Give `--metrics.log_freq 1`:
   it records at the steps torchtitan logs. A step's time is the interval between two consecutive logs
-  (each ends the step with a host sync on the gradient norm), its peak the allocator's high-water mark
-  since the previous log (torchtitan resets it after each).
+  (each ends the step with a host sync on the gradient norm; the record's own write is left out), its peak
+  the allocator's high-water mark since the previous log (torchtitan resets it after each).
 No validator and no checkpoint state adapter. The rest (FSDP2 mixed precision, expert parallel, compile,
 gradient clipping, its loss normalization, its garbage-collection control) is torchtitan's trainer as it
 ships.
@@ -104,8 +104,8 @@ def register() -> None:
             if self.last is not None and self.last[0] == step - 1:
                 self.record["step_s"][step] = now - self.last[1]
             self.record["peak_gib"][step] = peak
-            self.last = (step, now)
             write_record(self.path, self.record)
+            self.last = (step, time.perf_counter())  # the next step's clock starts after this file's write
 
     def build_metrics(
         job_config: Any, parallel_dims: Any, model_args: Any = None, tag: str | None = None
