@@ -34,13 +34,20 @@ TINY = {
     "intermediate_size": 128,
 }
 TINY_BATCH, TINY_SEQ = 2, 32
+# The multi-GPU benchmark's CPU smoke shapes: 6 layers, so a pipeline of 2 ranks × 2 stages (ZBV, DualPipeV)
+# has a layer on every stage (the embedding and the head count as one layer each when stages are balanced);
+# the MoE one has 4 experts (expert parallel 2 splits them).
+SMOKE_ARCHS = {
+    "dense": {**TINY, "num_layers": 6},
+    "moe": {**TINY, "num_layers": 6, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
+}
 MODEL_NAMES = {"dense": "Qwen3-0.6B", "moe": "Qwen3-MoE (16L, 64e top-8)"}
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 spec; the mission measured ~784 for plain matmuls
 LR = 1e-4
 
 
-def flops_per_token(arch: dict[str, Any], moe: bool) -> float:
-    """6 × active parameters per token + causal attention (PaLM-style accounting)."""
+def flops_per_token(arch: dict[str, Any], moe: bool, seq: int = SEQ) -> float:
+    """6 × active parameters per token + causal attention at sequence length `seq` (PaLM-style accounting)."""
     h, layers = arch["hidden_size"], arch["num_layers"]
     q = arch["num_attention_heads"] * arch["head_dim"]
     kv = arch["num_kv_heads"] * arch["head_dim"]
@@ -52,7 +59,7 @@ def flops_per_token(arch: dict[str, Any], moe: bool) -> float:
     )
     router = h * arch["num_experts"] if moe else 0
     active = layers * (attn + ffn + router) + arch["vocab_size"] * h  # lm head (embedding lookup is free)
-    return 6.0 * active + 6.0 * layers * q * SEQ  # causal: half of 12·L·q·T
+    return 6.0 * active + 6.0 * layers * q * seq  # causal: half of 12·L·q·T
 
 
 def summary(times: list[float], first_step_s: float | None, model: str) -> dict[str, Any]:

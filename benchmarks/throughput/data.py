@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -9,22 +10,36 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class RandomTokens:
-    """Uniform random token ids, fresh every step (the data position is not part of what is measured)."""
+    """Uniform random token ids, fresh every step (the data position is not part of what is measured).
+
+    Each data-parallel rank draws its own stream (seeded by its dp rank; ranks that share one, such as the
+    tensor- or context-parallel ranks of a replica, draw the same batches). `probe_dir`: install the per-rank
+    timing probe of `throughput.probe` in this process, writing there.
+    """
 
     class Config(BaseModel):
         model_config = ConfigDict(frozen=True, extra="forbid")
 
         vocab_size: int = Field(ge=2)
         seq_len: int = Field(ge=1)
+        probe_dir: str | None = None
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.generator = torch.Generator().manual_seed(0)
+        self.probe: Any = None
 
     def setup(self, setup: Any) -> None:
         self.s = setup
+        self.generator.manual_seed(setup.dp_rank)
+        if self.config.probe_dir is not None:
+            from throughput import probe
+
+            self.probe = probe.install(Path(self.config.probe_dir))
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
+        if self.probe is not None:
+            self.probe.step_started()
         batches = []
         for _ in range(self.s.gradient_accumulation):
             shape = (self.s.microbatch_size, self.config.seq_len + 1)

@@ -41,17 +41,14 @@ def _stub_unused_imports() -> None:
         sys.modules.update({"datasets": stub, "datasets.distributed": distributed})
 
 
-def build_model(model: str, compiled: bool, device: torch.device | None = None) -> tuple[Any, Any]:
+def model_args(arch: dict[str, Any], seq_len: int = SEQ) -> Any:
+    """torchtitan's `Qwen3ModelArgs` for a benchmark shape (`common.ARCHS`): untied; an MoE shape (one with
+    `num_experts`) routes as torchtitan's own Qwen3-MoE 30B-A3B entry spells it."""
     _stub_unused_imports()
-    from torchtitan.components.loss import build_cross_entropy_loss
-    from torchtitan.config import JobConfig
-    from torchtitan.distributed import ParallelDims
     from torchtitan.models.moe import MoEArgs
-    from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, parallelize_qwen3
+    from torchtitan.models.qwen3 import Qwen3ModelArgs
 
-    arch = ARCHS[model]
-    moe = model == "moe"
-    args = Qwen3ModelArgs(
+    return Qwen3ModelArgs(
         dim=arch["hidden_size"],
         n_layers=arch["num_layers"],
         n_heads=arch["num_attention_heads"],
@@ -61,11 +58,10 @@ def build_model(model: str, compiled: bool, device: torch.device | None = None) 
         hidden_dim=arch["intermediate_size"],
         rope_theta=1_000_000,
         qk_norm=True,
-        max_seq_len=SEQ,
+        max_seq_len=seq_len,
         enable_weight_tying=False,
-        moe_enabled=moe,
+        moe_enabled="num_experts" in arch,
         moe_inter_dim=arch.get("moe_intermediate_size", 768),
-        # Qwen3-MoE routing as torchtitan's own 30B-A3B entry spells it.
         moe_args=MoEArgs(
             num_experts=arch.get("num_experts", 8),
             num_shared_experts=0,
@@ -76,6 +72,16 @@ def build_model(model: str, compiled: bool, device: torch.device | None = None) 
             score_before_experts=False,
         ),
     )
+
+
+def build_model(model: str, compiled: bool, device: torch.device | None = None) -> tuple[Any, Any]:
+    _stub_unused_imports()
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
+
+    args = model_args(ARCHS[model])
     job = JobConfig()
     job.training.seq_len = SEQ
     job.activation_checkpoint.mode = "none"

@@ -1,0 +1,789 @@
+"""Training throughput on the GPUs of one host: d9d's parallel layouts against its own 1-GPU row and against
+torchtitan 0.2.2, one row per process, in one command.
+
+    python benchmarks/multi_gpu.py [--gpus N] [--rows GLOB,...] [--launchers torchrun,ray]
+        [--ray-rows GLOB,...] [--steps 10] [--warmup 3] [--timeout-per-row 420] [--budget-s S]
+        [--pp-microbatch 2] [--cp-seq 8192] [--set KEY=VALUE ...] [--out FILE] [--list]
+    python benchmarks/multi_gpu.py --merge a.json b.json [--out FILE]     # one table from several runs
+    python benchmarks/multi_gpu.py --smoke                                # CPU, gloo, 2 ranks, tiny shapes
+
+Rows (N = `--gpus`, default every visible GPU; h = N/2). Every d9d row runs under torchrun
+(`torchrun --standalone -m d9d.engine.launch JOB`); the rows named by `--ray-rows` (default the two FSDP
+rows) run a second time through `d9d train JOB` on a local Ray instance (rank actors + coordinator), id
+suffix `@ray`. `--launchers` keeps one launcher only.
+
+| id | model | GPUs | layout (d9d `mesh`) |
+|---|---|---|---|
+| dense-1gpu | Qwen3-0.6B | 1 | one rank: the scaling baseline |
+| dense-fsdp | Qwen3-0.6B | N | data_parallel_shard N |
+| dense-hsdp | Qwen3-0.6B | N | data_parallel_replicate 2 × data_parallel_shard h |
+| dense-tp-fsdp | Qwen3-0.6B | N | tensor_parallel 2 × data_parallel_shard h |
+| dense-cp-fsdp | Qwen3-0.6B | N | context_parallel_shard 2 × data_parallel_shard h, sequence `--cp-seq` |
+| dense-pp-1f1b, -zbv, -dualpipev | Qwen3-0.6B | N | pipeline_parallel 2 × data_parallel_shard h |
+| moe-1gpu | Qwen3-MoE | 1 | one rank: the scaling baseline |
+| moe-fsdp-ep | Qwen3-MoE | N | data_parallel_shard N, expert_parallel N |
+| moe-hsdp-ep | Qwen3-MoE | N | data_parallel_replicate 2 × data_parallel_shard h, expert_parallel N |
+| moe-pp-1f1b, -zbv | Qwen3-MoE | N | pipeline_parallel 2 × data_parallel_shard h, expert_parallel h |
+| titan-dense-1gpu, titan-moe-1gpu | torchtitan | 1 | one rank |
+| titan-dense-fsdp | torchtitan | N | `--parallelism.data_parallel_shard_degree N` |
+| titan-moe-fsdp-ep | torchtitan | N | the same + `--parallelism.expert_parallel_degree N` |
+
+Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, ffn 3072, vocab 151936, untied) and the small
+Qwen3-MoE (16 layers, 64 experts top-8, moe ffn 512) of `throughput/common.py`. Every row trains a randomly
+initialized model on uniform random tokens, 8 × 2048 tokens per GPU (16,384; the global batch is N times
+that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
+- d9d: the real engine through its launchers; the job is `throughput.data:RandomTokens` for data,
+  `compile: {enabled: true}`, `model.options.dtype: bfloat16`. Sequences per microbatch: 8 (one microbatch
+  per step on the FSDP/HSDP rows, two on the TP row, whose replica of 2 GPUs takes 16 sequences); the CP row
+  keeps 16,384 tokens per GPU at `--cp-seq` (4 sequences of 8192 per replica, each split over its 2 ranks);
+  the pipeline rows cut each replica's 16 sequences into microbatches of `--pp-microbatch` (default 2:
+  8 microbatches). `--set KEY=VALUE` is passed to every d9d row's launcher (`--set`).
+- torchtitan: its own trainer (`torchtitan.train.Trainer` and `main`, under torchrun) through
+  `throughput/titan_train.py`, which registers a train spec of torchtitan's own Qwen3 pieces with our shapes,
+  a random-token loader and a metrics processor that records; configured by its own flags:
+  `--training.local_batch_size 8 --training.seq_len 2048 --training.dtype bfloat16` (bf16 parameters, as
+  d9d; FSDP reduces in float32, the only `mixed_precision_reduce` it accepts),
+  `--compile.enable --compile.components model,loss`, `--activation_checkpoint.mode none`,
+  `--optimizer.implementation fused --optimizer.lr 1e-4 --optimizer.weight_decay 0`, `--metrics.log_freq 1`.
+  Its trainer clips gradients every step (`--training.max_norm 1.0`, its default; it has no off switch), which
+  d9d's rows do not: a gradient norm per step, a few milliseconds. Its Qwen3 spec builds the optimizer
+  without the MoE load-balancing hook (no expert-bias update), like the 1-GPU loop of `train_throughput.py`.
+  It needs torchtitan 0.2.2 and the packages it imports (torchdata, tyro, docstring-parser, typeguard);
+  `datasets` is stubbed, as in `throughput/titan_peer.py`.
+
+Measured per row, from every rank (d9d: `throughput/probe.py`, installed by the data provider in each rank
+process, whichever launcher; torchtitan: the recording metrics processor):
+- step time: a rank's wall time from the start of one step to the start of the next (torchtitan: between
+  two consecutive logs); per step the slowest rank; the median over the `--steps` steps after `--warmup`.
+- tok/s = global tokens per step / step time; per GPU = tok/s / GPUs.
+- MFU = tok/s per GPU × (6 × active parameters incl. the LM head + causal attention at the row's sequence
+  length) / 989 TFLOP/s (H100/H200 dense bf16), the formula of `throughput/common.py`.
+- peak GiB: the largest allocator high-water mark of any rank in any step after the first (the first holds
+  compilation); `torch.cuda.max_memory_allocated`, so the caching allocator's reserve is not in it.
+- scaling: tok/s per GPU over the 1-GPU row of the same model and framework (the d9d 1-GPU row runs under
+  torchrun; the `@ray` rows are scaled against it too), when both ran in the run or the merged runs.
+- `@ray` rows: tok/s over the same row under torchrun (`x_torchrun`, shown beside the launcher).
+- vs titan: tok/s per GPU over torchtitan's row of the same model at the same GPU count (N-GPU rows against
+  titan's FSDP / FSDP × EP row, 1-GPU rows against titan's 1-GPU row). The CP row runs a longer sequence than
+  torchtitan's rows: it gets no ratio (compare its MFU).
+- Pipeline rows, the bubble. On every rank the probe times each stage pass (forward F, full backward B,
+  input-gradient backward I, weight-gradient backward W; CUDA events on the compute stream, i.e. GPU time,
+  taken after the pass's inputs arrived) and the span of the rank's whole pipeline program for the step
+  (`PipelineExecutor.train_step`: from its first action to its last send completing).
+  measured bubble = mean over ranks of the median over timed steps of (1 − Σ pass times / span): the share
+  of the pipeline program a rank's GPU spends outside its own passes (waiting for neighbours, receives,
+  and anything not inside a pass). The FSDP all-gather of a stage's parameters runs inside its first
+  forward (gathered once per step) and counts as pass time; the gradient reduce-scatter is issued after the
+  stage's last backward, outside the passes, on its own stream.
+  The prediction is `d9d pipeline-sim`'s simulator (`d9d.pipeline.simulator.simulate`) on the same program
+  (schedule, pp, microbatches per step): `sim` with the measured costs (median time of each pass kind per
+  stage, over ranks, timed steps and microbatches; communication latency 0), and `sim unit` with unit costs
+  (F = I = W = 1), which is what `d9d pipeline-sim --schedule K --pp 2 --microbatches M` prints. The
+  simulator's bubble is the same quantity: idle time of all ranks over ranks × makespan.
+  The probe costs two event records per pass and a small JSON write per step, which is left out of the
+  step's time (every d9d row runs with it; rows without a pipeline record only step times and peaks).
+
+Not measured: the first step (compile), start-up time, checkpointing. Every row is a fresh process tree on
+the same machine, one after another; torch.compile's on-disk cache is shared, so later rows compile faster
+(this changes start-up, not the timed steps). A row that fails, times out or is skipped by `--budget-s`
+is recorded with the last lines of its output (`error`, `log_tail`) and the table goes on.
+
+Output: a markdown table on stdout and a JSON file (`--out`, default
+`benchmarks/results/multi_gpu_<device>_<N>gpu_<date>.json`; `--smoke`: a temporary file) with the
+environment (device name as the ranks saw it, GPU count, torch / torchtitan versions, date), the arguments
+and every row's numbers, per-rank records summarized, the job config it ran, and its error if any.
+
+`--smoke`: CPU ranks on gloo (2 by default), the 6-layer shapes of `common.SMOKE_ARCHS`, float32, no compile,
+4 × 32 tokens per rank (CP at 64, one sequence per microbatch on the pipeline rows), 2 steps after 1; checks
+the script end to end, numbers mean nothing. torchtitan rows need CUDA and fail there (recorded).
+Without `--smoke` it needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from throughput.common import ARCHS, BATCH, LR, MODEL_NAMES, PEAK_TFLOPS, SEQ, SMOKE_ARCHS, flops_per_token
+from throughput.probe import read_records
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+SMOKE_BATCH, SMOKE_SEQ, SMOKE_CP_SEQ = 4, 32, 64
+LOG_TAIL_LINES = 30
+DEFAULT_RAY_ROWS = "dense-fsdp,moe-fsdp-ep"
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str  # e.g. "dense-fsdp@ray"
+    model: str  # dense | moe
+    framework: str  # d9d | torchtitan
+    launcher: str  # torchrun | ray
+    gpus: int
+    layout: str  # human-readable
+    mesh: dict[str, int] = field(default_factory=dict)  # d9d mesh fields (torchtitan: its degrees)
+    schedule: str | None = None  # pipelining.kind
+    seq: int = SEQ
+    microbatch: int = BATCH  # sequences per microbatch (d9d) / local batch (torchtitan)
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.get("pipeline_parallel", 1)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.mesh.get("data_parallel_replicate", 1) * self.mesh.get("data_parallel_shard", 1)
+
+
+def tokens_per_gpu(smoke: bool) -> int:
+    return (SMOKE_BATCH * SMOKE_SEQ) if smoke else BATCH * SEQ
+
+
+def global_batch(row: Row, smoke: bool) -> int:
+    """Sequences per optimizer step: the same tokens per GPU on every row."""
+    return tokens_per_gpu(smoke) * row.gpus // row.seq
+
+
+def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
+    """Every row of the table for N GPUs (layouts that N cannot hold are left out), before selection."""
+    smoke = args.smoke
+    seq = SMOKE_SEQ if smoke else SEQ
+    cp_seq = SMOKE_CP_SEQ if smoke else args.cp_seq
+    mb = SMOKE_BATCH if smoke else BATCH
+    pp_mb = 1 if smoke else args.pp_microbatch
+    h = n // 2
+    even = n >= 2 and n % 2 == 0
+    # (id, framework, gpus, layout, mesh, schedule, seq, sequences per microbatch), per model
+    specs: dict[str, list[tuple[str, str, int, str, dict[str, int], str | None, int, int]]] = {}
+    for model in ("dense", "moe"):
+        ep = {"expert_parallel": n} if model == "moe" else {}
+        ep_name = f" × EP {n}" if model == "moe" else ""
+        fsdp_id = "fsdp-ep" if model == "moe" else "fsdp"
+        rows = [
+            (f"{model}-1gpu", "d9d", 1, "1 GPU", {}, None, seq, mb),
+            (f"titan-{model}-1gpu", "torchtitan", 1, "1 GPU", {}, None, seq, mb),
+        ]
+        if n >= 2:
+            fsdp = {"data_parallel_shard": n, **ep}
+            rows.append((f"{model}-{fsdp_id}", "d9d", n, f"FSDP {n}{ep_name}", fsdp, None, seq, mb))
+            rows.append(
+                (f"titan-{model}-{fsdp_id}", "torchtitan", n, f"FSDP {n}{ep_name}", fsdp, None, seq, mb)
+            )
+        if even:
+            hsdp = {"data_parallel_replicate": 2, "data_parallel_shard": h, **ep}
+            rows.append(
+                (f"{model}-hsdp{'-ep' * bool(ep)}", "d9d", n, f"HSDP 2 × {h}{ep_name}", hsdp, None, seq, mb)
+            )
+        if even and model == "dense":
+            tp = {"tensor_parallel": 2, "data_parallel_shard": h}
+            rows.append(("dense-tp-fsdp", "d9d", n, f"TP 2 × FSDP {h}", tp, None, seq, mb))
+            cp = {"context_parallel_shard": 2, "data_parallel_shard": h}
+            cp_mb = tokens_per_gpu(smoke) * 2 // cp_seq  # a replica's sequences: 2 GPUs' tokens
+            rows.append(
+                ("dense-cp-fsdp", "d9d", n, f"CP 2 × FSDP {h}, seq {cp_seq}", cp, None, cp_seq, cp_mb)
+            )
+        if even:
+            pp_ep = {"expert_parallel": h} if model == "moe" else {}
+            pp = {"pipeline_parallel": 2, "data_parallel_shard": h, **pp_ep}
+            kinds = ("1f1b", "zbv", "dualpipev") if model == "dense" else ("1f1b", "zbv")
+            for kind in kinds:
+                layout = f"PP 2 × FSDP {h}{f' × EP {h}' * bool(pp_ep)}, {kind}"
+                rows.append((f"{model}-pp-{kind}", "d9d", n, layout, pp, kind, seq, pp_mb))
+        specs[model] = rows
+    ray_globs = _globs(args.ray_rows)
+    out: list[Row] = []
+    for model, rows in specs.items():
+        for row_id, framework, gpus, layout, mesh, schedule, row_seq, micro in rows:
+            row = Row(row_id, model, framework, "torchrun", gpus, layout, mesh, schedule, row_seq, micro)
+            out.append(row)
+            if framework == "d9d" and any(fnmatch.fnmatchcase(row_id, g) for g in ray_globs):
+                out.append(
+                    Row(
+                        f"{row_id}@ray", model, framework, "ray", gpus, layout, mesh, schedule, row_seq, micro
+                    )
+                )
+    return out
+
+
+def _globs(text: str) -> list[str]:
+    return [g.strip() for g in text.split(",") if g.strip()]
+
+
+# The order rows run in: what a short budget (`--budget-s`) must not lose first. The table keeps the order
+# of `all_rows` (by model).
+RUN_ORDER = (
+    "dense-1gpu",
+    "titan-dense-1gpu",
+    "dense-fsdp",
+    "titan-dense-fsdp",
+    "moe-1gpu",
+    "titan-moe-1gpu",
+    "moe-fsdp-ep",
+    "titan-moe-fsdp-ep",
+    "dense-fsdp@ray",
+    "moe-fsdp-ep@ray",
+    "moe-pp-zbv",
+    "dense-pp-zbv",
+    "dense-pp-1f1b",
+    "moe-pp-1f1b",
+    "dense-pp-dualpipev",
+    "dense-hsdp",
+    "moe-hsdp-ep",
+    "dense-tp-fsdp",
+    "dense-cp-fsdp",
+)
+
+
+def select(rows: list[Row], args: argparse.Namespace) -> list[Row]:
+    """The rows `--rows` and `--launchers` choose, in run order."""
+    globs = _globs(args.rows)
+    launchers = set(_globs(args.launchers))
+    chosen = [r for r in rows if any(fnmatch.fnmatchcase(r.id, g) for g in globs)]
+    chosen = [r for r in chosen if r.framework != "d9d" or r.launcher in launchers]
+    rank = {row_id: i for i, row_id in enumerate(RUN_ORDER)}
+    return sorted(chosen, key=lambda r: rank.get(r.id, len(RUN_ORDER)))  # stable: the rest in table order
+
+
+# ---- what each row runs ----
+
+
+def arch_of(row: Row, smoke: bool) -> dict[str, Any]:
+    return (SMOKE_ARCHS if smoke else ARCHS)[row.model]
+
+
+def d9d_job(row: Row, args: argparse.Namespace, row_dir: Path) -> dict[str, Any]:
+    smoke = args.smoke
+    arch = arch_of(row, smoke)
+    job: dict[str, Any] = {
+        "run": {"name": "bench-" + re.sub(r"[^A-Za-z0-9._-]", "-", row.id), "dir": str(row_dir / "run")},
+        "mesh": dict(row.mesh),
+        "batching": {"global_batch_size": global_batch(row, smoke), "microbatch_size": row.microbatch},
+        # the probe records a step when the next one starts: one more step than is timed
+        "trainer": {"total_steps": args.warmup + args.steps + 1},
+        "logging": {"progress_bar": "off", "period": 1000},
+        "checkpointing": {"save_at_end": False, "period": None},
+        "gradient_clipping": {"max_norm": None},
+        "model": {
+            "provider": "qwen3_moe" if row.model == "moe" else "qwen3",
+            "options": {
+                "architecture": {**arch, "max_position_embeddings": max(row.seq, SEQ)},
+                "dtype": "float32" if smoke else "bfloat16",
+            },
+        },
+        "data": {
+            "provider": "throughput.data:RandomTokens",
+            "options": {
+                "vocab_size": arch["vocab_size"],
+                "seq_len": row.seq,
+                "probe_dir": str(row_dir / "probe"),
+            },
+        },
+        "optimizer": {"provider": "adamw", "options": {"lr": LR, "weight_decay": 0.0}},
+        "compile": {"enabled": not smoke},
+    }
+    if row.schedule is not None:
+        job["pipelining"] = {"kind": row.schedule}
+    if row.launcher == "ray":
+        job["cluster"] = {
+            "num_workers": row.gpus,
+            "resources": {"cpus": args.cpus_per_rank, "gpus": 0 if smoke else 1},
+            "max_failures": 0,  # a failing row fails once, it is not restarted
+        }
+    return job
+
+
+def torchrun(nproc: int, *module_and_args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        *module_and_args,
+    ]
+
+
+def row_command(
+    row: Row, args: argparse.Namespace, row_dir: Path
+) -> tuple[list[str], dict[str, Any] | list[str]]:
+    """The command line of the row and what configured it (the d9d job, or torchtitan's flags)."""
+    sets = [item for s in args.set for item in ("--set", s)]
+    if row.framework == "d9d":
+        job = d9d_job(row, args, row_dir)
+        path = row_dir / "job.yaml"
+        path.write_text(yaml.safe_dump(job, sort_keys=False))
+        if row.launcher == "ray":
+            cmd = [sys.executable, "-m", "d9d.cli.main", "train", str(path), "--verbose", *sets]
+            return cmd + (["--cpu"] if args.smoke else []), job
+        return torchrun(row.gpus, "-m", "d9d.engine.launch", str(path), *sets), job
+    flags = titan_flags(row, args, row_dir)
+    return torchrun(row.gpus, "-m", "throughput.titan_train", *flags), flags
+
+
+def titan_flags(row: Row, args: argparse.Namespace, row_dir: Path) -> list[str]:
+    flavor = f"smoke-{row.model}" if args.smoke else row.model
+    flags = [
+        "--job.dump_folder",
+        str(row_dir / "titan"),
+        "--model.name",
+        "d9d_bench",
+        "--model.flavor",
+        flavor,
+        "--training.local_batch_size",
+        str(row.microbatch),
+        "--training.seq_len",
+        str(row.seq),
+        "--training.steps",
+        str(args.warmup + args.steps),
+        "--training.dtype",
+        "float32" if args.smoke else "bfloat16",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--parallelism.data_parallel_shard_degree",
+        str(row.mesh.get("data_parallel_shard", 1)),
+        "--parallelism.expert_parallel_degree",
+        str(row.mesh.get("expert_parallel", 1)),
+        "--activation_checkpoint.mode",
+        "none",
+        "--optimizer.name",
+        "AdamW",
+        "--optimizer.implementation",
+        "fused",
+        "--optimizer.lr",
+        str(LR),
+        "--optimizer.weight_decay",
+        "0.0",
+        "--metrics.log_freq",
+        "1",
+    ]
+    if not args.smoke:
+        flags += ["--compile.enable", "--compile.components", "model,loss"]
+    return flags
+
+
+# ---- running a row ----
+
+
+def child_env(args: argparse.Namespace, row_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO), str(BENCH), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    # Ray gives a rank actor as many OpenMP threads as it reserved CPUs; the torchrun ranks get the same.
+    env["OMP_NUM_THREADS"] = str(args.cpus_per_rank)
+    env["D9D_BENCH_PROBE_DIR"] = str(row_dir / "probe")  # the torchtitan rows' recorder
+    env.pop("RAY_ADDRESS", None)  # `d9d train` starts its own local instance
+    if args.smoke:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+# An exception's last traceback line, maybe behind a launcher's prefix (`[rank1]:`, Ray's `(Actor pid=…)`).
+_EXCEPTION = re.compile(
+    r"^(?:\[[^\]]*\]:?\s*|\([^)]*\)\s*)?([\w.]+(?:Error|Exception|Interrupt|Exit))\b:?(.*)$"
+)
+
+
+def first_exception(path: Path) -> str | None:
+    """The first Python exception line of the row's output (with the two lines after it, where messages
+    such as a configuration error continue), skipping the launcher's own `ChildFailedError`."""
+    if not path.exists():
+        return None
+    lines = path.read_text(errors="replace").splitlines()
+    for i, line in enumerate(lines):
+        match = _EXCEPTION.match(line.strip())
+        if match and "ChildFailedError" not in match.group(1):
+            more = [
+                x.strip() for x in lines[i + 1 : i + 3] if x.startswith("  ") and not x.startswith("  File")
+            ]
+            return " ".join([line.strip(), *more])[:600]
+    return None
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
+    if not path.exists():
+        return []
+    text = path.read_text(errors="replace").splitlines()
+    return [line[-400:] for line in text[-lines:]]
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the row's process group (`d9d train` stops its ranks, torchrun its workers), then SIGKILL to
+    what is left of it after 20 s. The group is the row's own session (`start_new_session`)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return  # nothing left in the group
+        deadline = time.monotonic() + 20.0
+        while time.monotonic() < deadline:
+            if proc.poll() is None:
+                time.sleep(0.2)
+                continue
+            try:
+                os.killpg(proc.pid, 0)  # still members (e.g. a launcher's daemons)?
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def run_row(row: Row, args: argparse.Namespace, work: Path, timeout: float) -> dict[str, Any]:
+    row_dir = work / re.sub(r"[^A-Za-z0-9._-]", "_", row.id)
+    shutil.rmtree(row_dir, ignore_errors=True)
+    (row_dir / "probe").mkdir(parents=True)
+    cmd, configured = row_command(row, args, row_dir)
+    log = row_dir / "output.log"
+    result: dict[str, Any] = {"command": " ".join(cmd), "config": configured, "log": str(log)}
+    start = time.perf_counter()
+    with log.open("wb") as out:
+        # Own session: a timeout ends the whole tree (ranks, compile workers, a local Ray instance).
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=child_env(args, row_dir),
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            rc = None
+    result["wall_s"] = time.perf_counter() - start
+    stop_group(proc)  # whatever the launcher left behind in its group (e.g. Ray daemons)
+    records = read_records(row_dir / "probe")
+    if rc != 0:
+        result["error"] = f"timed out after {timeout:.0f} s" if rc is None else f"exited with code {rc}"
+        cause = first_exception(log) or next(
+            (c for c in map(first_exception, sorted((row_dir / "run" / "logs").glob("rank*.log"))) if c), None
+        )
+        if cause:
+            result["error"] += f": {cause}"
+        result["log_tail"] = tail(log) + ray_rank_tails(row_dir)
+        try:
+            result["partial"] = summarize(row, records, args, require_complete=False) if records else None
+        except ValueError as e:
+            result["partial"] = str(e)
+        return result
+    try:
+        result.update(summarize(row, records, args, require_complete=True))
+    except ValueError as e:
+        result["error"] = str(e)
+        result["log_tail"] = tail(log)
+    return result
+
+
+def ray_rank_tails(row_dir: Path) -> list[str]:
+    lines: list[str] = []
+    for path in sorted((row_dir / "run" / "logs").glob("rank*.log")):
+        lines += [f"[{path.name}] {line}" for line in tail(path, 8)]
+    return lines
+
+
+# ---- numbers of a row ----
+
+
+def summarize(
+    row: Row, records: list[dict[str, Any]], args: argparse.Namespace, require_complete: bool
+) -> dict[str, Any]:
+    if len(records) != row.gpus and require_complete:
+        raise ValueError(f"{len(records)} of {row.gpus} ranks wrote a record")
+    timed = range(args.warmup + 1, args.warmup + args.steps + 1)
+    per_step = []
+    for step in timed:
+        times = [r["step_s"][step] for r in records if step in r["step_s"]]
+        if len(times) == len(records) and times:
+            per_step.append(max(times))
+    if not per_step:
+        raise ValueError(f"no timed step (steps {timed.start}..{timed.stop - 1}) was recorded by every rank")
+    if require_complete and len(per_step) < len(timed):
+        raise ValueError(f"only {len(per_step)} of {len(timed)} timed steps were recorded by every rank")
+    step_s = statistics.median(per_step)
+    tokens = global_batch(row, args.smoke) * row.seq
+    tps = tokens / step_s
+    peaks = [p for r in records for s, p in r["peak_gib"].items() if s >= 2 and p is not None]
+    cuda = any(r["device"] != "cpu" for r in records)
+    arch = arch_of(row, args.smoke)
+    out: dict[str, Any] = {
+        "device": records[0]["device"],
+        "median_step_s": step_s,
+        "step_s": per_step,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tps,
+        "tokens_per_s_per_gpu": tps / row.gpus,
+        "mfu": tps / row.gpus * flops_per_token(arch, row.model == "moe", row.seq) / (PEAK_TFLOPS * 1e12)
+        if cuda
+        else None,
+        "peak_gib": max(peaks) if peaks else None,
+        "peak_gib_per_rank": [
+            max((p for s, p in r["peak_gib"].items() if s >= 2 and p is not None), default=None)
+            for r in records
+        ],
+    }
+    if row.schedule is not None:
+        from throughput.bubble import pipeline_bubble  # imports d9d's simulator
+
+        microbatches = global_batch(row, args.smoke) // row.data_parallel // row.microbatch
+        out["pipeline"] = pipeline_bubble(records, timed, row.schedule, row.pp, microbatches)
+    return out
+
+
+# ---- the table ----
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """`scaling` and `x_titan` of every measured row, against the rows of `results` it is compared with
+    (module docs); a ratio whose reference did not run, or ran another sequence length, is left out."""
+    done = {r["id"]: r for r in results if "tokens_per_s" in r}
+
+    def ratio(row: dict[str, Any], ref_id: str) -> float | None:
+        ref = done.get(ref_id)
+        if ref is None or ref["seq"] != row["seq"]:
+            return None
+        return float(row["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"])
+
+    for r in results:
+        for key in ("scaling", "x_titan", "x_torchrun"):
+            r.pop(key, None)
+        if "tokens_per_s" not in r:
+            continue
+        if r["launcher"] == "ray" and (x_torchrun := ratio(r, r["id"].removesuffix("@ray"))) is not None:
+            r["x_torchrun"] = x_torchrun
+        model = r["model"]
+        titan_n = f"titan-{model}-fsdp-ep" if model == "moe" else f"titan-{model}-fsdp"
+        scaling = ratio(r, f"titan-{model}-1gpu" if r["framework"] == "torchtitan" else f"{model}-1gpu")
+        x_titan = ratio(r, f"titan-{model}-1gpu" if r["gpus"] == 1 else titan_n)
+        if (
+            x_titan is not None
+            and done[f"titan-{model}-1gpu" if r["gpus"] == 1 else titan_n]["gpus"] != r["gpus"]
+        ):
+            x_titan = None  # torchtitan's N-GPU row of another run with another N
+        if scaling is not None:
+            r["scaling"] = scaling
+        if x_titan is not None:
+            r["x_titan"] = x_titan
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    lines = [
+        "| row | model | layout | GPUs | launcher | tok/s | tok/s/GPU | MFU | peak GiB | scaling | vs titan "
+        "| bubble measured / sim / sim unit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        launcher = r["launcher"] if r["framework"] == "d9d" else "torchrun (torchtitan)"
+        if "x_torchrun" in r:
+            launcher += f" ({r['x_torchrun']:.2f}x torchrun)"
+        head = f"| {r['id']} | {MODEL_NAMES[r['model']]} | {r['layout']} | {r['gpus']} | {launcher} |"
+        if "tokens_per_s" not in r:
+            reason = r.get("error", "not run").replace("|", "/")[:200]
+            lines.append(f"{head} failed: {reason} | | | | | | |")
+            continue
+        p = r.get("pipeline") or {}
+        bubble = "-"
+        if "bubble_measured" in p:
+            bubble = f"{p['bubble_measured']:.1%} / {p['bubble_sim']:.1%} / {p['bubble_sim_unit']:.1%}"
+        elif p:
+            bubble = p.get("error", "-")
+        mfu = r.get("mfu")
+        x_titan = f"{r['x_titan']:.2f}x" if "x_titan" in r else "-"
+        lines.append(
+            f"{head} {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+            f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {num(r.get('peak_gib'), '.1f')} | "
+            f"{num(r.get('scaling'), '.2f')} | {x_titan} | {bubble} |"
+        )
+    return "\n".join(lines)
+
+
+def environment(args: argparse.Namespace, n: int) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gpus": n,
+        "smoke": args.smoke,
+        "host_cpus": os.cpu_count(),
+    }
+    for package in ("torchtitan", "triton", "ray"):
+        try:
+            info[package] = version(package)
+        except PackageNotFoundError:
+            info[package] = None
+    if shutil.which("nvidia-smi") and not args.smoke:
+        try:  # names without creating a CUDA context in this process
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            info["nvidia_smi"] = out.stdout.strip().splitlines()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return info
+
+
+def default_out(env: dict[str, Any]) -> Path:
+    name = re.sub(r"[^a-z0-9]+", "-", (env.get("device") or "gpu").lower()).strip("-")
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    return BENCH / "results" / f"multi_gpu_{name}_{env['gpus']}gpu_{day}.json"
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def main_run(args: argparse.Namespace) -> int:
+    n = args.gpus or (2 if args.smoke else gpu_count())
+    if n < 1:
+        print("multi_gpu: no GPU visible (use --smoke for the CPU check)", file=sys.stderr)
+        return 2
+    table_order = {row.id: i for i, row in enumerate(all_rows(n, args))}
+    rows = select(all_rows(n, args), args)
+    if args.list:
+        for row in rows:
+            print(f"{row.id:24s} {row.framework:10s} {row.launcher:8s} {row.gpus} GPU(s)  {row.layout}")
+        return 0
+    if not rows:
+        print(
+            f"multi_gpu: no row matches --rows {args.rows!r} / --launchers {args.launchers!r}",
+            file=sys.stderr,
+        )
+        return 2
+    env = environment(args, n)
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="d9d-multi-gpu-"))
+    out = Path(args.out) if args.out else None
+    if out is None and args.smoke:
+        out = work / "multi_gpu_smoke.json"
+    print(f"{len(rows)} rows on {n} GPU(s); work dir {work}; {json.dumps(env)}", flush=True)
+    deadline = time.perf_counter() + args.budget_s if args.budget_s else None
+    results: list[dict[str, Any]] = []
+    for i, row in enumerate(rows):
+        timeout = args.timeout_per_row
+        left = deadline - time.perf_counter() if deadline is not None else float("inf")
+        timeout = min(timeout, left)
+        entry = {**asdict(row)}
+        if left < 30:
+            entry["error"] = "skipped: out of the --budget-s time"
+        else:
+            print(
+                f"[{i + 1}/{len(rows)}] {row.id}: {row.layout} ({row.framework}, {row.launcher})", flush=True
+            )
+            entry.update(run_row(row, args, work, timeout))
+        results.append(entry)
+        if "device" in entry and "device" not in env:
+            env["device"] = entry["device"]
+        add_ratios(results)
+        brief = {k: v for k, v in entry.items() if k in ("id", "tokens_per_s", "peak_gib", "wall_s", "error")}
+        print(json.dumps(brief), flush=True)
+        if "log_tail" in entry:
+            print("\n".join("    " + line for line in entry["log_tail"][-12:]), flush=True)
+        if out is None:
+            out = default_out(env) if "device" in env else None
+        if out is not None:
+            write_json(out, {**env, "args": vars(args), "results": results})
+    if out is None:
+        out = default_out(env)
+    results.sort(key=lambda r: table_order[r["id"]])
+    write_json(out, {**env, "args": vars(args), "results": results})
+    print(f"\n{json.dumps(env)}\n{table(results)}\nresults: {out}", flush=True)
+    return 0
+
+
+def main_merge(args: argparse.Namespace) -> int:
+    runs = [json.loads(Path(f).read_text()) for f in args.merge]
+    # A row in several runs (a rerun): the later measurement wins, a later failure does not replace one.
+    merged: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for r in run["results"]:
+            if "tokens_per_s" in r or "tokens_per_s" not in merged.get(r["id"], {}):
+                merged[r["id"]] = r
+    results = list(merged.values())
+    add_ratios(results)
+    envs = [{k: v for k, v in run.items() if k not in ("results", "args")} for run in runs]
+    if args.out:
+        write_json(Path(args.out), {"runs": envs, "merged_from": args.merge, "results": results})
+    print("\n".join(json.dumps(e) for e in envs) + "\n" + table(results), flush=True)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gpus", type=int, default=None, help="N (default: every visible GPU; --smoke: 2)")
+    parser.add_argument(
+        "--rows", default="*", help="comma-separated globs over row ids (default: all); --list"
+    )
+    parser.add_argument(
+        "--launchers", default="torchrun,ray", help="d9d launchers to keep: torchrun, ray or both"
+    )
+    parser.add_argument(
+        "--ray-rows",
+        default=DEFAULT_RAY_ROWS,
+        help="d9d rows that also run through `d9d train` on Ray (globs)",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1: compile)")
+    parser.add_argument("--timeout-per-row", type=float, default=420.0)
+    parser.add_argument("--budget-s", type=float, default=None, help="skip the rows that would start past it")
+    parser.add_argument(
+        "--pp-microbatch", type=int, default=2, help="sequences per microbatch on pipeline rows"
+    )
+    parser.add_argument("--cp-seq", type=int, default=8192, help="sequence length of the CP row")
+    parser.add_argument("--cpus-per-rank", type=int, default=4, help="Ray CPUs (and OMP threads) per rank")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="d9d job override")
+    parser.add_argument(
+        "--smoke", action="store_true", help="CPU ranks on gloo, tiny shapes: checks the script"
+    )
+    parser.add_argument("--work-dir", default=None, help="rows' jobs, logs and records (default: a temp dir)")
+    parser.add_argument("--out", default=None, help="results JSON (default under benchmarks/results/)")
+    parser.add_argument("--list", action="store_true", help="print the selected rows and exit")
+    parser.add_argument("--merge", nargs="+", default=None, help="--out files to print as one table")
+    args = parser.parse_args()
+    if str(REPO) not in sys.path:
+        sys.path.insert(1, str(REPO))  # this checkout's d9d for the parent's own imports (the simulator)
+    if args.merge:
+        return main_merge(args)
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1 (the first step compiles; torchtitan's first interval is step 2)")
+    if args.smoke:
+        args.steps, args.warmup = min(args.steps, 2), 1
+        args.cpus_per_rank = 1
+    return main_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
