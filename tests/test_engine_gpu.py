@@ -21,9 +21,12 @@ import yaml
 from tests.engine_fixtures import jsonl_losses, subprocess_env, torchrun_command
 
 STEPS = 8
-LAYOUT_RTOL = 1e-3
-"""Relative loss difference a correct layout keeps from one process on the same device, float32 (measured
-on H100/H200: see docs/parallelism.md)."""
+LAYOUT_RTOL = 1e-5
+"""Relative loss difference a correct 2-GPU layout keeps from one process on the same device over 8 steps,
+float32. Measured on 4 × H200, 2026-11-26: ≤ 9e-8 for every layout; one GPU against one CPU process 1.6e-7;
+the expert-parallel defect fixed that day showed as 1.6e-2."""
+EXAMPLE_RTOL = 3e-4
+"""The same over the 4-GPU example's 20 steps at a wider shape with expert bias (measured: 3.1e-5)."""
 
 
 def _hf_moe(path: Path) -> None:
@@ -199,4 +202,4 @@ def test_gpu_example_layout_on_four_gpus(tmp_path: Path) -> None:
     one = _torchrun(job("one", {}, None), 1, cuda=True)  # after: the layout holds every GPU
     print(f"gpu.yaml layout {layout}\none GPU {one}\nmax relative difference {_max_rel(layout, one):.2e}")
     assert len(layout) == 20 and layout[-1] < layout[0]
-    assert _max_rel(layout, one) <= LAYOUT_RTOL, (layout, one)
+    assert _max_rel(layout, one) <= EXAMPLE_RTOL, (layout, one)
