@@ -1,7 +1,19 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+
+
+@pytest.fixture(scope="module")
+def _ray() -> Iterator[None]:
+    """A local Ray instance with 3 CPUs for one test module (`@pytest.mark.usefixtures("_ray")`)."""
+    import ray
+
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +51,6 @@ def test_two_threads_writing_one_file_never_share_a_temporary_name(tmp_path: Pat
     assert errors == []
     assert json.loads(target.read_text()) in ({"a": 1}, {"b": 2})
     assert [p.name for p in tmp_path.iterdir()] == ["run_summary.json"]  # no temporary file left
-
-
-@pytest.fixture(scope="module")
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _slow_toy(name: str, run_dir: Path, steps: int, **sections: Any) -> dict[str, Any]:

@@ -5,7 +5,6 @@ finishes with losses equal bit for bit. (The 4-rank Qwen3-MoE demo runs in test_
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from d9d.cluster.names import NAMESPACE, rank_name
 from tests.cluster_fixtures import bare_engine_rank
 from tests.harness import run_distributed
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300), pytest.mark.usefixtures("_ray")]
 
 STEPS = 30
 
@@ -36,13 +35,6 @@ def _engine_config(run_dir: Path) -> dict[str, Any]:
         "checkpointing": {"period": 5, "keep_last": 2},
         "logging": {"progress_bar": "off", "tracker": {"kind": "null"}},
     }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _wait(job: TrainingJob, predicate, timeout: float = 120.0) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +17,9 @@ from d9d.cluster.spec import build_job
 from d9d.engine.checkpoint import read_latest, verify_manifest
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240), pytest.mark.usefixtures("_ray")]
 
 STEPS = 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,9 @@ in run_summary.json and in `<run dir>/hang-attempt<N>.txt`."""
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 
 from d9d.cluster import TrainingJob, build_job
 from d9d.cluster.control.hang import attribute, position, training_thread
@@ -62,15 +60,9 @@ def test_the_rank_outside_the_collective_or_at_another_one_is_named() -> None:
     assert stuck.behind == () and stuck.summary.startswith("every rank waits in all_reduce")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.ray
 @pytest.mark.timeout(180)
+@pytest.mark.usefixtures("_ray")
 @pytest.mark.parametrize("kind", ["hang", "skip_collective"])
 def test_a_hung_rank_is_named_with_where_it_is_before_the_teardown(tmp_path: Path, kind: str) -> None:
     """`hang`: rank 1 sleeps inside step 3 while rank 0 waits in the gradient all-reduce. `skip_collective`:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +87,6 @@ def test_resume_refuses_a_run_without_journal_or_already_ended(tmp_path: Path) -
 
 
 # -- a coordinator killed mid-run -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _kill_paused_coordinator(job: TrainingJob, step: int, attempts: int) -> Journal:

@@ -7,7 +7,6 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -125,13 +124,6 @@ def test_a_coordinator_whose_lease_was_taken_over_loses_it(tmp_path: Path) -> No
         renew(tmp_path, renewed, owner="coordinator", host="h", pid=123)
     release(tmp_path, "mine")  # not its own any more: left alone
     assert isinstance(read_lease(tmp_path), Lease) and read_lease(tmp_path).launch_id == "other"  # type: ignore[union-attr]
-
-
-@pytest.fixture(scope="module")
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.ray

@@ -7,25 +7,16 @@ from __future__ import annotations
 import io
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 
 from d9d.cli.main import main
 from d9d.cluster import TrainingJob, build_job
 from d9d.cluster.follow import follow
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(180), pytest.mark.usefixtures("_ray")]
 
 
 def _job(run_dir: Path, name: str, model: dict[str, Any], **sections: Any) -> dict[str, Any]:

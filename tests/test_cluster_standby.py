@@ -8,7 +8,6 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,6 @@ from d9d.engine.runtime import CheckpointFile, MetricPoint, RankCheckpointReport
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 
 STEPS = 10
-
-
-@pytest.fixture(scope="module")
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _attempt_pids(run_dir: Path, world: int) -> dict[int, dict[int, int]]:

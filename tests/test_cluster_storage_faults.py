@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 
 from d9d.cluster import TrainingJob, build_job
 from d9d.cluster.control.failure import FailurePolicy, GiveUp, Retry, is_no_space
@@ -83,13 +81,6 @@ def test_enospc_is_retried_once_then_fails_naming_what_to_do() -> None:
     decision = policy.decide(again)
     assert isinstance(decision, GiveUp)
     assert "no space left on the device again, after a restart that freed the uncommitted" in decision.error
-
-
-@pytest.fixture(scope="module")
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.ray

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,13 +241,6 @@ def held_upload_rank(config: dict[str, Any], runtime: RankRuntime, reporter: Run
 
         reporter._upload = held  # type: ignore[attr-defined]
     return run_rank(config, runtime, reporter)
-
-
-@pytest.fixture(scope="module")
-def _ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.ray

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,15 +160,6 @@ def missing_data_rank(config: dict[str, Any], runtime: RankRuntime, reporter: Ru
     except FileNotFoundError as e:
         raise FileNotFoundError(f"rank {runtime.rank} cannot open its data") from e
     raise AssertionError("the shard exists")
-
-
-@pytest.fixture(scope="module")
-def _ray() -> Iterator[None]:
-    import ray
-
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _run_pgs(run_name: str) -> list[str]:
