@@ -40,6 +40,7 @@ from d9d.engine.components import build_data
 from d9d.engine.config import TrainConfig
 from d9d.engine.identity import IDENTITY_FILE, check_identity
 from d9d.engine.providers import DataSetup
+from d9d.pipeline.optim import PipelinedLRScheduler, PipelinedOptimizer
 
 
 class ResumeError(CheckpointError):
@@ -197,3 +198,69 @@ def decide_resume(
     step = int(read_manifest(step_dir)["step"])
     action: Literal["resume", "finished"] = "finished" if step >= config.trainer.total_steps else "resume"
     return ResumeDecision(action, step_dir, step, source, warnings)
+
+
+# -- what a new launch changes when it resumes (docs/engine.md, "What may change on resume") ---------------
+
+
+def base_lrs(optimizer: PipelinedOptimizer, schedulers: PipelinedLRScheduler | None) -> list[float]:
+    """Every param group's base LR: its scheduler's base, or its LR without a scheduler."""
+    if schedulers is not None:
+        return [float(lr) for s in schedulers.schedulers.values() for lr in s.base_lrs]
+    return [float(g["lr"]) for o in optimizer.optimizers.values() for g in o.param_groups]
+
+
+def set_base_lrs(
+    optimizer: PipelinedOptimizer, schedulers: PipelinedLRScheduler | None, bases: list[float]
+) -> None:
+    """Make `bases` the groups' base LRs, keeping the schedule's position (the LR scales with it)."""
+    if schedulers is None:
+        groups = [g for o in optimizer.optimizers.values() for g in o.param_groups]
+        for group, base in zip(groups, bases, strict=True):
+            group["lr"] = base
+        return
+    slots = [
+        (s.base_lrs, i, g)
+        for s in schedulers.schedulers.values()
+        for i, g in enumerate(s.optimizer.param_groups)
+    ]
+    for (scheduled, i, group), base in zip(slots, bases, strict=True):
+        if scheduled[i] == base:
+            continue
+        group["lr"] = group["lr"] * (base / scheduled[i]) if scheduled[i] else base
+        scheduled[i] = base
+        if "initial_lr" in group:
+            group["initial_lr"] = base
+
+
+def resume_changes(
+    config: TrainConfig,
+    committed: Mapping[str, Any],
+    committed_lrs: list[float],
+    configured_lrs: list[float],
+    step: int,
+) -> list[str]:
+    """What this launch's config changes in the optimization against the commit's (`committed`, its
+    train_config): the notes a resume announces, empty when it continues as the commit would have."""
+    notes = []
+    if committed_lrs != configured_lrs:
+        notes.append(
+            f"base LR {_lrs(committed_lrs)} -> {_lrs(configured_lrs)} (optimizer.options.lr): the new base "
+            f"LR applies from step {step + 1}"
+        )
+    old_total = committed.get("trainer", {}).get("total_steps")
+    if old_total is not None and old_total != config.trainer.total_steps:
+        notes.append(
+            f"trainer.total_steps {old_total} -> {config.trainer.total_steps}: the LR schedule is re-planned "
+            f"for {config.trainer.total_steps} steps from step {step + 1} (phases given in steps keep their "
+            "length; percentages and the rest phase are recomputed)"
+        )
+    new_schedule = config.model_dump(mode="json", by_alias=True).get("lr_scheduler")
+    if "lr_scheduler" in committed and committed.get("lr_scheduler") != new_schedule:
+        notes.append(f"lr_scheduler changed: the new schedule applies from step {step + 1}")
+    return notes
+
+
+def _lrs(values: list[float]) -> str:
+    distinct = sorted(set(values))
+    return f"{distinct[0]:.3g}" if len(distinct) == 1 else "[" + ", ".join(f"{v:.3g}" for v in values) + "]"

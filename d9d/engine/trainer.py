@@ -45,7 +45,7 @@ from d9d.engine.nonfinite import (
 )
 from d9d.engine.offload import HostOffload, SleepReport, WakeReport, training_state_tensors
 from d9d.engine.progress import StepProgress
-from d9d.engine.resume import committed_config, decide_resume
+from d9d.engine.resume import base_lrs, committed_config, decide_resume, resume_changes, set_base_lrs
 from d9d.engine.runtime import MetricPoint, RankResult, RunReporter, mark_failed_step
 from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
@@ -111,86 +111,41 @@ class Trainer:
             self._last_saved = self.progress.step
             self.ctx.logger.warning("run %s %s", self.config.run.name, decision.message)
             return
-        configured = self._base_lrs()  # from this launch's config, before the commit overwrites them
+        configured = base_lrs(parts.optimizer, parts.schedulers)  # this launch's, before the commit's
         engine_state, rank_state = parts.checkpointer.load(
             latest, parts.optimizer.pair_with(parts.stages.by_index)
         )
         lr_before = parts.optimizer.lr  # the commit's LR for the next step, under the commit's plan
         parts.state.load_state_dict(engine_state)  # a scheduler re-plans its LR for this config's steps
-        committed_base = self._base_lrs()
+        committed_base = base_lrs(parts.optimizer, parts.schedulers)
         if rank_state is not None:
             parts.state.load_rank_state_dict(rank_state)
         if self.attempt == 0:
             # The config wins from the resume step (docs/engine.md, "What may change on resume"); a
             # restarted attempt continues what its launch decided (an `update` may have moved the LR).
-            self._set_base_lrs(configured)
+            set_base_lrs(parts.optimizer, parts.schedulers, configured)
         self._last_saved = self.progress.step  # that step is committed: never written again
         self.ctx.logger.info("resumed from %s at step %d", latest, self.progress.step)
         if self.attempt == 0:
             self._announce_resume(latest, committed_base, configured, lr_before)
-
-    def _base_lrs(self) -> list[float]:
-        """Every param group's base LR: its scheduler's base, or its LR without a scheduler."""
-        parts = self.parts
-        if parts.schedulers is not None:
-            return [float(lr) for s in parts.schedulers.schedulers.values() for lr in s.base_lrs]
-        return [float(g["lr"]) for o in parts.optimizer.optimizers.values() for g in o.param_groups]
-
-    def _set_base_lrs(self, bases: list[float]) -> None:
-        """Make `bases` the groups' base LRs, keeping the schedule's position (the LR scales with it)."""
-        parts = self.parts
-        if parts.schedulers is None:
-            groups = [g for o in parts.optimizer.optimizers.values() for g in o.param_groups]
-            for group, base in zip(groups, bases, strict=True):
-                group["lr"] = base
-            return
-        slots = [
-            (s.base_lrs, i, g)
-            for s in parts.schedulers.schedulers.values()
-            for i, g in enumerate(s.optimizer.param_groups)
-        ]
-        for (base_lrs, i, group), base in zip(slots, bases, strict=True):
-            if base_lrs[i] == base:
-                continue
-            group["lr"] = group["lr"] * (base / base_lrs[i]) if base_lrs[i] else base
-            base_lrs[i] = base
-            if "initial_lr" in group:
-                group["initial_lr"] = base
 
     def _announce_resume(
         self, step_dir: Location, committed: list[float], configured: list[float], lr_before: float
     ) -> None:
         """Say on the console and to the tracker what this launch changed in the optimization (a new base
         LR, a re-planned schedule); nothing when it continues as the commit would have."""
-        c = self.config
         step = self.progress.step
-        old = committed_config(step_dir) or {}
-        lr_after = self.parts.optimizer.lr
-        notes = []
-        if committed != configured:
-            notes.append(
-                f"base LR {_lrs(committed)} -> {_lrs(configured)} (optimizer.options.lr): the new base LR "
-                f"applies from step {step + 1}"
-            )
-        old_total = old.get("trainer", {}).get("total_steps")
-        if old_total is not None and old_total != c.trainer.total_steps:
-            notes.append(
-                f"trainer.total_steps {old_total} -> {c.trainer.total_steps}: the LR schedule is re-planned "
-                f"for {c.trainer.total_steps} steps from step {step + 1} (phases given in steps keep their "
-                "length; percentages and the rest phase are recomputed)"
-            )
-        new_schedule = c.model_dump(mode="json", by_alias=True).get("lr_scheduler")
-        if "lr_scheduler" in old and old.get("lr_scheduler") != new_schedule:
-            notes.append(f"lr_scheduler changed: the new schedule applies from step {step + 1}")
+        notes = resume_changes(self.config, committed_config(step_dir) or {}, committed, configured, step)
         if not notes:
             return
+        lr_after = self.parts.optimizer.lr
         if lr_after != lr_before:
             notes.append(f"the LR for step {step + 1} is {lr_after:.3g} (the commit's plan: {lr_before:.3g})")
         if self.ctx.is_main_process:
             for note in notes:
                 self.ctx.logger.warning("resume at step %d: %s", step, note)
             values = {"resume/lr": lr_after, "resume/lr_before": lr_before, "resume/base_lr": configured[0]}
-            values["resume/total_steps"] = float(c.trainer.total_steps)
+            values["resume/total_steps"] = float(self.config.trainer.total_steps)
             self.reporter.metrics(MetricPoint(step + 1, 0, values, "train", time.time()))
 
     # -- loop ---------------------------------------------------------------------------------------
@@ -527,11 +482,6 @@ class Trainer:
 
     def _committed(self, step: int, path: Location) -> None:
         self.events.publish(CheckpointSaved(step, path))
-
-
-def _lrs(values: list[float]) -> str:
-    distinct = sorted(set(values))
-    return f"{distinct[0]:.3g}" if len(distinct) == 1 else "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
 
 
 def _describe_sleep(report: SleepReport) -> str:
