@@ -259,20 +259,24 @@ def test_hang_uses_the_init_limit_until_a_step_completed() -> None:
     live.step_done = True
     failure = hang(live, LIMITS, now=111.0, paused=False)
     assert failure is not None and "no step completed for 11.0s (limit 10.0s)" in failure.reason
+    assert failure.hung
     assert hang(live, LIMITS, now=1000.0, paused=True) is None
 
 
 def test_missed_heartbeats_name_the_rank() -> None:
     live = Liveness(world_size=2, heartbeats={0: 100.0, 1: 96.0})
     assert missed_heartbeats(live, LIMITS, now=100.5, paused=False) is None
-    assert missed_heartbeats(live, LIMITS, now=101.5, paused=False) == Failed("rank 1: no heartbeat for 5.5s")
+    # hung: the runner collects every rank's stacks before the teardown (d9d.cluster.control.hang)
+    assert missed_heartbeats(live, LIMITS, now=101.5, paused=False) == Failed(
+        "rank 1: no heartbeat for 5.5s", hung=True
+    )
 
 
 def test_stragglers_are_the_ranks_that_did_not_return() -> None:
     live = Liveness(world_size=3, returned=frozenset({0, 2}), first_returned=50.0)
     assert stragglers(live, LIMITS, now=60.0, paused=False) is None
     assert stragglers(live, LIMITS, now=60.5, paused=False) == Failed(
-        "ranks [1] did not finish 10.0s after the others"
+        "ranks [1] did not finish 10.0s after the others", hung=True
     )
     assert stragglers(Liveness(world_size=3), LIMITS, now=1e9, paused=False) is None
 
