@@ -22,13 +22,16 @@ def _build(env: RankEnv) -> None:
 
     seen: list[dict[str, object]] = []
 
-    def record(stage: nn.Module, config: CompileConfig, device: torch.device) -> CompileReport:
+    def record(
+        stage: nn.Module, config: CompileConfig, device: torch.device, *, split_backward: bool
+    ) -> CompileReport:
         seen.append(
             {
                 "meta": any(p.is_meta for p in stage.parameters()),
                 "training": stage.training,
                 "mode": config.mode,
                 "device": device.type,
+                "split_backward": split_backward,
                 "weight": stage.hidden.weight.detach().clone(),
             }
         )
@@ -46,13 +49,21 @@ def _build(env: RankEnv) -> None:
     assert list(built.by_index) == [0, 1]
     assert len(seen) == 2  # once per stage
     for record_, module in zip(seen, built.modules, strict=True):
-        assert record_ == {**record_, "meta": False, "training": False, "mode": config.mode, "device": "cpu"}
+        assert record_ == {
+            **record_,
+            "meta": False,
+            "training": False,
+            "mode": config.mode,
+            "device": "cpu",
+            "split_backward": False,
+        }
         # Compiled after initialization: the hook saw the final weights.
         torch.testing.assert_close(record_["weight"], module.hidden.weight.detach())
     trained = stages_module.build_stages(
-        provider, infos[:1], ctx, parameter_seed=7, compile_config=config, training=True
+        provider, infos[:1], ctx, parameter_seed=7, compile_config=config, training=True, split_backward=True
     )
     assert trained.modules[0].training
+    assert seen[-1]["split_backward"] is True  # a zero-bubble schedule's stages keep their saved buffers
     # Initialized under the given parameter seed: a rebuild draws the same weights.
     torch.testing.assert_close(trained.modules[0].hidden.weight, built.modules[0].hidden.weight)
 
