@@ -231,3 +231,32 @@ def test_chunked_transfer_round_trip(tmp_path: Path) -> None:
     assert store.read_chunk(3, "sub/file.bin", 600, 300) == data[600:900]
     with pytest.raises(CheckpointError, match="escapes"):
         store.write_chunk(3, "../../evil", 0, b"x")
+
+
+def test_connect_tries_a_ray_client_start_race_once_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head's Ray client proxier can fail to start a client's server when a process it inspects exits
+    meanwhile; `connect` tries once more. Any other refusal is raised at once."""
+    import d9d.cluster.client as client
+
+    calls: list[str] = []
+
+    def init(address: str, runtime_env: object = None) -> None:
+        calls.append(address)
+        if len(calls) == 1:
+            raise ConnectionAbortedError("Initialization failure from server:\nNoSuchProcess")
+
+    monkeypatch.setattr(client.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(client.ray, "init", init)
+    monkeypatch.setattr(client.time, "sleep", lambda _s: None)
+    client.connect("ray://head:10001")
+    assert calls == ["ray://head:10001"] * 2
+
+    def refuse(address: str, runtime_env: object = None) -> None:
+        calls.append(address)
+        raise ConnectionAbortedError("authentication failed")
+
+    calls.clear()
+    monkeypatch.setattr(client.ray, "init", refuse)
+    with pytest.raises(ConnectionAbortedError, match="authentication"):
+        client.connect("ray://head:10001")
+    assert len(calls) == 1

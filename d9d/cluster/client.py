@@ -65,7 +65,16 @@ def connect(
     _job_runtime_env = env
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, runtime_env=env or None)
+        try:
+            ray.init(address=address, runtime_env=env or None)
+        except ConnectionAbortedError as error:
+            # Ray client (ray://): the head's proxier starts a server per client and can fail that start
+            # when a process it inspects exits meanwhile (seen as psutil's NoSuchProcess under load): a
+            # race inside Ray, not a property of the request, so one more try is not a blind retry.
+            if "Initialization failure from server" not in str(error):
+                raise
+            time.sleep(1.0)
+            ray.init(address=address, runtime_env=env or None)
     else:
         ray.init(
             address="local",
