@@ -234,8 +234,9 @@ def test_status_of_a_local_run_reads_its_summary(tmp_path: Path) -> None:
     (tmp_path / "run_summary.json").write_text(json.dumps(summary))
     unreachable = f"http://127.0.0.1:{_free_port()}"  # no Ray dashboard there: fall back to the run dir
     out = _d9d(
-        "status", "local", "--address", unreachable, "--run-dir", str(tmp_path), cwd=tmp_path, timeout=60
-    )
+        "status", "local", "--address", unreachable, "--run-dir", str(tmp_path), "--json", cwd=tmp_path,
+        timeout=60,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == summary
     missing = _d9d(

@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from d9d.cluster.addresses import coordinator_repr
 from d9d.cluster.checkpoints import Arrival, CheckpointStore, CommittedStep
 from d9d.cluster.config import CoordinatorStorage
 from d9d.cluster.control.controller import Controller
@@ -92,6 +93,16 @@ class Coordinator:
             # (build_job refuses coordinator storage under an object-store root)
             self._node_store = start_node_store(spec.checkpoint_dir, ckpt.keep_last)
         self._storage_call_bytes = 0
+        try:
+            gcs: str | None = ray.get_runtime_context().gcs_address
+        except Exception:  # outside an actor (unit tests)
+            gcs = None
+        self._repr = coordinator_repr(spec.run_name, str(spec.run_dir), gcs)
+
+    def __repr__(self) -> str:
+        """Ray's state API lists it (`repr_name`): `d9d status/list --address http://head:8265` find the run's
+        directory and the cluster's Ray address from the dashboard URL alone (d9d.cluster.addresses)."""
+        return self._repr
 
     def _open_journal(self, launch_id: str) -> Journal:
         """This coordinator's journal, continuing the one of a coordinator of this run that died: the

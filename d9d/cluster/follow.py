@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from d9d.cluster.client import TrainingJob
 from d9d.cluster.control.metrics import CLUSTER_RANK
+from d9d.cluster.overview import format_duration as format_duration
 from d9d.cluster.rank import RANK_LOG_DIR
 from d9d.cluster.spec import JobSpec, tracker_config
 from d9d.cluster.state import JobState, JobStatus, RunSummary
@@ -32,16 +33,6 @@ PREFIX = "[d9d]"
 # the host's resident memory (its peak, or the largest sample seen).
 DEVICE_MEMORY = ("cuda_max_allocated_bytes",)
 HOST_MEMORY = ("peak_rss_bytes", "rss_bytes")
-
-
-def format_duration(seconds: float) -> str:
-    """`42s`, `3m05s`, `2h07m`."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def format_bytes(n: float) -> str:
