@@ -112,6 +112,23 @@ def test_demo_trains_tiny_qwen3_moe_on_four_rank_actors_into_mlflow(tmp_path: Pa
     assert client.get_metric_history(run.info.run_id, "system/cluster/metrics_lag_s")
 
 
+def test_piped_console_is_plain_text(tmp_path: Path) -> None:
+    """`d9d train ... | tee log`: what Ray forwards from the actors (`--verbose`: the ranks' own output) comes
+    without the colour codes Ray puts on its prefixes on a terminal."""
+    job = toy_job(
+        "plain",
+        tmp_path / "run",
+        steps=3,
+        cluster={"entrypoint": "tests.test_console_plots:printing_run_rank"},
+    )
+    out = _d9d("train", str(_write(tmp_path / "job.yaml", job)), "--verbose", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert "hello from rank 1" in console and "(RankActor pid=" in console  # forwarded by Ray
+    assert "\x1b[" not in console
+    assert "[d9d] run plain finished: 3/3 steps" in out.stdout
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -61,6 +62,7 @@ def connect(
     global _job_runtime_env
     if ray.is_initialized():
         return
+    plain_output_off_a_terminal()
     env = runtime_env.to_ray() if isinstance(runtime_env, RuntimeEnvConfig) else dict(runtime_env or {})
     _job_runtime_env = env
     address = address or os.environ.get("RAY_ADDRESS")
@@ -73,6 +75,24 @@ def connect(
             include_dashboard=False,
             runtime_env=env or None,
         )
+
+
+def plain_output_off_a_terminal() -> None:
+    """Ray prefixes the output it forwards from actors (`(Coordinator pid=...)`) with ANSI colour codes
+    wherever it goes; off a terminal (a pipe, a log file, a CI log) or with NO_COLOR set they are left out.
+    RAY_COLOR_PREFIX, when set, decides as Ray documents it."""
+    if "RAY_COLOR_PREFIX" in os.environ:
+        return
+    streams = (sys.stdout, sys.stderr)
+    if os.environ.get("NO_COLOR") or not all(_isatty(s) for s in streams):
+        os.environ["RAY_COLOR_PREFIX"] = "0"
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
 
 
 def disconnect() -> None:

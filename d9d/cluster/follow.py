@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from d9d.cluster.client import TrainingJob
@@ -40,6 +41,11 @@ def format_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n / 2**10:.0f} KiB"
+
+
+# The progress line's fields a narrow terminal leaves out, in this order (loss, ETA and step go last).
+DROP_ORDER = ("mem", "rss", "MFU", "grad", "lr", "elapsed", "tok/s", "ETA", "loss")
+_BAR_WIDTH = 40  # of the bar on a terminal of 100 columns or more; narrower ones get a shorter bar
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,17 @@ class ProgressLine:
 
     def text(self, with_step: bool = True) -> str:
         return " | ".join(f"{k} {v}" for k, v in self.fields().items() if with_step or k != "step")
+
+    def fit(self, width: int, with_step: bool = True) -> str:
+        """`text()` within `width` characters: whole fields are left out, the least telling first
+        (`DROP_ORDER`), never cut in the middle."""
+        fields = {k: v for k, v in self.fields().items() if with_step or k != "step"}
+        for name in DROP_ORDER:
+            text = " | ".join(f"{k} {v}" for k, v in fields.items())
+            if len(text) <= width:
+                return text
+            fields.pop(name, None)
+        return " | ".join(f"{k} {v}" for k, v in fields.items())[: max(width, 0)]
 
 
 class ConsoleProgress:
@@ -133,20 +150,30 @@ class ConsoleProgress:
 
 
 class _Display:
-    def __init__(self, total: int, out: TextIO, interactive: bool) -> None:
+    def __init__(self, total: int, out: TextIO, interactive: bool, console: Console | None = None) -> None:
         self.out = out
+        self.total = total
         self.bar: Progress | None = None
         if interactive:
+            console = console or Console()
+            self.bar_width = _BAR_WIDTH if console.width >= 100 else max(10, console.width // 5)
             self.bar = Progress(
                 TextColumn("[bold]train"),
-                BarColumn(),
+                BarColumn(bar_width=self.bar_width),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
+                console=console,
                 redirect_stdout=True,  # the driver's own prints (Ray's warnings) go above the bar
                 redirect_stderr=True,
             )
             self.task = self.bar.add_task("train", total=total, info="")
             self.bar.start()
+
+    def info_width(self) -> int:
+        """Columns left for the fields beside the label, the bar and the step count (one space apart)."""
+        assert self.bar is not None
+        steps = 2 * len(str(self.total)) + 1
+        return self.bar.console.width - (len("train") + self.bar_width + steps + 3)
 
     def line(self, text: str) -> None:
         if self.bar is not None:
@@ -156,7 +183,8 @@ class _Display:
 
     def step(self, line: ProgressLine) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=line.step, info=line.text(with_step=False))
+            info = line.fit(self.info_width(), with_step=False)
+            self.bar.update(self.task, completed=line.step, info=info)
         else:
             self.line(line.text())
 
