@@ -1,9 +1,10 @@
 """`d9d plot RUN`: draw a run's loss, learning rate, gradient norm and tokens/s into one PNG.
 
 RUN is a run directory, a job file (its run directory), a run name (found under `--runs-root`, default
-`runs/`, whichever launcher made it), or a run's storage root as a URI (`s3://bucket/runs/<run>`, where a run with `run.storage` copies its history). The curves come from
-`<run dir>/history.jsonl`, which every run writes whatever its tracker; a run in progress is drawn as far
-as it got. The PNG goes to `<run dir>/plots/training.png`, or for a URI to `./<run>-training.png`.
+`runs/`, whichever launcher made it), or a run's storage root as a URI (`s3://bucket/runs/<run>`, where a
+run with `run.storage` copies its history). The curves come from `<run dir>/history.jsonl`, which every
+run writes whatever its tracker; a run in progress is drawn as far as it got. The PNG goes to
+`<run dir>/plots/training.png`, or for a URI to `./<run>-training.png`.
 """
 
 from __future__ import annotations
