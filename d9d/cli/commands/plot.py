@@ -18,9 +18,7 @@ if TYPE_CHECKING:
     from d9d.core.storage import Location
 
 
-def run_directory(
-    target: str, options: dict[str, Any] | None = None, runs_root: str = "runs"
-) -> Location:
+def run_directory(target: str, options: dict[str, Any] | None = None, runs_root: str = "runs") -> Location:
     """The run directory `target` names (see the module docstring)."""
     from d9d.cli.storage import open_location
     from d9d.cluster.registry import find_record
