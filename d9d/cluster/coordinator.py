@@ -59,7 +59,13 @@ _log = logging.getLogger(__name__)
 class Coordinator:
     """Async actor; every method runs on one event loop, blocking work goes to threads."""
 
-    def __init__(self, spec: JobSpec, sink_factory: Callable[[], MetricSink], launch_id: str = "") -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        sink_factory: Callable[[], MetricSink],
+        launch_id: str = "",
+        startup: dict[str, float] | None = None,
+    ) -> None:
         self._spec = spec
         self._notice_count = 0
         ckpt = spec.train.checkpointing
@@ -76,6 +82,12 @@ class Coordinator:
             launch_id=launch_id,
             notice=self._notice,
         )
+        # The driver's start-up marks (`TrainingJob.start`): where the launch began and where its phases
+        # before this actor ended (d9d.cluster.control.startup).
+        marks = dict(startup or {})
+        self._control.startup.started = marks.pop("started", self._control.startup.started)
+        for phase, at in marks.items():
+            self._control.startup.end(phase, at)
         self._main: asyncio.Task[None] | None = None
         self._launch_id = launch_id
         self._stalled: dict[int, tuple[Operation, float]] = {}  # this process's storage stalls named so far
@@ -150,6 +162,7 @@ class Coordinator:
 
     async def start(self) -> None:
         if self._main is None:
+            self._control.startup.end("coordinator")
             loop = asyncio.get_running_loop()
             if self._launch_id:
                 await asyncio.to_thread(self._renew_lease)  # the driver's lease is this actor's from now on
@@ -186,6 +199,8 @@ class Coordinator:
             notice_count=self._notice_count,
             asleep=self._metrics.asleep and not c.machine.state.terminal,
             standby_ready=c.standby_ready,
+            startup=tuple(c.startup.phases().items()),
+            starting=c.startup.current(),
         )
 
     async def send(self, command: Command) -> None:
@@ -241,6 +256,12 @@ class Coordinator:
         at = self._control.current(attempt)
         if at is not None:
             at.live.errors.append(dataclasses.replace(error, seen_at=time.monotonic()))
+            await self._changes.notify()
+
+    async def setup_mark(self, attempt: int, phase: str, at: float) -> None:
+        """Rank 0 ended a start-up phase of its own (`process_group`, `build`, `load`) at wall time `at`."""
+        if self._control.current(attempt) is not None:
+            self._control.startup_mark(attempt, phase, at)
             await self._changes.notify()
 
     async def notice(self, attempt: int, text: str) -> None:

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from d9d.cluster.client import TrainingJob
 from d9d.cluster.control.metrics import CLUSTER_RANK
+from d9d.cluster.control.startup import LABELS, PHASES, describe
 from d9d.cluster.overview import format_duration as format_duration
 from d9d.cluster.rank import RANK_LOG_DIR
 from d9d.cluster.spec import JobSpec, tracker_config
@@ -145,6 +146,11 @@ class ConsoleProgress:
         )
 
     @property
+    def first(self) -> tuple[float, int] | None:
+        """(time, step) of the first train point seen, None before it."""
+        return self._first
+
+    @property
     def elapsed_s(self) -> float:
         return self._clock() - self._start
 
@@ -188,6 +194,12 @@ class _Display:
         else:
             self.line(line.text())
 
+    def starting(self, phase: str, seconds: float) -> None:
+        """The start-up phase in progress, beside the bar (off a terminal each phase's line says it)."""
+        if self.bar is not None:
+            info = f"starting: {LABELS.get(phase, phase)} ({format_duration(seconds)})"
+            self.bar.update(self.task, info=info[: max(self.info_width(), 0)])
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
@@ -222,6 +234,7 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
     progress = ConsoleProgress(total)
     last: JobStatus | None = None
     said = 0  # notices printed
+    phases = 0  # start-up phases printed
     try:
         while True:
             points, ended = job.poll_metrics(1.0)
@@ -233,6 +246,13 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
                 elif point.rank == CLUSTER_RANK:
                     display.line(", ".join(f"{k} {v:.4g}" for k, v in point.values.items()))
             status = job.status()
+            for phase, seconds in status.startup[phases:]:
+                display.line(f"start-up: {LABELS.get(phase, phase)} {seconds:.1f}s")
+                if phase == PHASES[-1]:
+                    display.line(f"started in {describe(dict(status.startup))}")
+            phases = len(status.startup)
+            if status.starting is not None and progress.first is None:
+                display.starting(status.starting[0], max(0.0, time.time() - status.starting[1]))
             fresh = status.notice_count - said
             for notice in (
                 status.notices[len(status.notices) - min(fresh, len(status.notices)) :] if fresh else ()

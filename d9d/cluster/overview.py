@@ -217,6 +217,7 @@ def overview_from_status(
         restarts=status.restarts,
         last_failure=status.last_failure,
         error=status.error,
+        startup_s=dict(status.startup),
     )
     if status.world_size:
         o.extra.append(

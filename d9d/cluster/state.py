@@ -87,3 +87,7 @@ class JobStatus:
     # The ranks' training state is in host memory (`TrainingJob.sleep`); the state is then PAUSED.
     asleep: bool = False
     standby_ready: int = 0  # warm standby ranks ready to be taken by a restart (`cluster.standby_ranks`)
+    # The launch's start-up (d9d.cluster.control.startup): the phases ended so far with their seconds, and
+    # the one in progress with the wall time it began (None once the first step was seen).
+    startup: tuple[tuple[str, float], ...] = ()
+    starting: tuple[str, float] | None = None

@@ -179,6 +179,8 @@ class RunSummary:
     # Which launch of the run this is (`TrainingJob.start` picks it): a file holds one record per launch.
     launch_id: str = ""
     ended_at: float | None = None  # wall clock
+    # Seconds per start-up phase of the launch, to its first step (d9d.cluster.control.startup.PHASES).
+    startup_s: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
