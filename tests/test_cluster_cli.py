@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from d9d.cluster.control.startup import LABELS, PHASES
 from tests.cluster_fixtures import toy_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -82,6 +83,13 @@ def test_demo_trains_tiny_qwen3_moe_on_four_rank_actors_into_mlflow(tmp_path: Pa
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[d9d] run tiny-qwen3-moe: running (attempt 0, 4 ranks, dp 4)" in out.stdout
     assert f"[d9d] run tiny-qwen3-moe finished: {steps}/{steps} steps" in out.stdout
+    # The start-up, phase by phase as each ended, then in one line; the same in the summary.
+    said = [line.removeprefix("[d9d] start-up: ") for line in out.stdout.splitlines() if "start-up: " in line]
+    labels = [LABELS[p] for p in PHASES if p != "tracker"]  # the tracker was ready before the ranks, or not
+    assert [s.rsplit(" ", 1)[0] for s in said if not s.startswith("tracker")] == labels, said
+    (started,) = [line for line in out.stdout.splitlines() if line.startswith("[d9d] started in ")]
+    first_step = out.stdout.index("[d9d] step 1/")
+    assert out.stdout.index(said[0]) < out.stdout.index(started) < first_step
     # The ranks' own output is in their log files, not on the console; the end says where to look.
     assert "RankActor" not in out.stdout + out.stderr
     assert f"mlflow ui --backend-store-uri sqlite:///{run_dir.resolve()}/mlflow.db" in out.stdout
@@ -89,6 +97,12 @@ def test_demo_trains_tiny_qwen3_moe_on_four_rank_actors_into_mlflow(tmp_path: Pa
 
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == steps and summary["restarts"] == 0
+    startup = summary["startup_s"]
+    assert set(PHASES) - set(startup) <= {"tracker"} and all(v >= 0 for v in startup.values())
+    assert f"started in {sum(startup.values()):.1f}s" in started  # what the console said
+    assert 1.0 < sum(startup.values()) < 600 and startup["launch"] > 0.1  # counted from the process start
+    status = _d9d("status", "tiny-qwen3-moe", "--run-dir", str(run_dir), cwd=REPO)
+    assert f"start-up:    {sum(startup.values()):.1f}s (launch " in status.stdout, status.stdout
     assert summary["recovery_times_s"] == [] and summary["tokens_per_s"] > 0
     assert summary["final_loss"] < summary["losses"]["1"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{steps:08d}"

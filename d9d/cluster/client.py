@@ -75,7 +75,15 @@ def connect(
             num_cpus=max(os.cpu_count() or 1, local_cpus),
             include_dashboard=False,
             runtime_env=env or None,
+            _system_config=_local_system_config(),
         )
+
+
+def _local_system_config() -> dict[str, Any]:
+    """Ray's settings for the local instance `connect` starts. Its workers run at nice 0, not Ray's 15: the
+    coordinator and the ranks are the job, and at nice 15 their start-up (importing torch and the engine)
+    starves on a machine busy with anything else (`D9D_RAY_WORKER_NICENESS` sets another value)."""
+    return {"worker_niceness": int(os.environ.get("D9D_RAY_WORKER_NICENESS", "0"))}
 
 
 def plain_output_off_a_terminal() -> None:

@@ -238,14 +238,7 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
     try:
         while True:
             points, ended = job.poll_metrics(1.0)
-            # A step's health points update the memory shown on that step's line.
-            for point in sorted(points, key=lambda p: p.kind != "health"):
-                line = progress.observe(point)
-                if line is not None:
-                    display.step(line)
-                elif point.rank == CLUSTER_RANK:
-                    display.line(", ".join(f"{k} {v:.4g}" for k, v in point.values.items()))
-            status = job.status()
+            status = job.status()  # after the points: its start-up has the phase their first step ended
             for phase, seconds in status.startup[phases:]:
                 display.line(f"start-up: {LABELS.get(phase, phase)} {seconds:.1f}s")
                 if phase == PHASES[-1]:
@@ -253,6 +246,13 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
             phases = len(status.startup)
             if status.starting is not None and progress.first is None:
                 display.starting(status.starting[0], max(0.0, time.time() - status.starting[1]))
+            # A step's health points update the memory shown on that step's line.
+            for point in sorted(points, key=lambda p: p.kind != "health"):
+                line = progress.observe(point)
+                if line is not None:
+                    display.step(line)
+                elif point.rank == CLUSTER_RANK:
+                    display.line(", ".join(f"{k} {v:.4g}" for k, v in point.values.items()))
             fresh = status.notice_count - said
             for notice in (
                 status.notices[len(status.notices) - min(fresh, len(status.notices)) :] if fresh else ()
