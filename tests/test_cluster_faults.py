@@ -17,6 +17,7 @@ from d9d.cluster.follow import follow
 from d9d.cluster.names import NAMESPACE, rank_name
 from d9d.cluster.spec import build_job
 from d9d.engine.checkpoint import read_latest, verify_manifest
+from d9d.tracking.history import RESTART, RESUMED_FROM, read_history
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240), pytest.mark.usefixtures("_ray")]
@@ -65,6 +66,11 @@ def test_killed_rank_restarts_from_checkpoint_with_identical_losses(
     # The console blames the killed rank, not the peer whose collective broke with it.
     (said,) = [line for line in console.getvalue().splitlines() if "attempt failed:" in line]
     assert said.startswith("[d9d] attempt failed: rank 1: process died"), said
+    # The restart is announced and marked where it resumed: the history, and so the plot.
+    resumed = summary.resumed_from[1]
+    assert f"[d9d] attempt 1 restarts from step {resumed} (checkpoint " in console.getvalue()
+    history = read_history(tmp_path / "history.jsonl")
+    assert history[RESUMED_FROM] == {resumed + 1: resumed} and history[RESTART] == {resumed + 1: 1}
     assert summary.resumed_from[0] is None and summary.resumed_from[1] in (4, 6, 8)
     assert len(summary.recovery_times_s) == 1 and 0 < summary.recovery_times_s[0] < 60
     assert _losses(summary) == reference  # bitwise: resumed state and data position are exact

@@ -121,6 +121,26 @@ def test_a_narrow_terminal_drops_whole_fields_least_telling_first() -> None:
         assert all(part in full.split(" | ") for part in shown), bar  # whole fields only
 
 
+def test_the_plot_marks_resumes_and_restarts() -> None:
+    from d9d.tracking.history import RESTART, RESUMED_FROM
+    from d9d.tracking.plot import RESTART_STYLE, RESUME_STYLE, Marker, figure_of, markers
+
+    history = {
+        "train/loss": {s: 5.0 - s / 10 for s in range(1, 21)},
+        RESUMED_FROM: {7: 4.0, 13: 12.0},
+        RESTART: {7: 1.0, 13: 0.0},
+    }
+    assert markers(history) == [Marker(7, 4, restart=True), Marker(13, 12, restart=False)]
+    assert [m.label for m in markers(history)] == ["restart from step 4", "resume from step 12"]
+    figure = figure_of(history)
+    for axes in figure.axes:  # every panel, drawn or not
+        vertical = {(line.get_xdata()[0], line.get_color(), line.get_linestyle()) for line in axes.lines[-2:]}
+        assert vertical == {(7, RESTART_STYLE["color"], ":"), (13, RESUME_STYLE["color"], "--")}
+    legend = figure.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["train/loss", "restart", "resume"]
+    assert markers({"train/loss": {1: 1.0}}) == []
+
+
 def test_rank_output_goes_to_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # In a rank actor sys.stdout/stderr write to file descriptors 1 and 2; pytest replaced them here.
     monkeypatch.setattr(sys, "stdout", open(1, "w", closefd=False))  # noqa: SIM115

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from d9d.cli.main import main
+from d9d.tracking.history import RESTART, RESUMED_FROM, read_history
 from tests.engine_fixtures import jsonl_losses, subprocess_env, torchrun_command
 
 pytestmark = pytest.mark.distributed
@@ -63,3 +64,11 @@ def test_torchrun_matches_single_process(tmp_path: Path, capsys: pytest.CaptureF
     assert f"checkpoints: {tmp_path / 'two' / 'checkpoints'} (latest commit: step 5)" in status
     assert main(["plot", "one", "--runs-root", str(tmp_path)]) == 0
     assert (tmp_path / "one" / "plots" / "training.png").is_file()
+
+    # Two more steps of the one-process run: it resumes from its commit at step 5, which its history marks.
+    more = [*single, "--set", "trainer.total_steps=7"]
+    subprocess.run(more, env=env, check=True, capture_output=True, timeout=300)
+    history = read_history(tmp_path / "one" / "history.jsonl")
+    assert history[RESUMED_FROM] == {6: 5.0} and history[RESTART] == {6: 0.0}
+    assert main(["status", "one", "--runs-root", str(tmp_path)]) == 0
+    assert "step:        7/7" in capsys.readouterr().out

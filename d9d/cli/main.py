@@ -11,12 +11,17 @@ import importlib
 import os
 import pkgutil
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import d9d
 import d9d.cli.commands as commands
 
 Handler = Callable[[argparse.Namespace], int]
+# When this command began: None for the `d9d` process itself (a launch's start-up then counts from the
+# process's start, `d9d.cluster.client.started_from_process`), the call's time when `main` is called in a
+# process that was doing other things before (a test, a script).
+invoked_at: float | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +46,8 @@ def _closed_pipe() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global invoked_at
+    invoked_at = None if argv is None else time.time()
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Handler | None = getattr(args, "handler", None)

@@ -131,11 +131,12 @@ def process_started_at() -> float | None:
             return None
 
 
-def started_from_process() -> None:
+def started_from_process(at: float | None = None) -> None:
     """Count this process's launches' start-up from the process's start (`d9d train`, `d9d resume`): the
-    interpreter, the imports and the config are part of what a user waits for."""
+    interpreter, the imports and the config are part of what a user waits for. `at`, when given, is where
+    the command began instead (`d9d.cli.main.main` called inside a process that did other things first)."""
     global launched_at
-    launched_at = process_started_at()
+    launched_at = at if at is not None else process_started_at()
 
 
 # The job-level runtime env `connect` joined Ray with; None when Ray was initialized by someone else.

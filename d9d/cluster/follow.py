@@ -31,6 +31,7 @@ from d9d.tracking.history import HISTORY_FILE
 from d9d.tracking.plot import PLOT_FILE
 
 PREFIX = "[d9d]"
+RESUMED_FROM_KEY = "resumed_from"  # a cluster point marking a resume (d9d.cluster.control.controller)
 # Health values a rank's memory high-water mark is taken from: device memory when there is a device, else
 # the host's resident memory (its peak, or the largest sample seen).
 DEVICE_MEMORY = ("cuda_max_allocated_bytes",)
@@ -227,8 +228,10 @@ def where_everything_is(spec: JobSpec) -> list[str]:
     return lines
 
 
-def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None = None) -> RunSummary:
-    """Stream a started job's progress until it ends; return its summary."""
+def follow(job: TrainingJob, out: TextIO | None = None, interactive: bool | None = None) -> RunSummary:
+    """Stream a started job's progress until it ends (to `out`, default: stdout as it is now); return its
+    summary."""
+    out = sys.stdout if out is None else out
     total = job.spec.train.trainer.total_steps
     display = _Display(total, out, out.isatty() if interactive is None else interactive)
     progress = ConsoleProgress(total)
@@ -251,7 +254,8 @@ def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None 
                 line = progress.observe(point)
                 if line is not None:
                     display.step(line)
-                elif point.rank == CLUSTER_RANK:
+                elif point.rank == CLUSTER_RANK and RESUMED_FROM_KEY not in point.values:
+                    # (a resume's mark is said by the coordinator's notice, with its checkpoint)
                     display.line(", ".join(f"{k} {v:.4g}" for k, v in point.values.items()))
             fresh = status.notice_count - said
             for notice in (

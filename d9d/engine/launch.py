@@ -28,7 +28,7 @@ from d9d.engine.config import TrainConfig, load_config, parse_config
 from d9d.engine.identity import IdentityError
 from d9d.engine.resume import ResumeDecision, check_resume
 from d9d.engine.run_files import RunRecord, RunSummary, record_launch, tracker_lines, write_record
-from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
+from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime, RunReporter
 from d9d.engine.tracking_sink import STATE_FILE, TrackerSink, run_files_mirror
 from d9d.engine.trainer import Trainer
 from d9d.tracking import LogTrackerConfig, RunSpec, build_tracker
@@ -168,6 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             resume=True,
             mirror=mirror,
         )
+        if decision.action == "resume":
+            # The resume in the tracker and the history, where `d9d plot` marks it (d9d.tracking.history).
+            mark = {"resumed_from": float(decision.step), "restart": 0.0}
+            sink.write([MetricPoint(decision.step + 1, -1, mark, "health", time.time())])
     reporter = LocalRunReporter(
         config.checkpoint_dir, config.checkpointing.keep_last, sink, config.checkpointing.on_damaged
     )

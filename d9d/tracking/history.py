@@ -19,8 +19,13 @@ from typing import IO
 from d9d.core.storage import Location
 
 HISTORY_FILE = "history.jsonl"
-#: Which grouped names the history keeps.
+#: Which grouped names the history keeps: the curves, and the run's resumes and restarts (where `d9d plot`
+#: marks them: the step an attempt that started from a commit trained first, the commit's step, and whether
+#: it was a restart after a failure or a resize (1) or a launch resuming the run (0)).
 KEPT_GROUPS = ("train/", "eval/")
+RESUMED_FROM = "system/cluster/resumed_from"
+RESTART = "system/cluster/restart"
+KEPT_NAMES = (RESUMED_FROM, RESTART)
 
 
 class HistoryWriter:
@@ -30,7 +35,7 @@ class HistoryWriter:
         self._file: IO[str] | None = path.open("a" if resume else "w")
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
-        kept = {k: float(v) for k, v in values.items() if k.startswith(KEPT_GROUPS)}
+        kept = {k: float(v) for k, v in values.items() if k.startswith(KEPT_GROUPS) or k in KEPT_NAMES}
         if kept and self._file is not None:
             line = {"step": step, "t": round(time.time(), 3), "values": kept}
             self._file.write(json.dumps(line) + "\n")

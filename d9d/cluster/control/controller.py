@@ -37,6 +37,7 @@ from d9d.cluster.control.workers import Attempt, Reservation, WorkerGroup
 from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, RunSummary, StateMachine, record_launch
+from d9d.engine.checkpoint import step_dir_name
 from d9d.engine.runtime import MetricPoint, RankResult
 
 _log = logging.getLogger(__name__)
@@ -333,7 +334,22 @@ class Controller:
         self.latest_step = at.resumed_from or None
         layout: dict[str, float] = {"world_size": at.plan.world_size, "data_parallel": at.plan.data_parallel}
         self._metrics.add(MetricPoint(at.resumed_from, CLUSTER_RANK, layout, "health", time.time()))
+        if at.resumed_from:
+            await self._announce_resume(at)
         await self._changes.notify()
+
+    async def _announce_resume(self, at: Attempt) -> None:
+        """An attempt starts from a commit: say so on the console (and in the summary's notices), and mark it
+        in the tracker and the history at the first step it trains (`system/cluster/resumed_from`: the
+        commit's step; `system/cluster/restart`: 1 for a restart of this launch after a failure or for a
+        resize, 0 for a launch resuming the run), where `d9d plot` draws it."""
+        restart = at.index != self._startup_attempt
+        step_dir = self._spec.checkpoint_dir / step_dir_name(at.resumed_from)
+        what = f"attempt {at.index} restarts" if restart else f"run {self._spec.run_name} resumes"
+        if self._notice is not None:
+            await self._notice(f"{what} from step {at.resumed_from} (checkpoint {step_dir})")
+        values = {"resumed_from": float(at.resumed_from), "restart": 1.0 if restart else 0.0}
+        self._metrics.add(MetricPoint(at.resumed_from + 1, CLUSTER_RANK, values, "health", time.time()))
 
     async def teardown(self) -> None:
         # The attempt stays current until its ranks are gone: points and step boundaries still in flight
