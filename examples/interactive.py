@@ -124,7 +124,7 @@ def main() -> int:
     try:
         job = TrainingJob(job_config(run_dir)).start()
         watch = Watcher(job)
-        print(f"started {job.run_name} on {job.status().world_size} rank actors")
+        print(f"started {job.run_name} on {job.spec.initial_workers} rank actors")
         status = watch.until(f"step {every}", lambda s: s.step >= every)
         check(status.state is JobState.RUNNING, f"running at step {status.step}")
 

@@ -9,6 +9,7 @@ in `transformers` and reproduces the trained d9d model's logits; the adapter loa
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -261,6 +262,27 @@ def test_adapter_export_loads_offline_with_auto_peft(trained: tuple[Path, Path],
     )
     reference = torch.load(run_dir / "d9d_logits.pt")
     torch.testing.assert_close(torch.load(tmp_path / "peft.pt"), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_export_needs_only_the_model_and_checks_the_logits(
+    trained: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The run trained with a data provider from `tests.engine_fixtures`; where that module cannot be
+    imported (an example's `data.py` outside the repository) the export still works: it rebuilds the
+    model only. `--check` loads the export in transformers and prints how far its logits are from d9d's."""
+    _, run_dir = trained
+    monkeypatch.setitem(sys.modules, "tests.engine_fixtures", None)  # `import` of it now fails
+    with pytest.raises(ImportError):
+        importlib.import_module("tests.engine_fixtures")
+    capsys.readouterr()
+    assert main(["export", str(run_dir), "--hf", str(tmp_path / "merged"), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "check: the exported model's logits in transformers match d9d's logits: " in out, out
+    assert "max |logit difference| " in out and "probe tokens" in out, out
 
 
 def test_export_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from d9d.cluster.control.startup import LABELS, PHASES
 from tests.cluster_fixtures import toy_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -82,6 +83,13 @@ def test_demo_trains_tiny_qwen3_moe_on_four_rank_actors_into_mlflow(tmp_path: Pa
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[d9d] run tiny-qwen3-moe: running (attempt 0, 4 ranks, dp 4)" in out.stdout
     assert f"[d9d] run tiny-qwen3-moe finished: {steps}/{steps} steps" in out.stdout
+    # The start-up, phase by phase as each ended, then in one line; the same in the summary.
+    said = [line.removeprefix("[d9d] start-up: ") for line in out.stdout.splitlines() if "start-up: " in line]
+    labels = [LABELS[p] for p in PHASES if p != "tracker"]  # the tracker was ready before the ranks, or not
+    assert [s.rsplit(" ", 1)[0] for s in said if not s.startswith("tracker")] == labels, said
+    (started,) = [line for line in out.stdout.splitlines() if line.startswith("[d9d] started in ")]
+    first_step = out.stdout.index("[d9d] step 1/")
+    assert out.stdout.index(said[0]) < out.stdout.index(started) < first_step
     # The ranks' own output is in their log files, not on the console; the end says where to look.
     assert "RankActor" not in out.stdout + out.stderr
     assert f"mlflow ui --backend-store-uri sqlite:///{run_dir.resolve()}/mlflow.db" in out.stdout
@@ -89,6 +97,12 @@ def test_demo_trains_tiny_qwen3_moe_on_four_rank_actors_into_mlflow(tmp_path: Pa
 
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == steps and summary["restarts"] == 0
+    startup = summary["startup_s"]
+    assert set(PHASES) - set(startup) <= {"tracker"} and all(v >= 0 for v in startup.values())
+    assert f"started in {sum(startup.values()):.1f}s" in started  # what the console said
+    assert 1.0 < sum(startup.values()) < 600 and startup["launch"] > 0.1  # counted from the process start
+    status = _d9d("status", "tiny-qwen3-moe", "--run-dir", str(run_dir), cwd=REPO)
+    assert f"start-up:    {sum(startup.values()):.1f}s (launch " in status.stdout, status.stdout
     assert summary["recovery_times_s"] == [] and summary["tokens_per_s"] > 0
     assert summary["final_loss"] < summary["losses"]["1"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{steps:08d}"
@@ -110,6 +124,23 @@ def test_demo_trains_tiny_qwen3_moe_on_four_rank_actors_into_mlflow(tmp_path: Pa
     assert client.get_metric_history(run.info.run_id, "system/cluster/world_size")[0].value == 4
     # The tracker lag is recorded (its size is a timing: benchmarks/cluster_overhead.py reports it).
     assert client.get_metric_history(run.info.run_id, "system/cluster/metrics_lag_s")
+
+
+def test_piped_console_is_plain_text(tmp_path: Path) -> None:
+    """`d9d train ... | tee log`: what Ray forwards from the actors (`--verbose`: the ranks' own output) comes
+    without the colour codes Ray puts on its prefixes on a terminal."""
+    job = toy_job(
+        "plain",
+        tmp_path / "run",
+        steps=3,
+        cluster={"entrypoint": "tests.test_console_plots:printing_run_rank"},
+    )
+    out = _d9d("train", str(_write(tmp_path / "job.yaml", job)), "--verbose", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert "hello from rank 1" in console and "(RankActor pid=" in console  # forwarded by Ray
+    assert "\x1b[" not in console
+    assert "[d9d] run plain finished: 3/3 steps" in out.stdout
 
 
 def _free_port() -> int:
@@ -234,8 +265,9 @@ def test_status_of_a_local_run_reads_its_summary(tmp_path: Path) -> None:
     (tmp_path / "run_summary.json").write_text(json.dumps(summary))
     unreachable = f"http://127.0.0.1:{_free_port()}"  # no Ray dashboard there: fall back to the run dir
     out = _d9d(
-        "status", "local", "--address", unreachable, "--run-dir", str(tmp_path), cwd=tmp_path, timeout=60
-    )
+        "status", "local", "--address", unreachable, "--run-dir", str(tmp_path), "--json", cwd=tmp_path,
+        timeout=60,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == summary
     missing = _d9d(

@@ -23,6 +23,8 @@ from d9d.cluster import JobState, TrainingJob, build_job
 from d9d.cluster.follow import follow
 from d9d.core.files import atomic_write
 from d9d.engine.checkpoint import read_latest
+from d9d.tracking.history import RESTART, RESUMED_FROM, read_history
+from d9d.tracking.plot import Marker, markers
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 
 
@@ -120,7 +122,9 @@ def test_coordinator_death_ends_follow_with_a_clear_error_recorded_once(
 @pytest.mark.ray
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("_ray")
-def test_sigterm_to_d9d_train_commits_the_current_step_and_d9d_resume_continues(tmp_path: Path) -> None:
+def test_sigterm_to_d9d_train_commits_the_current_step_and_d9d_resume_continues(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A preemption mid-run, between commits (every 5 steps): `d9d train` stops the ranks at the next step
     boundary, which they commit, and exits with PREEMPTED; `d9d resume` trains the rest. No step before
     the signal is trained again or lost, and the losses are those of an uninterrupted run, bit for bit."""
@@ -163,9 +167,23 @@ def test_sigterm_to_d9d_train_commits_the_current_step_and_d9d_resume_continues(
     assert latest is not None and latest.name.endswith(f"{stopped_at:08d}")  # not step 5
     assert took < 120
 
+    capsys.readouterr()
     assert main(["resume", str(tmp_path / "run")]) == exit_codes.FINISHED
     summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
     assert summary["status"] == "finished" and summary["resumed_from"] == [stopped_at]
+    # The resume is announced on the console and in the summary, marked in the history (what the tracker
+    # got too) where `d9d plot` draws it, and `d9d status` tells it.
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step-{stopped_at:08d}"
+    said = f"run preempt resumes from step {stopped_at} (checkpoint {checkpoint})"
+    assert f"[d9d] {said}" in capsys.readouterr().out and said in summary["notices"]
+    history = read_history(tmp_path / "run" / "history.jsonl")
+    assert history[RESUMED_FROM] == {stopped_at + 1: stopped_at} and history[RESTART] == {stopped_at + 1: 0}
+    assert markers(history) == [Marker(stopped_at + 1, stopped_at, restart=False)]
+    assert (
+        main(["status", "preempt", "--run-dir", str(tmp_path / "run"), "--address", "http://127.0.0.1:1"])
+        == 0
+    )
+    assert f"  restarts:    0; resumed from step {stopped_at}" in capsys.readouterr().out
     launches = summary["launches"]
     losses = {**launches[0]["losses"], **launches[1]["losses"]}
     assert [losses[str(s)] for s in range(1, steps + 1)] == reference_losses(job, world=2)

@@ -3,6 +3,7 @@ write; and the interactive client. Every faulty run must reproduce the failure-f
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from pathlib import Path
@@ -12,9 +13,11 @@ import pytest
 import ray
 
 from d9d.cluster import JobState, TrainingJob
+from d9d.cluster.follow import follow
 from d9d.cluster.names import NAMESPACE, rank_name
 from d9d.cluster.spec import build_job
 from d9d.engine.checkpoint import read_latest, verify_manifest
+from d9d.tracking.history import RESTART, RESUMED_FROM, read_history
 from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240), pytest.mark.usefixtures("_ray")]
@@ -54,11 +57,20 @@ def test_killed_rank_restarts_from_checkpoint_with_identical_losses(
     while job.status().state in (JobState.RUNNING, JobState.PAUSED):
         assert time.monotonic() - killed < 8.0, "the dead rank was not noticed through its actor's death"
         time.sleep(0.02)
-    summary = job.result(timeout=180)
+    console = io.StringIO()
+    summary = follow(job, out=console, interactive=False)
 
     assert summary.status == "finished"
     assert summary.restarts == 1 and len(summary.failures) == 1
-    assert "rank 1" in summary.failures[0]
+    assert summary.failures[0].startswith("rank 1: process died")
+    # The console blames the killed rank, not the peer whose collective broke with it.
+    (said,) = [line for line in console.getvalue().splitlines() if "attempt failed:" in line]
+    assert said.startswith("[d9d] attempt failed: rank 1: process died"), said
+    # The restart is announced and marked where it resumed: the history, and so the plot.
+    resumed = summary.resumed_from[1]
+    assert f"[d9d] attempt 1 restarts from step {resumed} (checkpoint " in console.getvalue()
+    history = read_history(tmp_path / "history.jsonl")
+    assert history[RESUMED_FROM] == {resumed + 1: resumed} and history[RESTART] == {resumed + 1: 1}
     assert summary.resumed_from[0] is None and summary.resumed_from[1] in (4, 6, 8)
     assert len(summary.recovery_times_s) == 1 and 0 < summary.recovery_times_s[0] < 60
     assert _losses(summary) == reference  # bitwise: resumed state and data position are exact

@@ -168,9 +168,16 @@ def test_a_plugin_package_reaches_the_ranks_through_the_runtime_env(ray_head: He
     assert record["run_name"] == "plugged" and record["ray_address"].endswith(ray_head.gcs.rpartition(":")[2])
     listed = _d9d("list", "--runs-root", str(runs), cwd=tmp_path).stdout.splitlines()
     row = next(line.split() for line in listed if line.startswith("plugged "))
-    assert row[:5] == ["plugged", "finished", "4", f"{summary['final_loss']:.6g}", "files"]
+    assert row[:6] == ["plugged", "finished", "4", f"{summary['final_loss']:.6g}", "ray", "files"]
     status = _d9d(
-        "status", "plugged", "--runs-root", str(runs), "--address", "http://127.0.0.1:1", cwd=tmp_path
+        "status",
+        "plugged",
+        "--runs-root",
+        str(runs),
+        "--address",
+        "http://127.0.0.1:1",
+        "--json",
+        cwd=tmp_path,
     )
     assert status.returncode == 0 and json.loads(status.stdout)["status"] == "finished"
 
@@ -225,10 +232,17 @@ def test_a_detached_run_is_found_through_its_record(ray_head: Head, tmp_path: Pa
     lookup = ("--runs-root", str(runs), "--address", "http://127.0.0.1:1")  # no dashboard: the record
     status = _wait_for(
         lambda: _d9d("status", "bg", *lookup, cwd=tmp_path).stdout,
-        "running step",
+        "run bg: running (Ray; read from its coordinator at ",
         "the detached run never reported a step",
     )
-    assert "coordinator at " in status
+    assert "step:" in status and "/100000" in status
+    # The dashboard URL alone finds it too (the state API lists its coordinator with its directory and
+    # the cluster's Ray address), with no runs root that holds it.
+    elsewhere = ("--runs-root", str(tmp_path / "elsewhere"), "--address", ray_head.dashboard)
+    by_url = _d9d("status", "bg", *elsewhere, cwd=tmp_path)
+    assert "run bg: running (Ray; read from its coordinator at " in by_url.stdout, by_url.stderr
+    listed = _d9d("list", *elsewhere, cwd=tmp_path).stdout
+    assert any(line.split()[:2] == ["bg", "running"] for line in listed.splitlines()), listed
     listed = _d9d("list", "--runs-root", str(runs), "--address", ray_head.gcs, cwd=tmp_path).stdout
     assert any(
         line.split()[:2] == ["bg", "running"] and "coordinator" in line for line in listed.splitlines()

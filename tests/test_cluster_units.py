@@ -260,3 +260,27 @@ def test_connect_tries_a_ray_client_start_race_once_more(monkeypatch: pytest.Mon
     with pytest.raises(ConnectionAbortedError, match="authentication"):
         client.connect("ray://head:10001")
     assert len(calls) == 1
+
+
+def test_startup_phases_follow_their_marks() -> None:
+    from d9d.cluster.control.startup import StartupClock, describe
+
+    clock = StartupClock(started=100.0)
+    assert clock.current() == ("ray", 100.0)  # `launch` is the driver's, and optional (a notebook)
+    clock.end("launch", 103.0)
+    clock.end("ray", 106.5)
+    clock.end("launch", 999.0)  # the first mark of a phase counts
+    assert clock.phases() == {"launch": 3.0, "ray": 3.5}
+    assert clock.current() == ("coordinator", 106.5)
+    clock.end("coordinator", 108.0)
+    clock.end("place", 107.5)  # a clock behind the previous one's: 0, never negative
+    clock.end("actors", 116.0)
+    assert clock.current() == ("process_group", 116.0)  # the tracker is optional: it may be ready already
+    for phase, at in (("process_group", 116.5), ("build", 117.0), ("load", 117.25), ("first_step", 118.0)):
+        clock.end(phase, at)
+    phases = clock.phases()
+    assert phases["place"] == 0.0 and phases["actors"] == 8.0 and "tracker" not in phases
+    assert sum(phases.values()) == 18.0 and clock.done and clock.current() is None
+    assert describe(phases).startswith(
+        "18.0s: launch 3.0s, ray 3.5s, coordinator 1.5s, place 0.0s, actors 8.0s"
+    )

@@ -94,6 +94,53 @@ def test_progress_line_from_known_points() -> None:
     assert (format_duration(59.4), format_duration(61), format_duration(7322)) == ("59s", "1m01s", "2h02m")
 
 
+def test_a_narrow_terminal_drops_whole_fields_least_telling_first() -> None:
+    from rich.console import Console
+
+    from d9d.cluster.follow import _Display
+
+    gib = 2.0**30
+    line = ProgressLine(20, 100, 50.0, 2.0, 3e-4, 1.234, 12345.6, 0.3821, 5.5 * gib, True, 160.0)
+    full = line.text(with_step=False)
+    assert line.fit(200, with_step=False) == full
+    assert (
+        line.fit(70, with_step=False) == "loss 2.0000 | lr 3.00e-04 | tok/s 12,346 | elapsed 50s | ETA 2m40s"
+    )
+    assert line.fit(60, with_step=False) == "loss 2.0000 | tok/s 12,346 | elapsed 50s | ETA 2m40s"
+    assert line.fit(30, with_step=False) == "loss 2.0000 | ETA 2m40s"
+    assert line.fit(12, with_step=False) == "loss 2.0000"
+    for width in (80, 60, 40):
+        out = io.StringIO()
+        display = _Display(100, out, interactive=True, console=Console(file=out, width=width))
+        display.step(line)
+        display.close()  # off a terminal rich prints the bar's last state once, here
+        (bar,) = [row for row in out.getvalue().splitlines() if row.startswith("train")]
+        assert len(bar) <= width and "…" not in bar and "20/100" in bar, bar
+        assert bar.rstrip().endswith("ETA 2m40s" if width >= 60 else "loss 2.0000"), bar
+        shown = bar.split("20/100", 1)[1].strip().split(" | ")
+        assert all(part in full.split(" | ") for part in shown), bar  # whole fields only
+
+
+def test_the_plot_marks_resumes_and_restarts() -> None:
+    from d9d.tracking.history import RESTART, RESUMED_FROM
+    from d9d.tracking.plot import RESTART_STYLE, RESUME_STYLE, Marker, figure_of, markers
+
+    history = {
+        "train/loss": {s: 5.0 - s / 10 for s in range(1, 21)},
+        RESUMED_FROM: {7: 4.0, 13: 12.0},
+        RESTART: {7: 1.0, 13: 0.0},
+    }
+    assert markers(history) == [Marker(7, 4, restart=True), Marker(13, 12, restart=False)]
+    assert [m.label for m in markers(history)] == ["restart from step 4", "resume from step 12"]
+    figure = figure_of(history)
+    for axes in figure.axes:  # every panel, drawn or not
+        vertical = {(line.get_xdata()[0], line.get_color(), line.get_linestyle()) for line in axes.lines[-2:]}
+        assert vertical == {(7, RESTART_STYLE["color"], ":"), (13, RESUME_STYLE["color"], "--")}
+    legend = figure.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["train/loss", "restart", "resume"]
+    assert markers({"train/loss": {1: 1.0}}) == []
+
+
 def test_rank_output_goes_to_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # In a rank actor sys.stdout/stderr write to file descriptors 1 and 2; pytest replaced them here.
     monkeypatch.setattr(sys, "stdout", open(1, "w", closefd=False))  # noqa: SIM115

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from d9d.cli.main import main
+from d9d.tracking.history import RESTART, RESUMED_FROM, read_history
 from tests.engine_fixtures import jsonl_losses, subprocess_env, torchrun_command
 
 pytestmark = pytest.mark.distributed
@@ -25,7 +27,7 @@ JOB = {
 }
 
 
-def test_torchrun_matches_single_process(tmp_path: Path) -> None:
+def test_torchrun_matches_single_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(JOB))
     env = subprocess_env(GLOO_SOCKET_IFNAME="lo")
@@ -48,3 +50,25 @@ def test_torchrun_matches_single_process(tmp_path: Path) -> None:
     for a, b in zip(one, two, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (one, two)
     assert (tmp_path / "two" / "checkpoints" / "latest").read_text() == "step-00000005"
+
+    # Both runs are found by `d9d list/status/plot` like any run on Ray: each launcher records itself.
+    capsys.readouterr()
+    assert main(["list", "--runs-root", str(tmp_path)]) == 0
+    rows = {line.split()[-1]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[str(tmp_path / "one")][:5] == ["launch", "finished", "5", f"{one[-1]:.6g}", "process"]
+    assert rows[str(tmp_path / "two")][:5] == ["launch", "finished", "5", f"{two[-1]:.6g}", "torchrun"]
+    assert main(["status", "two", "--runs-root", str(tmp_path)]) == 0
+    status = capsys.readouterr().out
+    assert status.startswith("run launch: finished (torchrun; read from files)")
+    assert "step:        5/5" in status and f"loss:        {two[-1]:.4f}" in status
+    assert f"checkpoints: {tmp_path / 'two' / 'checkpoints'} (latest commit: step 5)" in status
+    assert main(["plot", "one", "--runs-root", str(tmp_path)]) == 0
+    assert (tmp_path / "one" / "plots" / "training.png").is_file()
+
+    # Two more steps of the one-process run: it resumes from its commit at step 5, which its history marks.
+    more = [*single, "--set", "trainer.total_steps=7"]
+    subprocess.run(more, env=env, check=True, capture_output=True, timeout=300)
+    history = read_history(tmp_path / "one" / "history.jsonl")
+    assert history[RESUMED_FROM] == {6: 5.0} and history[RESTART] == {6: 0.0}
+    assert main(["status", "one", "--runs-root", str(tmp_path)]) == 0
+    assert "step:        7/7" in capsys.readouterr().out

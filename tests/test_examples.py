@@ -51,6 +51,7 @@ def test_bring_your_own_model(tmp_path: Path) -> None:
 def test_interactive(tmp_path: Path) -> None:
     out = _run("examples/interactive.py", "--small", tmp_path=tmp_path)
     assert "interactive session: every transition happened" in out
+    assert "started interactive-example on 2 rank actors" in out
     for transition in ("paused at step", "committed while paused", "resumed", "stopped on request"):
         assert transition in out
 
@@ -59,3 +60,10 @@ def test_lora_sft(tmp_path: Path) -> None:
     out = _run("examples/lora_sft/run.py", "--small", tmp_path=tmp_path)
     assert "LoRA fine-tune exported and verified" in out
     assert (tmp_path / "export" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.ray
+def test_qwen3_moe_pretrain(tmp_path: Path) -> None:
+    out = _run("examples/qwen3_moe_pretrain/run.py", "--small", tmp_path=tmp_path)
+    assert "OK: loss dropped" in out and "steps=10" in out
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000010"

@@ -338,10 +338,13 @@ def test_list_status_and_logs_read_a_storage_uri(capsys: pytest.CaptureFixture[s
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
     assert rows["alpha"][1:4] == ["finished", "2", "1.25"] and rows["beta"][1:4] == ["failed", "1", "3"]
 
-    assert main(["status", str(root / "alpha"), "--address", "http://127.0.0.1:1"]) == 0
+    assert main(["status", str(root / "alpha"), "--address", "http://127.0.0.1:1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "finished"
-    assert main(["status", "beta", "--storage", str(root), "--address", "http://127.0.0.1:1"]) == 0
+    assert main(["status", "beta", "--storage", str(root), "--address", "http://127.0.0.1:1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"] == 1
+    assert main(["status", "beta", "--storage", str(root), "--address", "http://127.0.0.1:1"]) == 0
+    human = capsys.readouterr().out
+    assert human.startswith("run beta: failed (Ray; read from files)") and "loss:        3.0000" in human
 
     assert main(["logs", str(root / "alpha"), "--address", "http://127.0.0.1:1"]) == 0
     assert "alpha says hello" in capsys.readouterr().out

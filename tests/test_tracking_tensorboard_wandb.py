@@ -29,7 +29,7 @@ from d9d.tracking import (
 from d9d.tracking.tensorboard_tracker import TensorBoardTracker
 from d9d.tracking.wandb_tracker import WandbTracker
 
-RUN = RunSpec("tiny", params={"optim": {"lr": 0.001}, "seed": 3}, tags={"launcher": "test"})
+RUN = RunSpec("tiny", params={"optim": {"lr": 0.001}, "seed": 3, "layers": [2, 4]}, tags={"launcher": "test"})
 
 
 def _approx(series: dict[str, dict[int, float]]) -> dict[str, object]:
@@ -110,6 +110,20 @@ def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
     assert histogram.histogram_value.max == 99.0 and sum(histogram.histogram_value.bucket) == 100
     (text,) = acc.Tensors("run/params")
     assert "optim.lr" in text.tensor_proto.string_val[0].decode()
+    # The HPARAMS tab: every parameter (a list as its JSON), the final loss as the metric.
+    from tensorboard.plugins.hparams import metadata as hparams_metadata
+
+    data = acc.PluginTagToContent(hparams_metadata.PLUGIN_NAME)
+    experiment = hparams_metadata.parse_experiment_plugin_data(data[hparams_metadata.EXPERIMENT_TAG])
+    assert {h.name for h in experiment.hparam_infos} == {"optim.lr", "seed", "layers", "tag.launcher"}
+    assert [m.name.tag for m in experiment.metric_infos] == ["hparams/final_loss", "train/loss"]
+    start = hparams_metadata.parse_session_start_info_plugin_data(
+        data[hparams_metadata.SESSION_START_INFO_TAG]
+    )
+    assert start.hparams["optim.lr"].number_value == 0.001 and start.hparams["seed"].number_value == 3
+    assert start.hparams["layers"].string_value == "[2, 4]"
+    assert start.hparams["tag.launcher"].string_value == "test"
+    assert scalars["hparams/final_loss"] == pytest.approx({3: 1 / 3})  # the last loss, where it was logged
 
     # Resume: a second event file in the same directory; steps it already holds are not written again.
     again = TensorBoardTracker(log_dir)
@@ -118,6 +132,7 @@ def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
     again.log_scalars(4, {"train/loss": 0.25})
     again.close()
     assert _scalars(log_dir)["train/loss"] == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3, 4: 0.25})
+    assert _scalars(log_dir)["hparams/final_loss"] == pytest.approx({3: 1 / 3, 4: 0.25})  # the newest wins
 
 
 def test_wandb_offline_run_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,7 +185,8 @@ def test_several_trackers_at_once_through_the_sink(tmp_path: Path, monkeypatch: 
         "system/cluster/world_size": {1: 2.0},
         "eval/loss": {2: 1.7},
     }
-    assert _scalars(tmp_path / "tensorboard") == _approx(expected)
+    # TensorBoard alone adds the HPARAMS tab's metric, the final loss.
+    assert _scalars(tmp_path / "tensorboard") == _approx({**expected, "hparams/final_loss": {2: 1.5}})
     jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged: dict[str, dict[int, float]] = {}
     for r in jsonl:

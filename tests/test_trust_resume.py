@@ -64,6 +64,8 @@ def train_recording(env: RankEnv, raw: dict[str, Any], out: str) -> None:
     logging.getLogger("d9d").addHandler(handler)
     events = EventBus()
     reporter = LocalRunReporter(config.checkpoint_dir, 3, metrics_sink=points.append)
+    notices: list[str] = []
+    reporter.notice = notices.append  # type: ignore[attr-defined]  # what Ray's reporter has: the console
     trainer = Trainer(config, ctx, reporter, events)
     lrs: dict[int, float] = {}
     events.subscribe(StepStarted, lambda e: lrs.__setitem__(e.step, trainer.parts.optimizer.lr))
@@ -71,7 +73,13 @@ def train_recording(env: RankEnv, raw: dict[str, Any], out: str) -> None:
     result = trainer.train()
     resume_points = [(p.step, p.values) for p in points if any(k.startswith("resume/") for k in p.values)]
     torch.save(
-        {"lrs": lrs, "warnings": warnings, "points": resume_points, "losses": list(result.losses)},
+        {
+            "lrs": lrs,
+            "warnings": warnings,
+            "notices": notices,
+            "points": resume_points,
+            "losses": list(result.losses),
+        },
         env.tmp_dir / out,
     )
 
@@ -104,6 +112,8 @@ def test_a_new_base_lr_and_more_steps_apply_from_the_resume_step_and_are_announc
         in notes
     )
     assert "trainer.total_steps 6 -> 10: the LR schedule is re-planned for 10 steps from step 7" in notes
+    said = [w[w.index("resume at step") :] for w in second["warnings"] if "resume at step" in w]
+    assert said == second["notices"] and len(said) == 3  # the launcher's console hears the same
     old_plan, new_plan = 3e-3 * multiplier(6, 6), 1e-2 * multiplier(6, 10)
     assert f"the LR for step 7 is {new_plan:.3g} (the commit's plan: {old_plan:.3g})" in notes
     ((step, values),) = second["points"]  # the tracker hears it too, at the first step of the launch

@@ -29,6 +29,8 @@ def add_storage_option(parser: argparse.ArgumentParser) -> None:
 
 
 def storage_options(items: Sequence[str]) -> dict[str, Any]:
+    if not items:
+        return {}
     from d9d.engine.config import ConfigError, load_yaml
 
     options: dict[str, Any] = {}

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -18,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
@@ -61,6 +63,7 @@ def connect(
     global _job_runtime_env
     if ray.is_initialized():
         return
+    plain_output_off_a_terminal()
     env = runtime_env.to_ray() if isinstance(runtime_env, RuntimeEnvConfig) else dict(runtime_env or {})
     _job_runtime_env = env
     address = address or os.environ.get("RAY_ADDRESS")
@@ -81,7 +84,33 @@ def connect(
             num_cpus=max(os.cpu_count() or 1, local_cpus),
             include_dashboard=False,
             runtime_env=env or None,
+            _system_config=_local_system_config(),
         )
+
+
+def _local_system_config() -> dict[str, Any]:
+    """Ray's settings for the local instance `connect` starts. Its workers run at nice 0, not Ray's 15: the
+    coordinator and the ranks are the job, and at nice 15 their start-up (importing torch and the engine)
+    starves on a machine busy with anything else (`D9D_RAY_WORKER_NICENESS` sets another value)."""
+    return {"worker_niceness": int(os.environ.get("D9D_RAY_WORKER_NICENESS", "0"))}
+
+
+def plain_output_off_a_terminal() -> None:
+    """Ray prefixes the output it forwards from actors (`(Coordinator pid=...)`) with ANSI colour codes
+    wherever it goes; off a terminal (a pipe, a log file, a CI log) or with NO_COLOR set they are left out.
+    RAY_COLOR_PREFIX, when set, decides as Ray documents it."""
+    if "RAY_COLOR_PREFIX" in os.environ:
+        return
+    streams = (sys.stdout, sys.stderr)
+    if os.environ.get("NO_COLOR") or not all(_isatty(s) for s in streams):
+        os.environ["RAY_COLOR_PREFIX"] = "0"
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
 
 
 def disconnect() -> None:
@@ -89,6 +118,34 @@ def disconnect() -> None:
     global _job_runtime_env
     _job_runtime_env = None
     ray.shutdown()
+
+
+# Where a command-line launch began (its process's start, `started_from_process`): a launch's start-up
+# phases count from there; None in a notebook, where they count from `TrainingJob.start`.
+launched_at: float | None = None
+
+
+def process_started_at() -> float | None:
+    """Wall-clock time this process started, to 10 ms on Linux (`/proc`); None where that is unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        try:
+            return float(psutil.Process().create_time())
+        except psutil.Error:
+            return None
+
+
+def started_from_process(at: float | None = None) -> None:
+    """Count this process's launches' start-up from the process's start (`d9d train`, `d9d resume`): the
+    interpreter, the imports and the config are part of what a user waits for. `at`, when given, is where
+    the command began instead (`d9d.cli.main.main` called inside a process that did other things first)."""
+    global launched_at
+    launched_at = at if at is not None else process_started_at()
 
 
 # The job-level runtime env `connect` joined Ray with; None when Ray was initialized by someone else.
@@ -212,16 +269,19 @@ class TrainingJob:
         Ray is touched (`preflight_job`): pass False from a client that does not see the cluster's files."""
         if self._handle is not None:
             raise RuntimeError(f"run {self.run_name} was already started")
+        started = launched_at or time.time()
         spec = self.spec
         if check:
             preflight_job(spec)
         check_launch(spec)  # identity, run.resume, damaged commits, finished runs: before Ray is touched
         runtime_env = spec.cluster.runtime_env
+        startup = {"started": started, "launch": time.time()}  # d9d.cluster.control.startup
         connect(
             address,
             local_cpus=int(spec.max_workers * spec.cluster.resources.cpus + 0.999),
             runtime_env=runtime_env,
         )
+        startup["ray"] = time.time()
         self._launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
         # One live launch per run (`d9d.cluster.lease`): raises LeaseHeld naming the live one.
         acquire(
@@ -232,14 +292,14 @@ class TrainingJob:
             coordinator_running=_coordinator_running_here,
         )
         try:
-            self._create_coordinator(spec)
+            self._create_coordinator(spec, startup)
         except BaseException:
             release(spec.run_dir, self._launch_id)
             raise
         register_run(spec, self._launch_id)  # `d9d status/logs/stop/list` find the run by its name
         return self
 
-    def _create_coordinator(self, spec: JobSpec) -> None:
+    def _create_coordinator(self, spec: JobSpec, startup: dict[str, float]) -> None:
         runtime_env = spec.cluster.runtime_env
         name = coordinator_name(spec.run_name)
         _release_finished(spec.run_name)
@@ -265,7 +325,7 @@ class TrainingJob:
             self._handle = (
                 ray.remote(Coordinator)
                 .options(**options)
-                .remote(spec, functools.partial(build_sink, spec), self._launch_id)
+                .remote(spec, functools.partial(build_sink, spec), self._launch_id, startup)
             )
         except ValueError as e:
             raise RuntimeError(

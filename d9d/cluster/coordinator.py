@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from d9d.cluster.addresses import coordinator_repr
 from d9d.cluster.checkpoints import Arrival, CheckpointStore, CommittedStep
 from d9d.cluster.config import CoordinatorStorage
 from d9d.cluster.control.controller import Controller
@@ -58,7 +59,13 @@ _log = logging.getLogger(__name__)
 class Coordinator:
     """Async actor; every method runs on one event loop, blocking work goes to threads."""
 
-    def __init__(self, spec: JobSpec, sink_factory: Callable[[], MetricSink], launch_id: str = "") -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        sink_factory: Callable[[], MetricSink],
+        launch_id: str = "",
+        startup: dict[str, float] | None = None,
+    ) -> None:
         self._spec = spec
         self._notice_count = 0
         ckpt = spec.train.checkpointing
@@ -75,6 +82,12 @@ class Coordinator:
             launch_id=launch_id,
             notice=self._notice,
         )
+        # The driver's start-up marks (`TrainingJob.start`): where the launch began and where its phases
+        # before this actor ended (d9d.cluster.control.startup).
+        marks = dict(startup or {})
+        self._control.startup.started = marks.pop("started", self._control.startup.started)
+        for phase, at in marks.items():
+            self._control.startup.end(phase, at)
         self._main: asyncio.Task[None] | None = None
         self._launch_id = launch_id
         self._stalled: dict[int, tuple[Operation, float]] = {}  # this process's storage stalls named so far
@@ -92,6 +105,16 @@ class Coordinator:
             # (build_job refuses coordinator storage under an object-store root)
             self._node_store = start_node_store(spec.checkpoint_dir, ckpt.keep_last)
         self._storage_call_bytes = 0
+        try:
+            gcs: str | None = ray.get_runtime_context().gcs_address
+        except Exception:  # outside an actor (unit tests)
+            gcs = None
+        self._repr = coordinator_repr(spec.run_name, str(spec.run_dir), gcs)
+
+    def __repr__(self) -> str:
+        """Ray's state API lists it (`repr_name`): `d9d status/list --address http://head:8265` find the run's
+        directory and the cluster's Ray address from the dashboard URL alone (d9d.cluster.addresses)."""
+        return self._repr
 
     def _open_journal(self, launch_id: str) -> Journal:
         """This coordinator's journal, continuing the one of a coordinator of this run that died: the
@@ -139,6 +162,7 @@ class Coordinator:
 
     async def start(self) -> None:
         if self._main is None:
+            self._control.startup.end("coordinator")
             loop = asyncio.get_running_loop()
             if self._launch_id:
                 await asyncio.to_thread(self._renew_lease)  # the driver's lease is this actor's from now on
@@ -175,6 +199,8 @@ class Coordinator:
             notice_count=self._notice_count,
             asleep=self._metrics.asleep and not c.machine.state.terminal,
             standby_ready=c.standby_ready,
+            startup=tuple(c.startup.phases().items()),
+            starting=c.startup.current(),
         )
 
     async def send(self, command: Command) -> None:
@@ -230,6 +256,12 @@ class Coordinator:
         at = self._control.current(attempt)
         if at is not None:
             at.live.errors.append(dataclasses.replace(error, seen_at=time.monotonic()))
+            await self._changes.notify()
+
+    async def setup_mark(self, attempt: int, phase: str, at: float) -> None:
+        """Rank 0 ended a start-up phase of its own (`process_group`, `build`, `load`) at wall time `at`."""
+        if self._control.current(attempt) is not None:
+            self._control.startup_mark(attempt, phase, at)
             await self._changes.notify()
 
     async def notice(self, attempt: int, text: str) -> None:

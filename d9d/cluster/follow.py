@@ -15,10 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from d9d.cluster.client import TrainingJob
 from d9d.cluster.control.metrics import CLUSTER_RANK
+from d9d.cluster.control.startup import LABELS, PHASES, describe
+from d9d.cluster.overview import format_duration as format_duration
 from d9d.cluster.rank import RANK_LOG_DIR
 from d9d.cluster.spec import JobSpec, tracker_config
 from d9d.cluster.state import JobState, JobStatus, RunSummary
@@ -28,20 +31,11 @@ from d9d.tracking.history import HISTORY_FILE
 from d9d.tracking.plot import PLOT_FILE
 
 PREFIX = "[d9d]"
+RESUMED_FROM_KEY = "resumed_from"  # a cluster point marking a resume (d9d.cluster.control.controller)
 # Health values a rank's memory high-water mark is taken from: device memory when there is a device, else
 # the host's resident memory (its peak, or the largest sample seen).
 DEVICE_MEMORY = ("cuda_max_allocated_bytes",)
 HOST_MEMORY = ("peak_rss_bytes", "rss_bytes")
-
-
-def format_duration(seconds: float) -> str:
-    """`42s`, `3m05s`, `2h07m`."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def format_bytes(n: float) -> str:
@@ -49,6 +43,11 @@ def format_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n / 2**10:.0f} KiB"
+
+
+# The progress line's fields a narrow terminal leaves out, in this order (loss, ETA and step go last).
+DROP_ORDER = ("mem", "rss", "MFU", "grad", "lr", "elapsed", "tok/s", "ETA", "loss")
+_BAR_WIDTH = 40  # of the bar on a terminal of 100 columns or more; narrower ones get a shorter bar
 
 
 @dataclass(frozen=True)
@@ -87,6 +86,17 @@ class ProgressLine:
 
     def text(self, with_step: bool = True) -> str:
         return " | ".join(f"{k} {v}" for k, v in self.fields().items() if with_step or k != "step")
+
+    def fit(self, width: int, with_step: bool = True) -> str:
+        """`text()` within `width` characters: whole fields are left out, the least telling first
+        (`DROP_ORDER`), never cut in the middle."""
+        fields = {k: v for k, v in self.fields().items() if with_step or k != "step"}
+        for name in DROP_ORDER:
+            text = " | ".join(f"{k} {v}" for k, v in fields.items())
+            if len(text) <= width:
+                return text
+            fields.pop(name, None)
+        return " | ".join(f"{k} {v}" for k, v in fields.items())[: max(width, 0)]
 
 
 class ConsoleProgress:
@@ -137,25 +147,40 @@ class ConsoleProgress:
         )
 
     @property
+    def first(self) -> tuple[float, int] | None:
+        """(time, step) of the first train point seen, None before it."""
+        return self._first
+
+    @property
     def elapsed_s(self) -> float:
         return self._clock() - self._start
 
 
 class _Display:
-    def __init__(self, total: int, out: TextIO, interactive: bool) -> None:
+    def __init__(self, total: int, out: TextIO, interactive: bool, console: Console | None = None) -> None:
         self.out = out
+        self.total = total
         self.bar: Progress | None = None
         if interactive:
+            console = console or Console()
+            self.bar_width = _BAR_WIDTH if console.width >= 100 else max(10, console.width // 5)
             self.bar = Progress(
                 TextColumn("[bold]train"),
-                BarColumn(),
+                BarColumn(bar_width=self.bar_width),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
+                console=console,
                 redirect_stdout=True,  # the driver's own prints (Ray's warnings) go above the bar
                 redirect_stderr=True,
             )
             self.task = self.bar.add_task("train", total=total, info="")
             self.bar.start()
+
+    def info_width(self) -> int:
+        """Columns left for the fields beside the label, the bar and the step count (one space apart)."""
+        assert self.bar is not None
+        steps = 2 * len(str(self.total)) + 1
+        return self.bar.console.width - (len("train") + self.bar_width + steps + 3)
 
     def line(self, text: str) -> None:
         if self.bar is not None:
@@ -165,9 +190,16 @@ class _Display:
 
     def step(self, line: ProgressLine) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=line.step, info=line.text(with_step=False))
+            info = line.fit(self.info_width(), with_step=False)
+            self.bar.update(self.task, completed=line.step, info=info)
         else:
             self.line(line.text())
+
+    def starting(self, phase: str, seconds: float) -> None:
+        """The start-up phase in progress, beside the bar (off a terminal each phase's line says it)."""
+        if self.bar is not None:
+            info = f"starting: {LABELS.get(phase, phase)} ({format_duration(seconds)})"
+            self.bar.update(self.task, info=info[: max(self.info_width(), 0)])
 
     def close(self) -> None:
         if self.bar is not None:
@@ -196,24 +228,35 @@ def where_everything_is(spec: JobSpec) -> list[str]:
     return lines
 
 
-def follow(job: TrainingJob, out: TextIO = sys.stdout, interactive: bool | None = None) -> RunSummary:
-    """Stream a started job's progress until it ends; return its summary."""
+def follow(job: TrainingJob, out: TextIO | None = None, interactive: bool | None = None) -> RunSummary:
+    """Stream a started job's progress until it ends (to `out`, default: stdout as it is now); return its
+    summary."""
+    out = sys.stdout if out is None else out
     total = job.spec.train.trainer.total_steps
     display = _Display(total, out, out.isatty() if interactive is None else interactive)
     progress = ConsoleProgress(total)
     last: JobStatus | None = None
     said = 0  # notices printed
+    phases = 0  # start-up phases printed
     try:
         while True:
             points, ended = job.poll_metrics(1.0)
+            status = job.status()  # after the points: its start-up has the phase their first step ended
+            for phase, seconds in status.startup[phases:]:
+                display.line(f"start-up: {LABELS.get(phase, phase)} {seconds:.1f}s")
+                if phase == PHASES[-1]:
+                    display.line(f"started in {describe(dict(status.startup))}")
+            phases = len(status.startup)
+            if status.starting is not None and progress.first is None:
+                display.starting(status.starting[0], max(0.0, time.time() - status.starting[1]))
             # A step's health points update the memory shown on that step's line.
             for point in sorted(points, key=lambda p: p.kind != "health"):
                 line = progress.observe(point)
                 if line is not None:
                     display.step(line)
-                elif point.rank == CLUSTER_RANK:
+                elif point.rank == CLUSTER_RANK and RESUMED_FROM_KEY not in point.values:
+                    # (a resume's mark is said by the coordinator's notice, with its checkpoint)
                     display.line(", ".join(f"{k} {v:.4g}" for k, v in point.values.items()))
-            status = job.status()
             fresh = status.notice_count - said
             for notice in (
                 status.notices[len(status.notices) - min(fresh, len(status.notices)) :] if fresh else ()

@@ -162,14 +162,23 @@ class PhasedReporter(RayRunReporter):
             storage_stall_s=launch.storage_stall_s,
         )
         self._setup_rank = rt.rank
+        self._setup_attempt = rt.attempt
         self._run_at = run_at
         self._pg_at = process_group_at
         self._built_at: float | None = None
         self._reported = False
+        self._mark("process_group", process_group_at)
+
+    def _mark(self, phase: str, at: float) -> None:
+        """Rank 0 tells the coordinator a start-up phase ended (`d9d train`'s console shows it now)."""
+        if self._setup_rank == 0:
+            with contextlib.suppress(Exception):  # the coordinator's business; never the rank's failure
+                self._coordinator.setup_mark.remote(self._setup_attempt, phase, at)
 
     def latest_checkpoint(self) -> Path | None:
         if self._built_at is None:
             self._built_at = time.time()
+            self._mark("build", self._built_at)
         path = super().latest_checkpoint()
         if self._setup_rank != 0:
             self._report_setup(self._built_at, loaded_at=None)
@@ -177,7 +186,9 @@ class PhasedReporter(RayRunReporter):
 
     def commands(self, step: int) -> Any:
         if not self._reported:
-            self._report_setup(self._built_at, loaded_at=time.time(), step=step)
+            loaded_at = time.time()
+            self._mark("load", loaded_at)
+            self._report_setup(self._built_at, loaded_at=loaded_at, step=step)
         return super().commands(step)
 
     def _report_setup(self, built_at: float | None, loaded_at: float | None, step: int = 0) -> None:

@@ -24,64 +24,24 @@ import os
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import ray
-
-from d9d.cluster.state import SUMMARY_FILE, read_launches
-from d9d.core.storage import Location, StorageError, location, write_text
+from d9d.core.storage import Location, StorageError
+from d9d.engine.run_files import RECORD_FILE as RECORD_FILE
+from d9d.engine.run_files import SUMMARY_FILE, infer_record, read_launches, tracker_lines, write_record
+from d9d.engine.run_files import RunRecord as RunRecord
+from d9d.engine.run_files import read_record as read_record
 
 if TYPE_CHECKING:
     from d9d.cluster.spec import JobSpec
 
-RECORD_FILE = "run.json"
 DEFAULT_RUNS_ROOT = Path("runs")
 # Set by Ray's job supervisor for a job's driver: the job's runtime env and metadata (with its submission id).
 _JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 _SUBMISSION_KEY = "job_submission_id"
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    run_name: str
-    run_dir: str
-    launch_id: str
-    started_at: float  # wall clock
-    ray_address: str | None  # the cluster's GCS address, for `ray.init` / `d9d ... --address`
-    ray_job_id: str | None  # the Ray job of the driver that started the run
-    submission_id: str | None  # when that driver is a Ray job (`d9d submit`, `ray job submit`)
-    detach: bool
-    driver: str  # host:pid of the driver
-    storage_root: str | None = None  # the run's durable files (`run.storage`) when not in run_dir
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RunRecord:
-        def text(key: str) -> str | None:
-            value = data.get(key)
-            return value if isinstance(value, str) else None
-
-        return cls(
-            run_name=str(data["run_name"]),
-            run_dir=str(data["run_dir"]),
-            launch_id=text("launch_id") or "",
-            started_at=float(data.get("started_at") or 0.0),
-            ray_address=text("ray_address"),
-            ray_job_id=text("ray_job_id"),
-            submission_id=text("submission_id"),
-            detach=bool(data.get("detach")),
-            driver=text("driver") or "",
-            storage_root=text("storage_root"),
-        )
-
-    def files(self, options: Mapping[str, Any] | None = None) -> Location:
-        """Where the run's durable files are (`run_summary.json`, checkpoints, mirrored tracker files);
-        `options` open a storage URI (an S3 endpoint, say)."""
-        if self.storage_root is None:
-            return Path(self.run_dir)
-        return location(self.storage_root, options)
 
 
 @dataclass(frozen=True)
@@ -94,6 +54,7 @@ class RunState:
     last_loss: float | None
     run_dir: str | None
     source: str  # "coordinator" or "files"
+    launcher: str = "ray"  # RunRecord.launcher
 
 
 def submission_id_of_this_driver() -> str | None:
@@ -112,6 +73,10 @@ def register_run(spec: JobSpec, launch_id: str) -> None:
     """Write `run.json` for this launch into the run directory and, when it is elsewhere, the storage root
     (best effort: a driver that cannot write them, e.g. a Ray client outside the cluster, still has the
     named coordinator)."""
+    import ray
+
+    from d9d.cluster.spec import tracker_config
+
     context = ray.get_runtime_context()
     address: str | None = None
     job_id: str | None = None
@@ -133,45 +98,35 @@ def register_run(spec: JobSpec, launch_id: str) -> None:
         detach=spec.cluster.detach,
         driver=f"{socket.gethostname()}:{os.getpid()}",
         storage_root=str(root) if elsewhere else None,
+        launcher="ray",
+        total_steps=spec.train.trainer.total_steps,
+        trackers=tracker_lines(tracker_config(spec), spec.run_dir),
     )
-    text = json.dumps(asdict(record), indent=1)
     for where in [spec.run_dir, root] if elsewhere else [spec.run_dir]:
         try:
-            write_text(where / RECORD_FILE, text)
+            write_record(record, where)
         except Exception as e:  # an OSError, or whatever the store's client raises
             _log.warning("run %s: cannot write %s: %s", spec.run_name, where / RECORD_FILE, e)
 
 
-def read_record(run_dir: Location) -> RunRecord | None:
-    """The record in `run_dir` (a run directory, or a run's storage root); None when it has none. A store
-    that cannot be asked raises `StorageError` naming it."""
-    path = run_dir / RECORD_FILE
-    try:
-        raw = path.read_text()
-    except FileNotFoundError:
-        return None
-    except Exception as e:
-        if isinstance(path, Path) and isinstance(e, OSError):
-            return None  # an unreadable local folder is not a run of this root (as before storage roots)
-        raise StorageError(f"cannot read {path}: {e}") from e
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or "run_name" not in data or "run_dir" not in data:
-        return None
-    return RunRecord.from_json(data)
+def _record_of(run_dir: Location) -> RunRecord | None:
+    """The run.json of `run_dir`, else, for a local directory holding a run's files without one (a run of
+    an older d9d), a record inferred from them."""
+    record = read_record(run_dir)
+    if record is None and isinstance(run_dir, Path):
+        record = infer_record(run_dir)
+    return record
 
 
 def records(root: Location) -> list[RunRecord]:
-    """The registered runs directly under `root` (the default `runs/`, or a storage root such as
-    `s3://bucket/runs`). A store that cannot be listed raises `StorageError` naming it."""
+    """The runs directly under `root` (the default `runs/`, or a storage root such as `s3://bucket/runs`),
+    whichever launcher made them. A store that cannot be listed raises `StorageError` naming it."""
     try:
         listed: list[Location] = list(root.iterdir()) if root.is_dir() else []
         children = sorted((d for d in listed if d.is_dir()), key=str)
     except Exception as e:
         raise StorageError(f"cannot list the runs under {root}: {e}") from e
-    found = (read_record(d) for d in children)
+    found = (_record_of(d) for d in children)
     return [r for r in found if r is not None]
 
 
@@ -180,35 +135,49 @@ def find_record(
 ) -> RunRecord | None:
     """The record of run `run`: in `run_dir` if given, else in `root/run`, else any under `root`."""
     if run_dir is not None:
-        return read_record(run_dir)
-    record = read_record(root / run)
+        return _record_of(run_dir)
+    record = _record_of(root / run)
     if record is not None:
         return record
     return next((r for r in records(root) if r.run_name == run), None)
 
 
+def launch_of(record: RunRecord, options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The `run_summary.json` record of the record's launch (of a record inferred from the files: the
+    newest launch there); None when it has none. Raises what the store raises."""
+    launches = read_launches(record.files(options) / SUMMARY_FILE) or []
+    if record.launcher == "unknown":
+        return launches[-1] if launches else None
+    return next((launch for launch in launches if launch.get("launch_id") == record.launch_id), None)
+
+
 def state_from_files(record: RunRecord, options: Mapping[str, Any] | None = None) -> RunState:
     """The state of a launch from the `run_summary.json` of its storage root: its record for this launch
-    if it ended; "unreadable" when the store cannot be asked."""
+    if it has one ("started" while it has not ended; its step and loss then from history.jsonl);
+    "unreadable" when the store cannot be asked."""
+    from d9d.tracking.history import HISTORY_FILE, last_values
+
+    def state(value: str, step: int | None, loss: float | None) -> RunState:
+        return RunState(record.run_name, value, step, loss, record.run_dir, "files", record.launcher)
+
     try:
-        launches = read_launches(record.files(options) / SUMMARY_FILE) or []
+        launch = launch_of(record, options)
+        if launch is None or launch.get("status") in ("starting", "pending"):
+            step, loss = last_values(record.files(options) / HISTORY_FILE)
+            return state("started" if record.launcher != "unknown" else "unknown", step, loss)
     except Exception as e:  # StorageError, or whatever the store's client raises
-        _log.warning("run %s: cannot read %s: %s", record.run_name, record.storage_root, e)
-        return RunState(record.run_name, "unreadable", None, None, record.run_dir, "files")
-    for launch in launches:
-        if launch.get("launch_id") == record.launch_id:
-            losses = launch.get("losses") or {}
-            loss = launch.get("final_loss")
-            if loss is None and losses:
-                loss = losses[max(losses, key=int)]
-            return RunState(
-                record.run_name, str(launch.get("status")), launch.get("steps"), loss, record.run_dir, "files"
-            )
-    return RunState(record.run_name, "started", None, None, record.run_dir, "files")
+        _log.warning("run %s: cannot read %s: %s", record.run_name, record.storage_root or record.run_dir, e)
+        return state("unreadable", None, None)
+    losses = launch.get("losses") or {}
+    loss = launch.get("final_loss")
+    if loss is None and losses:
+        loss = losses[max(losses, key=int)]
+    return state(str(launch.get("status")), launch.get("steps"), loss)
 
 
 def live_states() -> list[RunState]:
     """Every run with a live coordinator in the connected cluster (`ray.init` done)."""
+    import ray
     from ray.util import list_named_actors
 
     from d9d.cluster.names import NAMESPACE
@@ -233,6 +202,7 @@ def live_states() -> list[RunState]:
                 status.last_loss,
                 str(spec.run_dir),
                 "coordinator",
+                "ray",
             )
         )
     return out

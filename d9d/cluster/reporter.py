@@ -13,6 +13,7 @@ the previous checkpoint's upload and commit, and `close` for the last one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -132,6 +133,12 @@ class RayRunReporter:
                     self._report_stalls()
             except Exception:  # the coordinator is gone: its supervisor tears this rank down
                 _log.debug("courier call failed", exc_info=True)
+
+    def notice(self, text: str) -> None:
+        """Something the user should see now (what a resume changes): on `d9d train`'s console and in the
+        summary's `notices`, through the coordinator."""
+        with contextlib.suppress(Exception):  # the coordinator is gone: its supervisor tears this rank down
+            self._coordinator.notice.remote(self.attempt, text)
 
     def _report_stalls(self) -> None:
         """Name storage operations of this process in flight for `storage_stall_s` (again every as long),

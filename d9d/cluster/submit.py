@@ -3,17 +3,18 @@ find a run's latest submission by the run name stored in the job's metadata."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ray.job_submission import JobStatus as RayJobStatus
 from ray.job_submission import JobSubmissionClient
 
+from d9d.cluster.addresses import DEFAULT_DASHBOARD as DEFAULT_DASHBOARD
+from d9d.cluster.addresses import RUN_KEY, Submission
+from d9d.cluster.addresses import dashboard_address as dashboard_address
 from d9d.cluster.lease import check_no_live_launch
 from d9d.cluster.names import NAMESPACE, coordinator_name
 from d9d.cluster.reach import pin_relative_paths
@@ -21,31 +22,10 @@ from d9d.cluster.runtime_env import RuntimeEnvConfig, with_runtime_env
 from d9d.cluster.spec import build_job
 from d9d.engine.config import apply_overrides, read_config_file
 
-RUN_KEY = "d9d_run"
-DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 # How long Ray's job supervisor waits after the SIGTERM of `ray job stop` / `d9d stop` before its SIGKILL.
 # Ray's default (3 s) kills `d9d train` before the coordinator has torn the ranks down, written the
 # `stopped` summary and ended the tracker run as killed; the supervisor reads it from the job's env.
 STOP_WAIT_S = 120
-
-
-def dashboard_address(address: str | None) -> str:
-    """The Jobs API address: given, or RAY_API_SERVER_ADDRESS, or an http RAY_ADDRESS, or the local head."""
-    if address:
-        return address
-    for var in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
-        value = os.environ.get(var, "")
-        if value.startswith(("http://", "https://")):
-            return value
-    return DEFAULT_DASHBOARD
-
-
-@dataclass(frozen=True)
-class Submission:
-    submission_id: str
-    run_name: str
-    status: str
-    message: str
 
 
 def submit(
@@ -173,3 +153,16 @@ def stop(submission_id: str, address: str, timeout_s: float = STOP_WAIT_S + 30.0
         time.sleep(0.5)
         status = client.get_job_status(submission_id)
     return RayJobStatus(status).value
+
+
+def submitted_runs(address: str) -> list[tuple[str, str, bool]]:
+    """(run, Ray job status, whether that status is terminal) of every job submitted with a run's name
+    (`d9d submit`) at the dashboard `address`, newest last."""
+    jobs = sorted(JobSubmissionClient(address).list_jobs(), key=lambda j: j.start_time or 0)
+    out = []
+    for job in jobs:
+        name = (job.metadata or {}).get(RUN_KEY)
+        if name:
+            status = RayJobStatus(job.status)
+            out.append((str(name), status.value, status.is_terminal()))
+    return out

@@ -49,9 +49,9 @@ from d9d.engine.checkpoint import (
     verify_manifest,
 )
 from d9d.engine.checkpoint_io import SafeLoadPlanner, safe_reader
-from d9d.engine.config import ConfigError, TrainConfig, parse_config
+from d9d.engine.config import ConfigError, TrainConfig, apply_overrides, parse_config, read_config_file
 from d9d.engine.providers import ModelProvider
-from d9d.engine.registry import build_model, export_gap
+from d9d.engine.registry import build_model, export_gap, plugins
 from d9d.engine.stages import build_stages
 from d9d.modules.moe import TopKRouter
 from d9d.parallel.compile import CompileConfig
@@ -129,8 +129,26 @@ def _committed_step(run: AnyLocation, step: int | None) -> AnyLocation:
     return step_dir
 
 
+def model_config(data: dict[str, Any]) -> TrainConfig:
+    """A job config as an export needs it: the whole tree validated, but of the plug-ins only the model's
+    imported and checked. Rebuilding the weights needs the model (and the mesh and seed its stages were
+    built with); the data provider, task and optimizer a run trained with need not be importable where it
+    is exported (`examples.lora_sft.data` outside the repository, say)."""
+    data = {k: v for k, v in data.items() if k != "cluster"}
+    config = parse_config(data, check_components=False)
+    for field, plugin in plugins(config):
+        if field.startswith("model"):
+            plugin.check(field)
+    return config
+
+
+def load_model_config(path: Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """`model_config` of a job file with `--set` overrides applied."""
+    return model_config(apply_overrides(read_config_file(path), overrides))
+
+
 def read_train_config(step_dir: Location) -> TrainConfig:
-    """The job config saved with the step (checks plug-ins, so their classes must be importable here)."""
+    """The job config saved with the step (`model_config`: only the model's plug-ins must import here)."""
     path = step_dir / TRAIN_CONFIG
     if not path.is_file():
         raise ConfigError(
@@ -139,7 +157,7 @@ def read_train_config(step_dir: Location) -> TrainConfig:
         )
     require_listed(step_dir, [TRAIN_CONFIG])
     data: dict[str, Any] = json.loads(path.read_text())
-    return parse_config(data)
+    return model_config(data)
 
 
 @dataclass(frozen=True)

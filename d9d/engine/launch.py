@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+import time
+import traceback
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +26,9 @@ from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.engine.checkpoint import CheckpointError, LocalRunReporter
 from d9d.engine.config import TrainConfig, load_config, parse_config
 from d9d.engine.identity import IdentityError
-from d9d.engine.resume import check_resume
-from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
+from d9d.engine.resume import ResumeDecision, check_resume
+from d9d.engine.run_files import RunRecord, RunSummary, record_launch, tracker_lines, write_record
+from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime, RunReporter
 from d9d.engine.tracking_sink import STATE_FILE, TrackerSink, run_files_mirror
 from d9d.engine.trainer import Trainer
 from d9d.tracking import LogTrackerConfig, RunSpec, build_tracker
@@ -68,6 +73,57 @@ def run_params(config: TrainConfig) -> dict[str, Any]:
     }
 
 
+class LaunchRecords:
+    """What rank 0 of a launcher without Ray writes for `d9d list/status/plot/logs`: `run.json` when the
+    launch starts and its `run_summary.json` record when it starts and when it ends
+    (d9d.engine.run_files), in the run directory and, when elsewhere, the storage root."""
+
+    def __init__(self, config: TrainConfig, decision: ResumeDecision, tracker: Any) -> None:
+        self._config = config
+        launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
+        root, run_dir = config.storage_root, config.run_dir
+        elsewhere = not (isinstance(root, Path) and root.resolve() == run_dir.resolve())
+        record = RunRecord(
+            run_name=config.run.name,
+            run_dir=str(run_dir),
+            launch_id=launch_id,
+            started_at=time.time(),
+            ray_address=None,
+            ray_job_id=None,
+            submission_id=None,
+            detach=False,
+            driver=f"{socket.gethostname()}:{os.getpid()}",
+            storage_root=str(root) if elsewhere else None,
+            launcher="torchrun" if "RANK" in os.environ else "process",
+            total_steps=config.trainer.total_steps,
+            trackers=tracker_lines(tracker, run_dir),
+        )
+        for where in [run_dir, root] if elsewhere else [run_dir]:
+            write_record(record, where)
+        resumed = decision.step if decision.action == "resume" else None
+        self.summary = RunSummary(
+            run_name=config.run.name,
+            status="starting",
+            steps=0,
+            restarts=0,
+            world_sizes=[int(os.environ.get("WORLD_SIZE", "1"))],
+            resumed_from=[resumed],
+            launch_id=launch_id,
+        )
+        record_launch(root, self.summary)
+
+    def ended(self, result: RankResult | None, error: BaseException | None = None) -> None:
+        s = self.summary
+        if result is not None:
+            s.status, s.steps = result.status, result.steps
+            s.final_loss, s.tokens_per_s = result.final_loss, result.tokens_per_s
+        else:
+            s.status = "failed"
+            s.error = "".join(traceback.format_exception_only(error)).strip() if error else None
+        s.ended_at = time.time()
+        record_launch(self._config.storage_root, s)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m d9d.engine.launch")
     parser.add_argument("config", type=Path)
@@ -97,9 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir=config.run_dir,
     )
     sink = None
+    records = None
     if rank == 0:
         # Default: metrics.jsonl in the run dir; the progress reporter already prints to the terminal.
         tracker_config = config.logging.tracker or LogTrackerConfig(stdout=False)
+        records = LaunchRecords(config, decision, tracker_config)
         mirror = run_files_mirror(tracker_config, config.run_dir, config.storage_root)
         if mirror is not None and decision.action == "resume":
             mirror.restore()  # a run.dir on a new node continues the tracker's run from the storage root
@@ -110,10 +168,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             resume=True,
             mirror=mirror,
         )
+        if decision.action == "resume":
+            # The resume in the tracker and the history, where `d9d plot` marks it (d9d.tracking.history).
+            mark = {"resumed_from": float(decision.step), "restart": 0.0}
+            sink.write([MetricPoint(decision.step + 1, -1, mark, "health", time.time())])
     reporter = LocalRunReporter(
         config.checkpoint_dir, config.checkpointing.keep_last, sink, config.checkpointing.on_damaged
     )
-    result = run_rank(config, runtime, reporter)
+    try:
+        result = run_rank(config, runtime, reporter)
+    except BaseException as e:
+        if records is not None:
+            records.ended(None, e)
+        raise
+    if records is not None:
+        records.ended(result)
     if sink is not None:
         sink.close("finished" if result.status == "finished" else "killed")
     if dist.is_initialized():

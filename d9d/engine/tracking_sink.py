@@ -33,6 +33,7 @@ from pathlib import Path
 
 from d9d.core.files import atomic_write_text
 from d9d.core.storage import Location, TreeMirror
+from d9d.engine.run_files import LOGS_DIR as LOGS_DIR
 from d9d.engine.runtime import MetricPoint
 from d9d.tracking import RunSpec, RunStatus, Tracker, TrackerConfig, tracker_files
 from d9d.tracking.history import HISTORY_FILE, HistoryWriter, read_history
@@ -40,8 +41,6 @@ from d9d.tracking.plot import PLOT_FILE, plot_history
 
 STATE_FILE = "tracker_state.json"
 GROUPS = ("train/", "eval/", "system/")
-#: Rank log files (`<run dir>/logs/rank<r>.log`, written by d9d.cluster's rank actors).
-LOGS_DIR = "logs"
 #: How often, at most, a storage-root mirror copies the tracker's files while the run goes on.
 MIRROR_INTERVAL_S = 30.0
 _log = logging.getLogger(__name__)

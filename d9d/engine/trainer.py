@@ -142,8 +142,13 @@ class Trainer:
         if lr_after != lr_before:
             notes.append(f"the LR for step {step + 1} is {lr_after:.3g} (the commit's plan: {lr_before:.3g})")
         if self.ctx.is_main_process:
+            # The launcher's console too (under Ray the coordinator's: `d9d train` prints it, the summary
+            # keeps it), where the reporter can say something (`notice`).
+            notice = getattr(self.reporter, "notice", None)
             for note in notes:
                 self.ctx.logger.warning("resume at step %d: %s", step, note)
+                if callable(notice):
+                    notice(f"resume at step {step}: {note}")
             values = {"resume/lr": lr_after, "resume/lr_before": lr_before, "resume/base_lr": configured[0]}
             values["resume/total_steps"] = float(self.config.trainer.total_steps)
             self.reporter.metrics(MetricPoint(step + 1, 0, values, "train", time.time()))

@@ -2,6 +2,9 @@
 
 Written with the `tensorboard` package's own event-file writer, so the tracker needs no torch and works in
 the coordinator process. Histograms are real TensorBoard histograms (the HISTOGRAMS tab), binned here.
+The run's parameters (the whole config) go to the HPARAMS tab, one hyperparameter per dotted key, with the
+final loss as its metric (`hparams/final_loss`, written when the run closes: the last `train/loss`), and
+as a Markdown table to the TEXT tab (`run/params`).
 
 Resume: a reopened run writes a new event file into the same directory; TensorBoard merges the files of a
 directory into one run. Steps at or below the last step the directory already holds are dropped, so the
@@ -10,6 +13,7 @@ steps a restarted job recomputes do not appear twice.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +29,16 @@ from d9d.tracking.protocol import (
     check_resume_kind,
     flatten_params,
 )
+
+LOSS_TAG = "train/loss"
+FINAL_LOSS_TAG = "hparams/final_loss"
+
+
+def hparam_value(value: Any) -> bool | int | float | str:
+    """What the HPARAMS tab can hold of a parameter: a bool, number or string as is, anything else as JSON."""
+    if isinstance(value, bool | int | float | str):
+        return value
+    return json.dumps(value, default=str)
 
 
 def last_logged_step(log_dir: Path) -> int | None:
@@ -46,6 +60,7 @@ class TensorBoardTracker:
         self._bins = histogram_bins
         self._writer: Any = None
         self._floor = StepFloor()
+        self._last_loss: tuple[int, float] | None = None  # (step, value) of the newest `train/loss`
 
     def open(self, run: RunSpec, resume: Mapping[str, Any] | None = None) -> None:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -60,6 +75,7 @@ class TensorBoardTracker:
         self._writer = EventFileWriter(str(self.log_dir), max_queue_size=100, flush_secs=self._flush_secs)
         if resume is None:
             self._log_params(run)
+            self._log_hparams(run)
 
     def resume_state(self) -> dict[str, Any]:
         return {"kind": "tensorboard", "log_dir": str(self.log_dir)}
@@ -71,6 +87,8 @@ class TensorBoardTracker:
             return
         summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
         self._add(step, summary)
+        if LOSS_TAG in values and (self._last_loss is None or step >= self._last_loss[0]):
+            self._last_loss = (step, float(values[LOSS_TAG]))
 
     def log_histogram(self, step: int, name: str, values: HistogramValues) -> None:
         from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
@@ -95,6 +113,11 @@ class TensorBoardTracker:
     def close(self, status: RunStatus = "finished") -> None:
         if self._writer is None:
             return
+        if self._last_loss is not None:  # the HPARAMS tab's metric: the loss the run ended with
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            step, loss = self._last_loss
+            self._add(step, Summary(value=[Summary.Value(tag=FINAL_LOSS_TAG, simple_value=loss)]))
         self._writer.close()  # flushes what is queued
         self._writer = None
 
@@ -108,8 +131,23 @@ class TensorBoardTracker:
 
         self._writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
 
+    def _log_hparams(self, run: RunSpec) -> None:
+        """The run's parameters in the HPARAMS tab: the experiment (every key, the final loss and the loss
+        as metrics) and this run's values. Numbers, strings and booleans as they are, anything else (lists,
+        None) as its JSON text."""
+        from tensorboard.plugins.hparams import summary_v2 as hp
+
+        values = {k: hparam_value(v) for k, v in flatten_params(run.params).items()}
+        values.update({f"tag.{k}": v for k, v in run.tags.items()})
+        metrics = [
+            hp.Metric(FINAL_LOSS_TAG, display_name="final loss"),
+            hp.Metric(LOSS_TAG, display_name="loss"),
+        ]
+        self._add(0, hp.hparams_config_pb([hp.HParam(k) for k in values], metrics))
+        self._add(0, hp.hparams_pb(values, trial_id=run.name))
+
     def _log_params(self, run: RunSpec) -> None:
-        """The run's parameters as one markdown table in the TEXT tab (TensorBoard has no params view)."""
+        """The run's parameters as one markdown table in the TEXT tab."""
         from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
         from tensorboard.compat.proto.tensor_pb2 import TensorProto
         from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto

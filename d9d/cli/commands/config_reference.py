@@ -5,20 +5,29 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from d9d.cluster.config import ClusterConfig
-from d9d.engine.config_reference import ENGINE_ROOTS, Root, render_reference, splice
+if TYPE_CHECKING:
+    from d9d.engine.config_reference import Root
 
-JOB_ROOTS: tuple[Root, ...] = (*ENGINE_ROOTS, ("cluster", ClusterConfig))
+
+def job_roots() -> tuple[Root, ...]:
+    """Every section of a job file: the engine's and `cluster:`."""
+    from d9d.cluster.config import ClusterConfig
+    from d9d.engine.config_reference import ENGINE_ROOTS
+
+    return (*ENGINE_ROOTS, ("cluster", ClusterConfig))
 
 
 def _run(args: argparse.Namespace) -> int:
+    from d9d.engine.config_reference import render_reference, splice
+
+    roots = job_roots()
     if args.write is None:
-        print(render_reference(JOB_ROOTS))
+        print(render_reference(roots))
         return 0
     for path in args.write:
-        path.write_text(splice(path.read_text(), JOB_ROOTS))
+        path.write_text(splice(path.read_text(), roots))
         print(f"updated the configuration reference in {path}")
     return 0
 

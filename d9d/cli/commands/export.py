@@ -43,11 +43,12 @@ def _run(args: argparse.Namespace) -> int:
     from d9d.cli.storage import open_location, storage_options
     from d9d.core.storage import StorageError
     from d9d.engine.checkpoint import CheckpointError
-    from d9d.engine.config import ConfigError, load_config
+    from d9d.engine.errors import ConfigError
     from d9d.engine.export import (
         ExportKind,
         export_checkpoint,
         find_step,
+        load_model_config,
         publish_export,
         read_train_config,
     )
@@ -63,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         step_dir = find_step(_run_path(args.run, options), args.step)
         if args.config is not None:
-            config = load_config(args.config, args.overrides, ignore_sections=["cluster"])
+            config = load_model_config(args.config, args.overrides)
         else:
             config = read_train_config(step_dir)
         options = {

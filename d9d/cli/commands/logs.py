@@ -58,7 +58,7 @@ def _file_logs(logs: Location, follow: bool, running: Any) -> int:
 
 def _logs_dir(run_dir: Location | None, files: Location | None) -> Location | None:
     """The run directory's `logs/` (written as the run goes), else the storage root's copy."""
-    from d9d.engine.tracking_sink import LOGS_DIR
+    from d9d.engine.run_files import LOGS_DIR
 
     for where in (run_dir, files):
         if where is not None and (where / LOGS_DIR).is_dir():
@@ -68,7 +68,7 @@ def _logs_dir(run_dir: Location | None, files: Location | None) -> Location | No
 
 def _run(args: argparse.Namespace) -> int:
     from d9d.cli.storage import lookup_run
-    from d9d.cluster import submit as jobs
+    from d9d.cluster.addresses import dashboard_address
     from d9d.cluster.lookup import attach
 
     lookup = lookup_run(args, "logs")
@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     run, run_dir, options, loc = lookup.run, lookup.run_dir, lookup.options, lookup.found
     if loc.submission is not None:
-        return _job_logs(loc.submission.submission_id, jobs.dashboard_address(args.address), args.follow)
+        return _job_logs(loc.submission.submission_id, dashboard_address(args.address), args.follow)
     record = loc.record
     try:
         logs = _logs_dir(

@@ -12,9 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
-
 
 class _Unplottable(ValueError):
     pass
@@ -64,6 +61,9 @@ def _schedule_section(node: Any, where: str) -> tuple[Any, str]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import yaml
+    from pydantic import ValidationError
+
     from d9d.engine.config import read_config_file
     from d9d.engine.errors import format_validation_error
     from d9d.optim.lr import PiecewiseScheduleConfig, plot_schedule

@@ -6,18 +6,18 @@ import argparse
 import sys
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
-from d9d.pipeline.schedule.config import ScheduleConfig, build_schedule
-from d9d.pipeline.simulator.costs import ActionCosts
-from d9d.pipeline.simulator.report import format_report
-from d9d.pipeline.simulator.simulate import simulate
-from d9d.pipeline.simulator.timeline import draw_timeline
-
 _KINDS = ["inference", "gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"]
 
 
 def _run(args: argparse.Namespace) -> int:
+    from pydantic import TypeAdapter, ValidationError
+
+    from d9d.pipeline.schedule.config import ScheduleConfig, build_schedule
+    from d9d.pipeline.simulator.costs import ActionCosts
+    from d9d.pipeline.simulator.report import format_report
+    from d9d.pipeline.simulator.simulate import simulate
+    from d9d.pipeline.simulator.timeline import draw_timeline
+
     raw: dict[str, Any] = {"kind": args.schedule}
     if args.stages_per_rank is not None:
         raw["stages_per_rank"] = args.stages_per_rank

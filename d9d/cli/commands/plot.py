@@ -1,9 +1,10 @@
 """`d9d plot RUN`: draw a run's loss, learning rate, gradient norm and tokens/s into one PNG.
 
-RUN is a run directory, a job file (its run directory), a run name (`runs/<name>`), or a run's storage root
-as a URI (`s3://bucket/runs/<run>`, where a run with `run.storage` copies its history). The curves come from
-`<run dir>/history.jsonl`, which every run writes whatever its tracker; a run in progress is drawn as far
-as it got. The PNG goes to `<run dir>/plots/training.png`, or for a URI to `./<run>-training.png`.
+RUN is a run directory, a job file (its run directory), a run name (found under `--runs-root`, default
+`runs/`, whichever launcher made it), or a run's storage root as a URI (`s3://bucket/runs/<run>`, where a
+run with `run.storage` copies its history). The curves come from `<run dir>/history.jsonl`, which every
+run writes whatever its tracker; a run in progress is drawn as far as it got. The PNG goes to
+`<run dir>/plots/training.png`, or for a URI to `./<run>-training.png`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ if TYPE_CHECKING:
     from d9d.core.storage import Location
 
 
-def run_directory(target: str, options: dict[str, Any] | None = None) -> Location:
+def run_directory(target: str, options: dict[str, Any] | None = None, runs_root: str = "runs") -> Location:
     """The run directory `target` names (see the module docstring)."""
     from d9d.cli.storage import open_location
+    from d9d.cluster.registry import find_record
     from d9d.core.storage import is_uri
-    from d9d.engine.config import parse_config, read_config_file
 
     if is_uri(target):
         return open_location(target, options or {})
@@ -29,21 +30,25 @@ def run_directory(target: str, options: dict[str, Any] | None = None) -> Locatio
     if path.is_dir():
         return path
     if path.is_file():
+        from d9d.engine.config import parse_config, read_config_file
+
         data = read_config_file(path)
         data.pop("cluster", None)
         return parse_config(data, check_components=False).run_dir
-    return Path("runs") / target
+    root = open_location(runs_root, options or {})
+    record = find_record(target, None, root)  # any launcher's run, by its name
+    return record.files(options) if record is not None else root / target
 
 
 def _run(args: argparse.Namespace) -> int:
     from d9d.cli.storage import storage_options
     from d9d.core.storage import StorageError
-    from d9d.engine.config import ConfigError
+    from d9d.engine.errors import ConfigError
     from d9d.tracking.history import HISTORY_FILE, read_history
     from d9d.tracking.plot import PLOT_FILE, plot_history
 
     try:
-        run_dir = run_directory(args.run, storage_options(args.storage_options))
+        run_dir = run_directory(args.run, storage_options(args.storage_options), args.runs_root)
     except (ConfigError, StorageError, ValueError, OSError) as e:
         print(f"d9d plot: {args.run}: {e}", file=sys.stderr)
         return 2
@@ -83,5 +88,13 @@ def register(subparsers: Any) -> None:
         "-o", "--output", default=None, help="PNG to write (default: <run dir>/plots/training.png)"
     )
     parser.add_argument("--title", default=None, help="plot title (default: the run directory's name)")
+    parser.add_argument(
+        "--runs-root",
+        "--storage",
+        dest="runs_root",
+        default="runs",
+        help="where a run name is looked up: a directory, or a run.storage URI such as s3://bucket/runs "
+        "(default: runs)",
+    )
     add_storage_option(parser)
     parser.set_defaults(handler=_run)

@@ -17,12 +17,16 @@ from typing import Any
 
 def _run(args: argparse.Namespace) -> int:
     from d9d.cli import exit_codes
+    from d9d.cli import main as cli
     from d9d.cli.commands.train import follow_preemptible
     from d9d.cluster import TrainingJob
     from d9d.cluster.checkpoints import RunFinished
+    from d9d.cluster.client import started_from_process
     from d9d.cluster.follow import follow
     from d9d.cluster.lease import LeaseHeld
     from d9d.engine.checkpoint import CheckpointError
+
+    started_from_process(cli.invoked_at)  # the start-up phases count from this command's start
 
     run: str | Path = args.run_dir or args.run
     try:

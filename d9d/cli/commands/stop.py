@@ -14,7 +14,6 @@ _STOP_WAIT_S = 120.0
 
 def _run(args: argparse.Namespace) -> int:
     from d9d.cli.storage import lookup_run
-    from d9d.cluster import submit as jobs
     from d9d.cluster.lookup import attach
 
     lookup = lookup_run(args, "stop")
@@ -22,6 +21,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     run, loc = lookup.run, lookup.found
     if loc.submission is not None:
+        from d9d.cluster import submit as jobs
+
         sub, address = loc.submission, jobs.dashboard_address(args.address)
         if not args.now and loc.ray_address is not None:
             # `ray job stop` gives the driver only a few seconds (RAY_JOB_STOP_WAIT_TIME_S) after its

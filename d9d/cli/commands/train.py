@@ -111,11 +111,15 @@ def dry_run(spec: JobSpec, config_path: Path) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from d9d.cli import exit_codes
+    from d9d.cli import main as cli
     from d9d.cluster import TrainingJob, load_job
     from d9d.cluster.checkpoints import RunFinished
+    from d9d.cluster.client import started_from_process
     from d9d.cluster.lease import LeaseHeld
     from d9d.engine.checkpoint import CheckpointError
     from d9d.engine.config import ConfigError
+
+    started_from_process(cli.invoked_at)  # the start-up phases count from this command's start
 
     overrides = list(args.overrides)
     if args.resume_from is not None:

@@ -32,10 +32,12 @@ from d9d.cluster.control.runner import AttemptRunner
 from d9d.cluster.control.scaling import ScalingPolicy
 from d9d.cluster.control.signal import Changes
 from d9d.cluster.control.standby import Standby, StandbyPool
+from d9d.cluster.control.startup import StartupClock
 from d9d.cluster.control.workers import Attempt, Reservation, WorkerGroup
 from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, RunSummary, StateMachine, record_launch
+from d9d.engine.checkpoint import step_dir_name
 from d9d.engine.runtime import MetricPoint, RankResult
 
 _log = logging.getLogger(__name__)
@@ -153,8 +155,12 @@ class Controller:
         group = WorkerGroup(spec, mailbox, self._scaling, self._standby)
         self._workers: Workers = workers or group
         self._runner: Runs = runner or AttemptRunner(
-            spec, group, mailbox, metrics, self.machine, changes, self._result
+            spec, group, mailbox, metrics, self.machine, changes, self._result, self.startup_mark
         )
+        # This launch's start-up phases, up to its first step (`startup.py`); the coordinator gives it the
+        # driver's marks. `_startup_attempt` is the attempt they belong to, the launch's first.
+        self.startup = StartupClock(time.time())
+        self._startup_attempt: int | None = None
         self.attempt: Attempt | None = None
         self.attempts = 0  # started so far
         self.latest_step: int | None = None  # of the latest committed checkpoint
@@ -220,6 +226,8 @@ class Controller:
         # Current from here on, so that every way out (the store failing to prepare included) tears it down
         # and gives the placement group back.
         at = self.attempt = Attempt(self.attempts, plan, pg, 0, Liveness(plan.world_size))
+        if self._startup_attempt is None:
+            self._startup_attempt = at.index
         if state.growing:
             self._scaling.resize_reserved(state.target, plan.world_size, self._workers.alive())
         at.resumed_from = await asyncio.to_thread(self._prepare_store)
@@ -227,6 +235,7 @@ class Controller:
             self._space_noted = True
             await self._notice(f"no space left on the device: {await asyncio.to_thread(self._freed)}")
         self.summary.standby_ranks_used.append(len(pg.standbys) if isinstance(pg, Reservation) else 0)
+        self.startup_mark(at.index, "place")
         if self._recovery is not None:
             self._recovery.placed = time.time()
             self._recovery.metrics_seq = self._metrics.seq
@@ -250,7 +259,14 @@ class Controller:
                     self._recovery.reserving = time.time()
                 return self._reserve_or_stop(state.target, growing=state.growing)
 
-    # == recovery phases and warm standbys ===============================================================
+    # == start-up and recovery phases, warm standbys =====================================================
+
+    def startup_mark(self, attempt: int, phase: str, at: float | None = None) -> None:
+        """A start-up phase of the launch's first attempt ended (later attempts' are a recovery's)."""
+        if attempt == self._startup_attempt and not self.startup.done:
+            self.startup.end(phase, at)
+            if self.startup.done:
+                self.summary.startup_s = self.startup.phases()
 
     def _failure_detected(self, at: Attempt) -> None:
         now = time.time()
@@ -318,7 +334,22 @@ class Controller:
         self.latest_step = at.resumed_from or None
         layout: dict[str, float] = {"world_size": at.plan.world_size, "data_parallel": at.plan.data_parallel}
         self._metrics.add(MetricPoint(at.resumed_from, CLUSTER_RANK, layout, "health", time.time()))
+        if at.resumed_from:
+            await self._announce_resume(at)
         await self._changes.notify()
+
+    async def _announce_resume(self, at: Attempt) -> None:
+        """An attempt starts from a commit: say so on the console (and in the summary's notices), and mark it
+        in the tracker and the history at the first step it trains (`system/cluster/resumed_from`: the
+        commit's step; `system/cluster/restart`: 1 for a restart of this launch after a failure or for a
+        resize, 0 for a launch resuming the run), where `d9d plot` draws it."""
+        restart = at.index != self._startup_attempt
+        step_dir = self._spec.checkpoint_dir / step_dir_name(at.resumed_from)
+        what = f"attempt {at.index} restarts" if restart else f"run {self._spec.run_name} resumes"
+        if self._notice is not None:
+            await self._notice(f"{what} from step {at.resumed_from} (checkpoint {step_dir})")
+        values = {"resumed_from": float(at.resumed_from), "restart": 1.0 if restart else 0.0}
+        self._metrics.add(MetricPoint(at.resumed_from + 1, CLUSTER_RANK, values, "health", time.time()))
 
     async def teardown(self) -> None:
         # The attempt stays current until its ranks are gone: points and step boundaries still in flight
@@ -343,6 +374,8 @@ class Controller:
             self.machine.to(state)
         self._flush_phases()
         s = self.summary
+        if not s.startup_s and self._startup_attempt is not None:  # ended before its first step
+            s.startup_s = self.startup.phases()
         s.status = self.machine.state.value
         s.steps = self._metrics.last_step
         s.restarts = max(self.attempts - 1, 0)
@@ -368,6 +401,7 @@ class Controller:
         if at is None or at.live.step_done or step <= at.resumed_from:
             return
         at.live.step_done = True
+        self.startup_mark(at.index, "first_step")
         self._standby.refill(at.sites)  # after the first step: starting standbys never slows a (re)start down
         if self._failure_time is not None:
             self._recovered()

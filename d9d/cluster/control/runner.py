@@ -111,6 +111,8 @@ class AttemptRunner:
     machine: StateMachine
     changes: Changes
     on_result: Callable[[RankResult], None]  # rank 0's result of an attempt whose ranks all returned
+    # (attempt, start-up phase) as each ends here: "actors", "tracker" (d9d.cluster.control.startup)
+    on_phase: Callable[[int, str], None] = lambda attempt, phase: None
 
     @property
     def limits(self) -> Limits:
@@ -125,9 +127,11 @@ class AttemptRunner:
             # Starting actors fails for transient reasons (a rank name the last attempt still holds, a node
             # going away): only an explicit NonRetryableError ends the run here.
             return failed("starting ranks", e, before_first_step=False)
+        self.on_phase(at.index, "actors")
         # Opening a tracker (an MLflow store) can take longer than starting the ranks; training begins
         # only once metric points can be written as they arrive.
         await asyncio.to_thread(self.metrics.wait_ready, self.spec.init_timeout_s)
+        self.on_phase(at.index, "tracker")
         at.live.progress = time.monotonic()
         self.metrics.asleep = False  # a new attempt's state is on the device until its ranks sleep
         if self.mailbox.paused:  # the new rank 0 pauses (or sleeps) at its first step boundary
