@@ -8,6 +8,7 @@ import importlib
 _PACKAGES = (
     "d9d.models.qwen3",
     "d9d.models.qwen3_moe",
+    "d9d.models.llama3",
 )
 
 BUILTIN_FAMILIES: tuple[str, ...] = tuple(importlib.import_module(p).FAMILY.name for p in _PACKAGES)
