@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+import yaml
 from pydantic import TypeAdapter
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -405,3 +406,52 @@ def _pipeline(env: RankEnv) -> None:
 @pytest.mark.distributed
 def test_pipeline_of_two_stages_matches_the_whole_model() -> None:
     run_distributed(_pipeline, 2, timeout=200)
+
+
+# -- the example config ---------------------------------------------------------------------------------
+
+REPO = Path(__file__).parent.parent
+EXAMPLE = REPO / "examples" / "llama3_pretrain" / "tiny.yaml"
+
+
+def _example(run_dir: Path, **overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    data.pop("cluster")  # the cluster layer's section; the engine config is the rest
+    data["run"]["dir"] = str(run_dir)
+    dataset = data["data"]["options"]["dataset"]
+    dataset["paths"] = [str(REPO / p) for p in dataset["paths"]]
+    return data | overrides
+
+
+def test_the_example_config_validates_and_passes_preflight(tmp_path: Path) -> None:
+    config = parse_config(_example(tmp_path))
+    assert config.model.provider == "llama3" and config.mesh.world_size == 4
+    preflight(config)
+    report = dry_run(config)
+    (memory,) = report.memory
+    assert memory.ranks == (0, 1, 2, 3) and memory.activations is not None
+
+
+def _train_example(env: RankEnv) -> None:
+    from d9d.engine.checkpoint import LocalRunReporter
+    from d9d.engine.launch import run_rank
+    from d9d.engine.runtime import RankRuntime
+
+    # one process (the example's 4-rank mesh is covered by the matrix above), 12 steps
+    data = _example(env.tmp_dir / "run", mesh={}, trainer={"total_steps": 12})
+    data["batching"] = {"global_batch_size": 8, "microbatch_size": 4}
+    data["checkpointing"] = {"save_at_end": False}
+    data["logging"] = {"progress_bar": "off", "period": 5}
+    config = parse_config(data)
+    reporter = LocalRunReporter(config.checkpoint_dir, 1, lambda _point: None)
+    runtime = RankRuntime(rank=0, world_size=1, local_rank=0, run_dir=config.run_dir)
+    result = run_rank(config, runtime, reporter)
+    torch.save(list(result.losses), env.tmp_dir / "losses.pt")
+
+
+@pytest.mark.distributed
+def test_the_example_trains(tmp_path: Path) -> None:
+    run_distributed(_train_example, 1, tmp_dir=tmp_path, timeout=300)
+    losses = torch.tensor(torch.load(tmp_path / "losses.pt"))
+    assert len(losses) == 12 and torch.isfinite(losses).all()
+    assert losses[-3:].mean() < 0.8 * losses[:3].mean(), losses
