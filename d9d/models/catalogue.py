@@ -9,6 +9,7 @@ _PACKAGES = (
     "d9d.models.qwen3",
     "d9d.models.qwen3_moe",
     "d9d.models.llama3",
+    "d9d.models.deepseek_v3",
 )
 
 BUILTIN_FAMILIES: tuple[str, ...] = tuple(importlib.import_module(p).FAMILY.name for p in _PACKAGES)
