@@ -1,6 +1,8 @@
 """DeepSeek-V3-style MoE: parity with transformers' `DeepseekV3ForCausalLM` (float32, tiny random models with
-random norms and expert biases: logits, loss and every gradient within 1e-5), the router against HF's, and
-Hugging Face import/export with the expert bias kept as `e_score_correction_bias`."""
+random norms and expert biases: logits, loss and every gradient within 1e-5), the router against HF's,
+Hugging Face import/export with the expert bias kept as `e_score_correction_bias`, the engine's
+`deepseek_v3` provider, and the gloo parallel matrix (FSDP × EP, DP × EP, TP, TP + SP, CP × EP, pipeline)
+against one process."""
 
 from __future__ import annotations
 
@@ -11,13 +13,35 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from pydantic import TypeAdapter
 from safetensors.torch import load_file
+from torch import nn
 
 import d9d.models as dm
-from d9d.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3ForCausalLM
+from d9d.core import DeviceMeshParameters, DistributedContext
+from d9d.engine.config import parse_config
+from d9d.engine.dry_run import dry_run
+from d9d.engine.errors import ConfigError
+from d9d.engine.preflight import preflight
+from d9d.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3ForCausalLM, parallelize_deepseek_v3
 from d9d.models.hf import config_from_hf, config_to_hf, d9d_to_hf_mapper
 from d9d.modules.moe import TopKRouter
+from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
+from d9d.parallel.context import ContextParallelGroup, shard_microbatch
+from d9d.parallel.expert import AllToAllBackendConfig
+from d9d.parallel.plans import ParallelPlanConfig
+from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.schedule.config import ScheduleConfig
+from d9d.pipeline.setup import PipelineSetup
 from d9d.state import apply_group
+from tests.harness import RankEnv, run_distributed
+from tests.test_parallel_reference import (
+    Batch,
+    assert_runs_close,
+    distributed_run,
+    load_full_state,
+    reference_run,
+)
 
 VOCAB = 96
 HF_COMMON: dict[str, Any] = {
@@ -218,3 +242,211 @@ def test_config_conversion_refuses_what_it_cannot_reproduce() -> None:
         config_from_hf({**hf, "hidden_act": "gelu"})
     config = config_from_hf(hf)
     assert config_from_hf(config_to_hf(config)) == config
+
+
+# -- the engine's provider ------------------------------------------------------------------------------
+
+ARCH: dict[str, Any] = {
+    "vocab_size": 259,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_expert_groups": 2,
+    "topk_groups": 1,
+    "first_k_dense": 1,
+}
+
+
+def _job(tmp: Path, architecture: dict[str, Any], mesh: dict[str, int]) -> dict[str, Any]:
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("a few words\nand some more\n")
+    return {
+        "run": {"name": "deepseek", "dir": str(tmp / "run")},
+        "batching": {"global_batch_size": 4, "microbatch_size": 1},
+        "trainer": {"total_steps": 5},
+        "mesh": mesh,
+        "model": {"provider": "deepseek_v3", "options": {"architecture": architecture}},
+        "data": {"provider": "text", "options": {"dataset": {"paths": [str(corpus)], "max_length": 16}}},
+    }
+
+
+def test_the_engine_builds_checks_and_estimates_deepseek_v3(tmp_path: Path) -> None:
+    config = parse_config(_job(tmp_path, ARCH, {"tensor_parallel": 2, "expert_parallel": 2}))
+    preflight(config)
+    report = dry_run(config)
+    model = DeepSeekV3ForCausalLM(DeepSeekV3Config(**ARCH))
+    assert report.parameters.total == sum(p.numel() for p in model.parameters())
+    (memory,) = report.memory
+    # experts split over ep, every other matrix over tp, vectors (norms) whole: an independent count
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)
+    router = sum(p.numel() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
+    rest = sum(p.numel() for p in model.parameters()) - experts - vectors - router
+    assert memory.parameters == 4 * (experts // 2 + rest // 2 + vectors + router)
+    assert memory.activations is not None
+    bad = parse_config(
+        _job(
+            tmp_path,
+            {**ARCH, "num_experts": 6, "num_expert_groups": 3},
+            {"data_parallel_shard": 4, "expert_parallel": 4},
+        )
+    )
+    with pytest.raises(ConfigError, match=r"num_experts=6 is not divisible by mesh\.expert_parallel=4"):
+        preflight(bad)
+
+
+# -- parallel matrix on gloo ----------------------------------------------------------------------------
+
+SEQ, MAX_NORM = 8, 0.5
+
+
+def _model(stage: PipelineStageInfo | None = None, layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    config = DeepSeekV3Config(
+        vocab_size=43,
+        vocab_splits={"regular": 40, "special": 3},
+        hidden_size=16,
+        num_layers=layers,
+        num_attention_heads=4,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=4,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_expert_groups=2,
+        topk_groups=1,
+        first_k_dense=1,
+        routed_scaling_factor=2.0,
+        attention_backend="torch",
+        grouped_mm="eager",
+        loss_chunk_size=5,
+    )
+    return DeepSeekV3ForCausalLM(config, stage)
+
+
+def _loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    ids, positions = batch.inputs.unbind(1)
+    return model(input_ids=ids, position_ids=positions, labels=batch.targets)["loss"].sum()
+
+
+def _batches(steps: int, size: int) -> list[Batch]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, 43, (size, SEQ + 1), generator=g)
+        labels = ids[:, 1:].clone()
+        labels[torch.rand(labels.shape, generator=g) < 0.2] = -100
+        positions = torch.arange(SEQ).expand(size, SEQ)
+        out.append(Batch(torch.stack((ids[:, :-1], positions), dim=1), labels, (labels != -100).float()))
+    return out
+
+
+def _cp_shard(batch: Batch, cp: ContextParallelGroup) -> Batch:
+    ids, positions = batch.inputs.unbind(1)
+    local = shard_microbatch({"input_ids": ids, "position_ids": positions, "labels": batch.targets}, cp)
+    labels = local["labels"]
+    return Batch(
+        torch.stack((local["input_ids"], local["position_ids"]), 1), labels, (labels != -100).float()
+    )
+
+
+MATRIX = [  # (mesh, sequence parallel, built on meta and materialized after parallelization)
+    ({"data_parallel_shard": 2, "expert_parallel": 2}, False, True),
+    ({"data_parallel_replicate": 2, "expert_parallel": 2}, False, False),
+    ({"tensor_parallel": 2}, False, False),
+    ({"tensor_parallel": 2}, True, True),
+    ({"context_parallel_shard": 2, "expert_parallel": 2}, False, False),
+]
+
+
+def _matrix(env: RankEnv) -> None:
+    data = _batches(3, 4)
+    want = reference_run(_model(), data, _loss, max_norm=MAX_NORM)
+    initial = {k: v.clone() for k, v in _model().state_dict().items()}
+    for mesh, sp, meta in MATRIX:
+        params = DeviceMeshParameters(**mesh)
+        ctx = DistributedContext.create(params, backend="gloo")
+        with torch.device("meta" if meta else "cpu"):
+            model = _model()
+        plan = ParallelPlanConfig(sequence_parallel=sp, expert_backend=AllToAllBackendConfig())
+        parallelize_deepseek_v3(model, ctx, plan)
+        if meta:
+            model.to_empty(device="cpu")
+            model.reset_parameters()
+            load_full_state(model, initial)
+        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
+        dp = ctx.coordinates("batch")["dp"]
+        local = [b.shard(params.data_parallel, dp).split(2) for b in data]
+        if params.context_parallel > 1:
+            cp = ContextParallelGroup.from_context(ctx)
+            local = [[_cp_shard(mb, cp) for mb in step] for step in local]
+        got = distributed_run(model, sync, local, _loss, max_norm=MAX_NORM)
+        assert_runs_close(got, want, f"deepseek_v3 {mesh} sp={sp} meta={meta}")
+        sync.close()
+
+
+@pytest.mark.distributed
+def test_two_rank_matrix_matches_one_process() -> None:
+    run_distributed(_matrix, 2, timeout=300)
+
+
+class _Loss:
+    def __init__(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
+        self.loss_sum = outputs["loss"].sum()
+        self.weight = (labels != -100).sum()
+
+
+def _pipeline(env: RankEnv) -> None:
+    """Two pipeline stages under 1F1B: the loss and every gradient equal the whole model's."""
+    ctx = DistributedContext.create(DeviceMeshParameters(pipeline_parallel=2), backend="gloo")
+    whole = _model(layers=4)
+    full = whole.state_dict()
+    setup = PipelineSetup.create(ctx, TypeAdapter(ScheduleConfig).validate_python({"kind": "1f1b"}), 4)
+    stages = {}
+    for info in setup.local_stages:
+        stage = _model(info, layers=4)
+        stage.load_state_dict({k: full[k] for k in stage.state_dict()})
+        stages[info.current_stage] = stage
+    g = torch.Generator().manual_seed(5)
+    batch = [
+        {
+            "input_ids": torch.randint(0, 43, (2, SEQ), generator=g),
+            "labels": torch.randint(0, 43, (2, SEQ), generator=g),
+        }
+        for _ in range(4)
+    ]
+    weight = sum(int((mb["labels"] != -100).sum()) for mb in batch)
+    ref = whole(
+        input_ids=torch.cat([mb["input_ids"] for mb in batch]),
+        labels=torch.cat([mb["labels"] for mb in batch]),
+    )
+    ref_loss = ref["loss"].sum() / weight
+    ref_loss.backward()
+    result = setup.executor(stages).train_step(
+        batch, lambda out, mb: _Loss(out, batch[mb]["labels"]), loss_scale=1.0 / weight
+    )
+    if result.loss_sum is not None:
+        torch.testing.assert_close(result.loss_sum / weight, ref_loss.detach(), rtol=1e-5, atol=0)
+    for s, stage in stages.items():
+        for name, p in stage.named_parameters():
+            expected = whole.get_parameter(name).grad
+            assert p.grad is not None and expected is not None, name
+            torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6, msg=f"stage {s} {name}")
+
+
+@pytest.mark.distributed
+def test_pipeline_of_two_stages_matches_the_whole_model() -> None:
+    run_distributed(_pipeline, 2, timeout=200)
