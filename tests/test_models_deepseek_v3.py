@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+import yaml
 from pydantic import TypeAdapter
 from safetensors.torch import load_file
 from torch import nn
@@ -86,6 +87,26 @@ CASES: dict[str, dict[str, Any]] = {
         "routed_scaling_factor": 1.0,
         "norm_topk_prob": False,
         "attention_bias": True,
+    },
+    # V3's long-context RoPE: YaRN with mscale / mscale_all_dim (which also scales the softmax)
+    "v3_yarn": {
+        "q_lora_rank": 24,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 64,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     },
 }
 
@@ -450,3 +471,40 @@ def _pipeline(env: RankEnv) -> None:
 @pytest.mark.distributed
 def test_pipeline_of_two_stages_matches_the_whole_model() -> None:
     run_distributed(_pipeline, 2, timeout=200)
+
+
+# -- the example config ---------------------------------------------------------------------------------
+
+REPO = Path(__file__).parent.parent
+EXAMPLE = REPO / "examples" / "deepseek_v3_pretrain" / "tiny.yaml"
+
+
+def test_the_example_config_validates_passes_preflight_and_trains_a_step(tmp_path: Path) -> None:
+    data: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    data.pop("cluster")  # the cluster layer's section; the engine config is the rest
+    data["run"]["dir"] = str(tmp_path / "run")
+    dataset = data["data"]["options"]["dataset"]
+    dataset["paths"] = [str(REPO / p) for p in dataset["paths"]]
+    config = parse_config(data)
+    assert config.model.provider == "deepseek_v3" and config.mesh.world_size == 4
+    preflight(config)
+    (memory, *_) = dry_run(config).memory
+    assert memory.activations is not None
+    # the example's model learns: 10 AdamW steps on one of its batches lower the loss
+    from d9d.engine.builtin.models import builtin_provider
+
+    provider_class = builtin_provider("deepseek_v3")
+    provider = provider_class(provider_class.Config.model_validate(data["model"]["options"]))
+    torch.manual_seed(0)
+    model = provider.build_stage(PipelineStageInfo())
+    model.reset_parameters()
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(10):
+        loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:])["loss"].mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
