@@ -1,6 +1,6 @@
 """Training throughput of the d9d engine against its peers, one GPU, same shapes, one invocation.
 
-    python benchmarks/train_throughput.py [--model dense|moe|both] [--steps 10] [--warmup 3]
+    python benchmarks/train_throughput.py [--model dense|moe|llama3|both] [--steps 10] [--warmup 3]
         [--peers d9d,transformers,torchtitan] [--d9d-variants compiled,eager] [--d9d-batches ...]
         [--row-timeout 600] [--budget-s S] [--profile] [--out FILE]
     python benchmarks/train_throughput.py --merge dense.json moe.json [--out FILE]
@@ -18,7 +18,9 @@ records its error and the table goes on. Rows:
   optional extras, never dependencies of d9d.
 
 Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, head_dim 128, ffn 3072, vocab 151936, untied) and a
-small Qwen3-MoE (16 layers, 16/4 heads, 64 experts top-8, moe ffn 512). MFU = 6 × active parameters (incl.
+small Qwen3-MoE (16 layers, 16/4 heads, 64 experts top-8, moe ffn 512); `--model llama3`: Llama-3.2-1B's shape
+(16 layers, hidden 2048, 32/8 heads of 64, ffn 8192, vocab 128256, Llama 3.1 RoPE scaling; untied), against
+torchtitan's own `llama3` (not yet measured on a GPU). MFU = 6 × active parameters (incl.
 the LM head) + causal attention, against 989 TFLOP/s. `--profile` adds a per-category GPU-time breakdown of
 the d9d step (torch.profiler). Needs CUDA.
 
@@ -94,7 +96,7 @@ def _csv(allowed: tuple[str, ...]) -> Any:
 
 def plan(args: argparse.Namespace) -> list[Row]:
     """d9d rows first (the subject, and the rows a short budget must not lose), then the peers."""
-    models = {"dense": ["dense"], "moe": ["moe"], "both": ["dense", "moe"]}[args.model]
+    models = {"dense": ["dense"], "moe": ["moe"], "llama3": ["llama3"], "both": ["dense", "moe"]}[args.model]
     rows: list[Row] = []
     for model in models:
         if "d9d" in args.peers:
@@ -297,7 +299,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=["dense", "moe", "both"], default="both")
+    parser.add_argument("--model", choices=["dense", "moe", "llama3", "both"], default="both")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(

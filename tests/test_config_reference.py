@@ -15,8 +15,7 @@ from d9d.cli.commands.config_reference import job_roots
 from d9d.cluster.config import ClusterConfig
 from d9d.engine.config import TrainConfig
 from d9d.engine.config_reference import BEGIN, END, splice
-from d9d.models.qwen3 import Qwen3Config
-from d9d.models.qwen3_moe import Qwen3MoEConfig
+from d9d.models import families
 
 DOC = Path(__file__).parent.parent / "docs" / "engine.md"
 
@@ -50,8 +49,8 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 
 
 def _reachable() -> set[type[BaseModel]]:
-    # A built-in causal LM's `architecture` is a mapping validated as the d9d model config.
-    todo: list[type[BaseModel]] = [TrainConfig, ClusterConfig, Qwen3Config, Qwen3MoEConfig]
+    # A built-in causal LM's `architecture` is a mapping validated as its family's config.
+    todo: list[type[BaseModel]] = [TrainConfig, ClusterConfig, *(f.config_class for f in families())]
     seen: set[type[BaseModel]] = set()
     while todo:
         model = todo.pop()

@@ -21,7 +21,7 @@ from d9d.cluster import TrainingJob, build_job
 from d9d.cluster.client import connect, disconnect
 from d9d.cluster.follow import ConsoleProgress, ProgressLine, follow, format_duration
 from d9d.cluster.rank import output_to_file, rank_log_path
-from d9d.engine.builtin.models import Qwen3Provider, causal_lm_flops_per_token
+from d9d.engine.builtin.models import builtin_provider, causal_lm_flops_per_token
 from d9d.engine.providers import ModelFlops
 from d9d.engine.reporting import FlopsBudget
 from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime, RunReporter
@@ -176,7 +176,8 @@ def test_flops_per_token_counts_the_built_models_matmuls() -> None:
         "head_dim": 8,
         "intermediate_size": 48,
     }
-    provider = Qwen3Provider(Qwen3Provider.Config(architecture=arch))
+    provider_class = builtin_provider("qwen3")
+    provider = provider_class(provider_class.Config(architecture=arch))
     assert isinstance(provider, ModelFlops)
     with torch.device("meta"):
         module = provider.build_stage(PipelineStageInfo())

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from d9d.engine.components import AdamW, ModelPlugin, Qwen3Model
+from d9d.engine.components import AdamW, BuiltinModel, ModelPlugin
 from d9d.engine.config import ConfigError, apply_overrides, load_config, parse_config
 
 BASE = {
@@ -99,7 +99,7 @@ def test_plugin_must_implement_its_kinds_protocol() -> None:
 def test_builtin_options_are_typed_and_plugins_keep_their_path() -> None:
     qwen = {"provider": "qwen3", "options": {"architecture": _TINY_QWEN3}}
     config = parse_config({**BASE, "model": qwen})
-    assert isinstance(config.model, Qwen3Model)
+    assert isinstance(config.model, BuiltinModel) and config.model.provider == "qwen3"
     assert config.model.options.architecture == _TINY_QWEN3
     plugin = parse_config(BASE).model
     assert isinstance(plugin, ModelPlugin)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from d9d.core import DistributedContext
-from d9d.engine.builtin.models import Qwen3MoEProvider
+from d9d.engine.builtin.models import builtin_provider
 from d9d.models.hf import EXPERT_BIAS_CONFIG_KEY, EXPERT_BIAS_HF_NAME, from_pretrained, save_pretrained
 from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
 from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter, load_balancing_loss, moe_layers, route_topk
@@ -95,7 +95,8 @@ def test_expert_bias_survives_hf_export_and_import(tmp_path: Path) -> None:
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
     # the engine's provider initializes from the same directory through its own mapper call
-    provider = Qwen3MoEProvider(Qwen3MoEProvider.Config(source_checkpoint=dest))
+    provider_class = builtin_provider("qwen3_moe")
+    provider = provider_class(provider_class.Config(source_checkpoint=dest))
     stage = provider.build_stage(PipelineStageInfo())
     provider.initialize(stage, DistributedContext.local())
     for name, bias in _biases(stage).items():

@@ -250,9 +250,11 @@ def _compiled_parallel_cases(env: RankEnv) -> None:
     (aot_eager: the traced graphs and the parallel hooks, without inductor's slow CPU code generation)
     against a single-process eager run of the same global batches."""
     from d9d.core import DeviceMeshParameters, DistributedContext
+    from d9d.models.qwen3 import parallelize_qwen3
+    from d9d.models.qwen3_moe import parallelize_qwen3_moe
     from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
     from d9d.parallel.expert import AllToAllBackendConfig
-    from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3, parallelize_qwen3_moe
+    from d9d.parallel.plans import ParallelPlanConfig
     from tests.test_parallel_qwen3 import MODELS, _batches, _task_loss
 
     data = _batches(2, 4)

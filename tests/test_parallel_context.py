@@ -19,7 +19,7 @@ from d9d.engine.config import ConfigError, parse_config
 from d9d.engine.events import ForwardBackwardFinished
 from d9d.engine.step import ContextShardedStepRunner, global_loss
 from d9d.engine.trainer import Trainer
-from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, parallelize_qwen3
 from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
 from d9d.modules.attention import (
     AttentionMask,
@@ -38,7 +38,7 @@ from d9d.parallel.context import (
     shard_microbatch,
 )
 from d9d.parallel.expert import AllToAllBackendConfig
-from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3
+from d9d.parallel.plans import ParallelPlanConfig
 from tests.engine_fixtures import make_hf_qwen3
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_reference import Batch, assert_runs_close, distributed_run, reference_run

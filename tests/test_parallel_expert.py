@@ -295,7 +295,7 @@ class _StandInDeepEP:
 def _engine_selection(env: RankEnv, deep_ep_installed: bool, backend: dict[str, str]) -> None:
     """As the trainer builds stages: the provider builds on `meta`, then parallelizes with the rank's
     context, whose device is a GPU (an NCCL context reports `cuda:<local rank>`)."""
-    from d9d.engine.builtin.models import Qwen3MoEProvider
+    from d9d.engine.builtin.models import builtin_provider
     from d9d.parallel.expert import backend as backend_module
     from d9d.pipeline.api import PipelineStageInfo
 
@@ -307,8 +307,9 @@ def _engine_selection(env: RankEnv, deep_ep_installed: bool, backend: dict[str, 
     backend_module.deep_ep_available = lambda: deep_ep_installed  # type: ignore[assignment]
     backend_module.DeepEPMoECommunication = _StandInDeepEP  # type: ignore[assignment,misc]
     try:
-        provider = Qwen3MoEProvider(
-            Qwen3MoEProvider.Config.model_validate(
+        provider_class = builtin_provider("qwen3_moe")
+        provider = provider_class(
+            provider_class.Config.model_validate(
                 {"architecture": _ENGINE_ARCH, "dtype": "bfloat16", "parallel": {"expert_backend": backend}}
             )
         )

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from d9d.core import DeviceMeshParameters, DistributedContext
-from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification
-from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
+from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification, parallelize_qwen3
+from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM, parallelize_qwen3_moe
 from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
 from d9d.parallel.expert import AllToAllBackendConfig
-from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3, parallelize_qwen3_moe
+from d9d.parallel.plans import ParallelPlanConfig
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_reference import (
     Batch,

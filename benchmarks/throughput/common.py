@@ -22,7 +22,27 @@ MOE = {
     "num_experts": 64,
     "num_experts_per_tok": 8,
 }
-ARCHS = {"dense": DENSE, "moe": MOE}
+# Llama-3.2-1B's shape (16 layers, hidden 2048, 32/8 heads of 64, ffn 8192, vocab 128256, Llama 3.1 RoPE
+# scaling), untied in every row: torchtitan's llama3 cannot tie, and the head's FLOPs are the same either way.
+LLAMA3 = {
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "num_attention_heads": 32,
+    "head_dim": 64,
+    "num_layers": 16,
+    "num_kv_heads": 8,
+    "intermediate_size": 8192,
+}
+LLAMA3_ROPE = {
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+ARCHS = {"dense": DENSE, "moe": MOE, "llama3": LLAMA3}
+# the d9d provider (model family) of each shape
+PROVIDERS = {"dense": "qwen3", "moe": "qwen3_moe", "llama3": "llama3"}
 # A Qwen3 small enough for CPU smoke runs of the engine-driven benchmarks (no numbers are taken from it).
 TINY = {
     "vocab_size": 256,
@@ -41,7 +61,7 @@ SMOKE_ARCHS = {
     "dense": {**TINY, "num_layers": 6},
     "moe": {**TINY, "num_layers": 6, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
 }
-MODEL_NAMES = {"dense": "Qwen3-0.6B", "moe": "Qwen3-MoE (16L, 64e top-8)"}
+MODEL_NAMES = {"dense": "Qwen3-0.6B", "moe": "Qwen3-MoE (16L, 64e top-8)", "llama3": "Llama-3.2-1B (untied)"}
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 spec; the mission measured ~784 for plain matmuls
 LR = 1e-4
 
@@ -80,13 +100,15 @@ def summary(times: list[float], first_step_s: float | None, model: str) -> dict[
     }
 
 
-def random_batch(generator: torch.Generator) -> torch.Tensor:
+def random_batch(generator: torch.Generator, vocab_size: int = COMMON["vocab_size"]) -> torch.Tensor:
     """`(BATCH, SEQ + 1)` uniform random token ids on the GPU: inputs are `[:, :-1]`, targets `[:, 1:]`."""
-    ids = torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ + 1), generator=generator)
+    ids = torch.randint(0, vocab_size, (BATCH, SEQ + 1), generator=generator)
     return ids.cuda()
 
 
-def time_loop(step: Callable[[torch.Tensor], float], warmup: int, steps: int) -> dict[str, Any]:
+def time_loop(
+    step: Callable[[torch.Tensor], float], warmup: int, steps: int, vocab_size: int = COMMON["vocab_size"]
+) -> dict[str, Any]:
     """Runs `step(batch)` (which must end with a host sync, e.g. `loss.item()`) warmup + steps times on fresh
     random batches; returns the median step, MFU inputs and the first step's time (compile warm-up)."""
     generator = torch.Generator().manual_seed(0)
@@ -94,7 +116,7 @@ def time_loop(step: Callable[[torch.Tensor], float], warmup: int, steps: int) ->
     first: float | None = None
     torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
-        batch = random_batch(generator)
+        batch = random_batch(generator, vocab_size)
         torch.cuda.synchronize()
         start = time.perf_counter()
         step(batch)

@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from throughput import profile as gpu_profile
-from throughput.common import ARCHS, BATCH, COMMON, LR, SEQ, summary
+from throughput.common import ARCHS, BATCH, COMMON, LLAMA3_ROPE, LR, PROVIDERS, SEQ, summary
 
 D9dVariant = Literal["compiled", "compiled-kernels", "eager", "eager-legacy"]
 D9dBatch = Literal["random", "collate", "padded", "ones-mask", "packed"]
@@ -49,9 +49,11 @@ class BenchBatches:
         model_config = ConfigDict(frozen=True, extra="forbid")
 
         kind: Literal["random", "ones-mask", "packed"] = "random"
+        vocab_size: int = COMMON["vocab_size"]
 
     def __init__(self, config: Config) -> None:
         self.kind = config.kind
+        self.vocab_size = config.vocab_size
         self.generator = torch.Generator().manual_seed(0)
         self.lengths = random.Random(0)
 
@@ -59,7 +61,7 @@ class BenchBatches:
         self.s = setup
 
     def _tokens(self, *shape: int) -> torch.Tensor:
-        return torch.randint(0, COMMON["vocab_size"], shape, generator=self.generator)
+        return torch.randint(0, self.vocab_size, shape, generator=self.generator)
 
     def _packed_row(self) -> dict[str, torch.Tensor]:
         from d9d.data import CausalLMCollator
@@ -115,7 +117,7 @@ def _text_file(kind: Literal["collate", "padded"], lines: int) -> Path:
     return path
 
 
-def data_section(batch: D9dBatch, total_steps: int) -> dict[str, Any]:
+def data_section(batch: D9dBatch, total_steps: int, vocab_size: int = COMMON["vocab_size"]) -> dict[str, Any]:
     match batch:
         case "collate" | "padded":
             path = _text_file(batch, total_steps * BATCH)
@@ -124,7 +126,15 @@ def data_section(batch: D9dBatch, total_steps: int) -> dict[str, Any]:
                 "options": {"dataset": {"paths": [str(path)], "max_length": SEQ}, "pad_to_multiple_of": 8},
             }
         case "random" | "ones-mask" | "packed":
-            return {"provider": "throughput.d9d_peer:BenchBatches", "options": {"kind": batch}}
+            options = {"kind": batch, "vocab_size": vocab_size}
+            return {"provider": "throughput.d9d_peer:BenchBatches", "options": options}
+
+
+def _rope(model: str) -> dict[str, Any]:
+    if model != "llama3":
+        return {}
+    theta, scaling = LLAMA3_ROPE["rope_theta"], {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    return {"rope_theta": theta, "rope_scaling": {"kind": "llama3", **scaling}}
 
 
 def compile_section(variant: D9dVariant) -> dict[str, Any]:
@@ -153,7 +163,6 @@ def run(
     from d9d.engine.events import StepFinished, StepStarted
     from d9d.engine.trainer import Trainer
 
-    moe = model == "moe"
     profiled = PROFILE_STEPS if profile else 0
     total = warmup + steps + profiled
     config = parse_config(
@@ -165,10 +174,11 @@ def run(
             "checkpointing": {"save_at_end": False},
             "gradient_clipping": {"max_norm": None},
             "model": {
-                "provider": "qwen3_moe" if moe else "qwen3",
+                "provider": PROVIDERS[model],
                 "options": {
                     "architecture": {
                         **ARCHS[model],
+                        **_rope(model),
                         "max_position_embeddings": SEQ,
                         # compiled regions take the Triton kernels instead of letting inductor fuse the
                         # reference ops
@@ -178,7 +188,7 @@ def run(
                     "dtype": "bfloat16",
                 },
             },
-            "data": data_section(batch, total),
+            "data": data_section(batch, total, ARCHS[model]["vocab_size"]),
             "optimizer": {"provider": "adamw", "options": {"lr": LR, "weight_decay": 0.0}},
             **compile_section(variant),
         }

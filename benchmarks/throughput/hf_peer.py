@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from throughput.common import ARCHS, LR, SEQ, summary, time_loop
+from throughput.common import ARCHS, LLAMA3_ROPE, LR, SEQ, summary, time_loop
 
 HfVariant = Literal["plain", "liger", "compile"]
 
@@ -40,18 +40,27 @@ def build_model(model: str) -> Any:
                 num_experts_per_tok=arch["num_experts_per_tok"],
             )
             net = transformers.Qwen3MoeForCausalLM(config)
+        elif model == "llama3":
+            rope = {"rope_type": "llama3", **LLAMA3_ROPE}
+            net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=rope))
         else:
             net = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
     return net.to(dtype=torch.bfloat16).train()
 
 
 def apply_liger(model: str, net: Any) -> None:
-    from liger_kernel.transformers import apply_liger_kernel_to_qwen3, apply_liger_kernel_to_qwen3_moe
+    from liger_kernel.transformers import (
+        apply_liger_kernel_to_llama,
+        apply_liger_kernel_to_qwen3,
+        apply_liger_kernel_to_qwen3_moe,
+    )
 
     kernels = {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True}
     match model:
         case "moe":
             apply_liger_kernel_to_qwen3_moe(model=net, **kernels)
+        case "llama3":
+            apply_liger_kernel_to_llama(model=net, **kernels)
         case _:
             apply_liger_kernel_to_qwen3(model=net, **kernels)
 
@@ -76,5 +85,5 @@ def run(model: str, variant: HfVariant, steps: int, warmup: int) -> dict[str, An
         optimizer.zero_grad(set_to_none=True)
         return float(loss.item())
 
-    timed = time_loop(step, warmup, steps)
+    timed = time_loop(step, warmup, steps, ARCHS[model]["vocab_size"])
     return summary(timed["times"], timed["first_step_s"], model)

@@ -1,6 +1,7 @@
-"""torchtitan 0.2.2 rows: its own Qwen3 / Qwen3-MoE model, parallelized (and, with compile, per-block
-compiled) by its own `parallelize_qwen3`, loss from its own `build_cross_entropy_loss` (compiled with the
-model when compile is on). Only the loop is ours: no torchtitan trainer, config file or download.
+"""torchtitan 0.2.2 rows: its own Qwen3 / Qwen3-MoE / Llama 3 model, parallelized (and, with compile,
+per-block compiled) by its own `parallelize_qwen3` / `parallelize_llama`, loss from its own
+`build_cross_entropy_loss` (compiled with the model when compile is on). Only the loop is ours: no
+torchtitan trainer, config file or download.
 
 torchtitan's defaults that would make the comparison unequal are switched off or matched: activation
 checkpointing (default `selective`) is off like every other row, parameters are bf16 (single GPU, no FSDP
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from throughput.common import ARCHS, BATCH, LR, SEQ, summary, time_loop
+from throughput.common import ARCHS, BATCH, LLAMA3_ROPE, LR, SEQ, summary, time_loop
 
 
 def _stub_unused_imports() -> None:
@@ -74,14 +75,51 @@ def model_args(arch: dict[str, Any], seq_len: int = SEQ) -> Any:
     )
 
 
+def llama3_model_args(arch: dict[str, Any], seq_len: int = SEQ) -> Any:
+    """torchtitan's llama3 `TransformerModelArgs` for the Llama-3.2-1B shape: head_dim = dim / n_heads, and
+    its SwiGLU width int(2 · 4·dim / 3) × 1.5 rounded up to 256 = 8192 = `intermediate_size`."""
+    _stub_unused_imports()
+    from torchtitan.models.llama3 import TransformerModelArgs
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+    assert arch["hidden_size"] // arch["num_attention_heads"] == arch["head_dim"]
+    args = TransformerModelArgs(
+        dim=arch["hidden_size"],
+        n_layers=arch["num_layers"],
+        n_heads=arch["num_attention_heads"],
+        n_kv_heads=arch["num_kv_heads"],
+        vocab_size=arch["vocab_size"],
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        rope_theta=LLAMA3_ROPE["rope_theta"],
+        rope_scaling_args=RoPEScalingArgs(
+            scaling_factor=LLAMA3_ROPE["factor"],
+            low_freq_factor=LLAMA3_ROPE["low_freq_factor"],
+            high_freq_factor=LLAMA3_ROPE["high_freq_factor"],
+            original_max_position_embeddings=LLAMA3_ROPE["original_max_position_embeddings"],
+        ),
+        max_seq_len=seq_len,
+    )
+    hidden = int(args.ffn_dim_multiplier * int(2 * 4 * args.dim / 3))
+    assert args.multiple_of * -(-hidden // args.multiple_of) == arch["intermediate_size"]
+    return args
+
+
 def build_model(model: str, compiled: bool, device: torch.device | None = None) -> tuple[Any, Any]:
     _stub_unused_imports()
     from torchtitan.components.loss import build_cross_entropy_loss
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
 
-    args = model_args(ARCHS[model])
+    if model == "llama3":
+        from torchtitan.models.llama3 import Transformer as Qwen3Model
+        from torchtitan.models.llama3 import parallelize_llama as parallelize_qwen3
+
+        args = llama3_model_args(ARCHS[model])
+    else:
+        from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
+
+        args = model_args(ARCHS[model])
     job = JobConfig()
     job.training.seq_len = SEQ
     job.activation_checkpoint.mode = "none"
@@ -113,5 +151,5 @@ def run(model: str, compiled: bool, steps: int, warmup: int) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return float(loss.item())
 
-    timed = time_loop(step, warmup, steps)
+    timed = time_loop(step, warmup, steps, ARCHS[model]["vocab_size"])
     return summary(timed["times"], timed["first_step_s"], model)

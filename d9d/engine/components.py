@@ -6,19 +6,23 @@ are that provider's typed `Config`, validated with the rest of the config; any o
 protocol by `d9d.engine.registry.validate_components`. One `build_*` per kind turns a section into its
 provider with an exhaustive `match`.
 
-The `model` union with the `peft` wrapper lives in `d9d.engine.registry` (the wrapper's options hold a
-model section themselves).
+The `model` section's members come from the model-family registry (`d9d.models.families()`, one member per
+family, built in `d9d.engine.builtin.models`); the union with the `peft` wrapper lives in
+`d9d.engine.registry` (the wrapper's options hold a model section themselves).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 
 from d9d.engine.builtin.causal_lm import CausalLMTask, PerplexityTask
-from d9d.engine.builtin.models import Qwen3MoEProvider, Qwen3Provider
+from d9d.engine.builtin.models import MODEL_BUILTINS as MODEL_BUILTINS
+from d9d.engine.builtin.models import BaseModelComponent as BaseModelComponent
+from d9d.engine.builtin.models import BuiltinModel as BuiltinModel
+from d9d.engine.builtin.models import ModelPlugin as ModelPlugin
+from d9d.engine.builtin.models import build_base_model as build_base_model
 from d9d.engine.builtin.optimizers import (
     AdamWProvider,
     PiecewiseLRProvider,
@@ -26,86 +30,18 @@ from d9d.engine.builtin.optimizers import (
     StochasticAdamWProvider,
 )
 from d9d.engine.builtin.text_data import TextDataProvider
-from d9d.engine.errors import UNION_TAG_PREFIX
+from d9d.engine.plugins import PLUGIN_TAG as PLUGIN_TAG
+from d9d.engine.plugins import BuiltinComponent as BuiltinComponent
 from d9d.engine.plugins import PluginSpec
+from d9d.engine.plugins import provider_tag as provider_tag
+from d9d.engine.plugins import tag as tag
 from d9d.engine.providers import (
     DataProvider,
     InferenceTask,
     LRSchedulerProvider,
-    ModelProvider,
     OptimizerProvider,
     TrainTask,
 )
-
-
-class BuiltinComponent(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    provider: str  # a Literal name in each built-in
-
-
-PLUGIN_TAG = f"{UNION_TAG_PREFIX}plugin"
-
-
-def tag(name: str) -> Tag:
-    return Tag(f"{UNION_TAG_PREFIX}{name}")
-
-
-def provider_tag(builtins: tuple[str, ...]) -> Callable[[Any], str]:
-    """The union member for a raw section or a built component: its built-in name, else the plug-in."""
-
-    def pick(value: Any) -> str:
-        if isinstance(value, dict):
-            name = value.get("provider")
-        elif isinstance(value, BuiltinComponent | PluginSpec):
-            name = value.provider
-        else:
-            name = None
-        return f"{UNION_TAG_PREFIX}{name}" if name in builtins else PLUGIN_TAG
-
-    return pick
-
-
-# -- model (without the peft wrapper) ------------------------------------------------------------------
-
-MODEL_BUILTINS = ("qwen3", "qwen3_moe", "peft")
-
-
-class Qwen3Model(BuiltinComponent):
-    provider: Literal["qwen3"]
-    options: Qwen3Provider.Config
-
-
-class Qwen3MoEModel(BuiltinComponent):
-    provider: Literal["qwen3_moe"]
-    options: Qwen3MoEProvider.Config
-
-
-class ModelPlugin(PluginSpec):
-    kind: ClassVar[str] = "model"
-    protocol: ClassVar[type] = ModelProvider
-    builtins: ClassVar[tuple[str, ...]] = MODEL_BUILTINS
-
-
-BaseModelComponent = Annotated[
-    Annotated[Qwen3Model, tag("qwen3")]
-    | Annotated[Qwen3MoEModel, tag("qwen3_moe")]
-    | Annotated[ModelPlugin, Tag(PLUGIN_TAG)],
-    Discriminator(provider_tag(("qwen3", "qwen3_moe"))),
-]
-
-
-def build_base_model(component: Qwen3Model | Qwen3MoEModel | ModelPlugin, field: str) -> ModelProvider:
-    match component:
-        case Qwen3Model():
-            return Qwen3Provider(component.options)
-        case Qwen3MoEModel():
-            return Qwen3MoEProvider(component.options)
-        case ModelPlugin():
-            provider = component.instantiate(field)
-            assert isinstance(provider, ModelProvider)  # checked against the protocol at config time
-            return provider
-
 
 # -- data ----------------------------------------------------------------------------------------------
 

@@ -24,12 +24,11 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from d9d.engine.builtin.models import Qwen3MoEProvider, Qwen3Provider
+from d9d.engine.builtin.models import family_provider
 from d9d.engine.components import BuiltinComponent
 from d9d.engine.config import TrainConfig
 from d9d.engine.plugins import PluginSpec
-from d9d.models.qwen3 import Qwen3Config
-from d9d.models.qwen3_moe import Qwen3MoEConfig
+from d9d.models.family import families
 
 BEGIN = "<!-- config-reference:begin -->"
 END = "<!-- config-reference:end -->"
@@ -39,10 +38,10 @@ Root = tuple[str, type[BaseModel]]
 
 ENGINE_ROOTS: tuple[Root, ...] = (("", TrainConfig),)
 
-# Fields typed as a free mapping whose keys are nevertheless a model's fields (validated by the provider).
+# Fields typed as a free mapping whose keys are nevertheless a model's fields (validated by the provider):
+# each model family's `architecture`.
 _MAPPING_SCHEMAS: dict[tuple[type[BaseModel], str], type[BaseModel]] = {
-    (Qwen3Provider.Config, "architecture"): Qwen3Config,
-    (Qwen3MoEProvider.Config, "architecture"): Qwen3MoEConfig,
+    (family_provider(f).Config, "architecture"): f.config_class for f in families()
 }
 
 

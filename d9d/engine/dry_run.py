@@ -5,18 +5,20 @@ arithmetic the ranks use (`d9d.core.domains`); parameters are counted on model s
 device by the job's own model provider (so PEFT injection and freezing are included); memory per rank is an
 estimate from those meta parameters, their dtypes and the mesh:
 
-- parameters: expert weights (`GroupedExperts`) split over `expert_parallel`; for the catalogue's causal LMs
-  (the plans of `d9d.parallel.plans`) dense matrices split over `tensor_parallel`; everything but experts
-  split over FSDP's `data_parallel_shard × context_parallel_shard`. Other models: FSDP sharding only.
+- parameters: expert weights (`GroupedExperts`) split over `expert_parallel`; for a model family's causal LM
+  (a built-in provider, or a plug-in with the `ModelArchitecture` trait) the parameters its plan splits over
+  `tensor_parallel` (`ModelFamily.footprint`); everything but experts split over FSDP's
+  `data_parallel_shard × context_parallel_shard`. Other models: FSDP sharding only.
 - gradients: trainable parameters, sharded alike, in `gradient_manager.grad_dtype` (default: theirs).
 - optimizer state: AdamW two moments in the parameter dtype, stochastic AdamW two in its `state_dtype`,
   SGD one momentum buffer when `momentum > 0`; a plug-in optimizer is not estimated.
-- activations, for the catalogue's causal LMs with a known sequence length only: per decoder layer and
-  token about `8 × hidden + 3 × ffn` values kept for backward (norm, attention and MLP inputs and outputs;
-  `ffn` is `intermediate_size`, or `num_experts_per_tok × moe_intermediate_size` in MoE layers) in the
-  parameter dtype, split over `tensor_parallel × context_parallel`, times the microbatches a pipeline rank
-  holds at once (1 without pipelining, `pp − pp_rank` under 1F1B-style schedules, all under GPipe), plus
-  one loss chunk of fp32 logits (`loss_chunk_size × vocab`). Attention scores are not stored (SDPA).
+- activations, for a model family's causal LM with a known sequence length only: the values per token its
+  layers keep for backward (the family's footprint; for the catalogue's decoders about `8 × hidden +
+  3 × ffn` per layer: norm, attention and MLP inputs and outputs, `ffn` being `intermediate_size`, or
+  `num_experts_per_tok × moe_intermediate_size` in MoE layers) in the parameter dtype, split over
+  `tensor_parallel × context_parallel`, times the microbatches a pipeline rank holds at once (1 without
+  pipelining, `pp − pp_rank` under 1F1B-style schedules, all under GPipe), plus one loss chunk of fp32 logits
+  (`loss_chunk_size × vocab`). Attention scores are not stored (SDPA).
   Temporary buffers, allocator fragmentation and communication buffers come on top.
 """
 
@@ -31,15 +33,13 @@ from torch import nn
 
 from d9d.core.domains import MeshDomain, compute_layout
 from d9d.core.mesh_params import DeviceMeshParameters
-from d9d.engine.builtin.models import CausalLMProvider
 from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.components import SGD, AdamW, StochasticAdamW, TextData
 from d9d.engine.config import TrainConfig
-from d9d.engine.providers import ModelProvider
+from d9d.engine.providers import ModelArchitecture, ModelProvider
 from d9d.engine.registry import build_model
-from d9d.models.qwen3 import Qwen3Config, Qwen3StageModel
-from d9d.models.qwen3_moe import Qwen3MoEConfig
-from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter
+from d9d.models.family import StageFootprint
+from d9d.modules.moe import GroupedExperts
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.schedule.config import GPipeSchedule
 
@@ -116,28 +116,20 @@ def count_parameters(provider: ModelProvider) -> ParameterCount:
     return ParameterCount(total, trainable, size)
 
 
-def _architecture(provider: ModelProvider) -> Qwen3Config | None:
-    match provider:
-        case CausalLMProvider():
-            return provider.model_config
-        case PeftModelProvider():
-            return provider.hf_config
-        case _:
-            return None
+def _architecture(provider: ModelProvider) -> ModelArchitecture | None:
+    """The model family and config of the provider (under PEFT: of its base), None for other plug-ins."""
+    base = provider.base if isinstance(provider, PeftModelProvider) else provider
+    return base if isinstance(base, ModelArchitecture) else None
+
+
+def _footprint(architecture: ModelArchitecture | None, module: nn.Module) -> StageFootprint | None:
+    if architecture is None:
+        return None
+    return architecture.family.footprint(architecture.model_config, module)
 
 
 def _expert_parameters(module: nn.Module) -> set[nn.Parameter]:
     return {p for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-
-
-def _tensor_parallel_parameters(module: nn.Module) -> set[nn.Parameter]:
-    """What the catalogue's TP plan splits: every matrix but the experts' and the routers'."""
-    if not isinstance(module, Qwen3StageModel):
-        return set()
-    kept = _expert_parameters(module) | {
-        p for m in module.modules() if isinstance(m, TopKRouter) for p in m.parameters()
-    }
-    return {p for p in module.parameters() if p.dim() >= 2 and p not in kept}
 
 
 def _stage_infos(config: TrainConfig, mesh: DeviceMeshParameters, pp_rank: int) -> list[PipelineStageInfo]:
@@ -189,11 +181,11 @@ def _activation_bytes(
     config: TrainConfig,
     mesh: DeviceMeshParameters,
     modules: list[nn.Module],
-    architecture: Qwen3Config | None,
+    footprints: list[StageFootprint | None],
     in_flight: int,
 ) -> tuple[int | None, str]:
     seq = _sequence_length(config)
-    if architecture is None or not all(isinstance(m, Qwen3StageModel) for m in modules):
+    if not footprints or any(f is None for f in footprints):
         return None, "activations: not estimated (a model outside the catalogue)"
     if seq is None:
         return None, "activations: not estimated (no sequence length: data.options.dataset.max_length)"
@@ -201,17 +193,12 @@ def _activation_bytes(
     dtype_bytes = next(p for m in modules for p in m.parameters()).element_size()
     values = 0
     logits = 0
-    for module in modules:
-        assert isinstance(module, Qwen3StageModel)
-        for layer in module.model.decoder_layers().values():
-            h = architecture.hidden_size
-            if isinstance(layer.mlp, MoELayer) and isinstance(architecture, Qwen3MoEConfig):
-                ffn = architecture.num_experts_per_tok * architecture.moe_intermediate_size
-            else:
-                ffn = architecture.intermediate_size
-            values += 8 * h + 3 * ffn
-        if module.stage.is_last:
-            logits = min(architecture.loss_chunk_size, tokens) * architecture.vocab_size * 4
+    for footprint in footprints:
+        assert footprint is not None
+        values += footprint.activation_values_per_token
+        if footprint.loss_chunk is not None:
+            chunk, vocab = footprint.loss_chunk
+            logits = min(chunk, tokens) * vocab * 4
     split = mesh.tensor_parallel * mesh.context_parallel
     per_microbatch = tokens * values * dtype_bytes // split
     note = (
@@ -231,13 +218,14 @@ def estimate_memory(
     with torch.device("meta"):
         modules = [provider.build_stage(info) for info in _stage_infos(config, mesh, pp_rank)]
     architecture = _architecture(provider)
+    footprints = [_footprint(architecture, module) for module in modules]
     fsdp = mesh.data_parallel_shard * mesh.context_parallel_shard
     params = grads = 0
     trainable: list[tuple[nn.Parameter, int]] = []
     notes: list[str] = []
-    for module in modules:
+    for module, footprint in zip(modules, footprints, strict=True):
         experts = _expert_parameters(module)
-        tensor_parallel = _tensor_parallel_parameters(module)
+        tensor_parallel = footprint.tensor_parallel if footprint is not None else frozenset()
         for _, p in _unique_parameters(module):
             if p in experts:
                 n = _local(p.numel(), mesh.expert_parallel)
@@ -247,13 +235,13 @@ def estimate_memory(
             if p.requires_grad:
                 grads += n * torch.empty((), dtype=_grad_dtype(config, p)).element_size()
                 trainable.append((p, n))
-    if not isinstance(modules[0], Qwen3StageModel) and mesh.tensor_parallel > 1:
+    if footprints[0] is None and mesh.tensor_parallel > 1:
         notes.append("parameters: tensor-parallel sharding of a model outside the catalogue is not modelled")
     optimizer = _optimizer_bytes(config, trainable)
     if optimizer is None:
         notes.append(f"optimizer: not estimated (plug-in {config.optimizer.provider})")
     in_flight = _in_flight(config, mesh, pp_rank, accumulation)
-    activations, note = _activation_bytes(config, mesh, modules, architecture, in_flight)
+    activations, note = _activation_bytes(config, mesh, modules, footprints, in_flight)
     notes.append(note)
     ranks = tuple(r.rank for r in rank_layout(mesh) if r.coordinates["pp"] == pp_rank)
     return MemoryEstimate(ranks, pp_rank, params, grads, optimizer, activations, tuple(notes))

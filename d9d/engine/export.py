@@ -365,8 +365,8 @@ def export_checkpoint(
 def _vocab_size(provider: ModelProvider) -> int:
     base = provider.base if isinstance(provider, PeftModelProvider) else provider
     if not isinstance(base, CausalLMProvider):
-        raise ValueError("a logit probe needs a causal LM of the qwen3 / qwen3_moe providers")
-    return base.model_config.vocab_size
+        raise ValueError("a logit probe needs a causal LM of a built-in model family's provider")
+    return int(base.model_config.vocab_size)
 
 
 def _export(

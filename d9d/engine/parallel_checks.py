@@ -8,22 +8,22 @@ from __future__ import annotations
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.engine.builtin.models import CausalLMProvider
 from d9d.engine.components import (
+    BuiltinModel,
     CausalLMTaskComponent,
     ModelPlugin,
     PerplexityTaskComponent,
-    Qwen3Model,
-    Qwen3MoEModel,
     TextData,
 )
 from d9d.engine.registry import PeftModel
+from d9d.models.family import families
 from d9d.pipeline.api import PipelineStageInfo, balance_layers
 
 _CP_KEYS = "mesh.context_parallel_shard × mesh.context_parallel_replicate"
 
-ModelChoice = Qwen3Model | Qwen3MoEModel | PeftModel | ModelPlugin
+ModelChoice = BuiltinModel | PeftModel | ModelPlugin
 
 
-def _base(model: ModelChoice) -> tuple[Qwen3Model | Qwen3MoEModel | ModelPlugin, str]:
+def _base(model: ModelChoice) -> tuple[BuiltinModel | ModelPlugin, str]:
     """The model component that builds the network (PEFT wraps one), and its key."""
     if isinstance(model, PeftModel):
         return model.options.base, "model.options.base"
@@ -31,9 +31,9 @@ def _base(model: ModelChoice) -> tuple[Qwen3Model | Qwen3MoEModel | ModelPlugin,
 
 
 def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stages_per_rank: int) -> None:
-    """The built-in causal LMs must split into `pipeline_parallel × stages_per_rank` stages of at least one
-    layer each, and cannot share tied embeddings across stages (the embedding is on the first, the head on
-    the last)."""
+    """The built-in families' causal LMs must split into `pipeline_parallel × stages_per_rank` stages of at
+    least one layer each, and cannot share tied embeddings across stages (the embedding is on the first, the
+    head on the last)."""
     pp = mesh.pipeline_parallel
     if pp == 1:
         return
@@ -62,10 +62,10 @@ def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stag
 def check_context_parallel(
     mesh: DeviceMeshParameters, model: ModelChoice, data: object, task: object
 ) -> None:
-    """Context parallelism (`cp` > 1) needs a model whose plan installs context-parallel attention (the
-    built-in Qwen3 / Qwen3-MoE, also under PEFT) with a kernel that takes arbitrary masks, a per-token task
-    (causal LM / perplexity: the batch is split along the sequence), and sequences that split into 2·cp
-    chunks."""
+    """Context parallelism (`cp` > 1) needs a model whose plan installs context-parallel attention (a
+    built-in family whose spec says so, also under PEFT) with a kernel that takes arbitrary masks, a
+    per-token task (causal LM / perplexity: the batch is split along the sequence), and sequences that split
+    into 2·cp chunks."""
     cp = mesh.context_parallel
     if cp == 1:
         return
@@ -73,11 +73,17 @@ def check_context_parallel(
     base, field = (
         (model.options.base, "model.options.base") if isinstance(model, PeftModel) else (model, "model")
     )
+    capable = [f"'{f.name}'" for f in families() if f.context_parallel]
     if isinstance(base, ModelPlugin):
         raise ValueError(
             f"{where}: {field}.provider {base.provider!r} is a plug-in; context parallelism needs a "
-            "model whose parallel plan installs context-parallel attention (the built-in 'qwen3' or "
-            "'qwen3_moe')"
+            "model whose parallel plan installs context-parallel attention (the built-in "
+            f"{', '.join(capable[:-1])} or {capable[-1]})"
+        )
+    if not base.options.family.context_parallel:
+        raise ValueError(
+            f"{where}: {field}.provider {base.provider!r}: the family's parallel plan does not install "
+            f"context-parallel attention (families that do: {', '.join(capable)})"
         )
     backend = (base.options.architecture or {}).get("attention_backend", "auto")
     if backend == "flash_attn":

@@ -9,11 +9,12 @@ group or actor exists, not at the first call.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Tag, ValidationError
 
-from d9d.engine.errors import ConfigError, format_validation_error
+from d9d.engine.errors import UNION_TAG_PREFIX, ConfigError, format_validation_error
 
 
 def protocol_methods(protocol: type) -> list[str]:
@@ -88,3 +89,34 @@ class PluginSpec(BaseModel):
         cls = self.provider_class(field)
         provider: object = cls(self.validated_options(cls, field))
         return provider
+
+
+# -- the union of built-in components and plug-ins a provider section is -------------------------------
+
+
+class BuiltinComponent(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    provider: str  # a Literal name in each built-in
+
+
+PLUGIN_TAG = f"{UNION_TAG_PREFIX}plugin"
+
+
+def tag(name: str) -> Tag:
+    return Tag(f"{UNION_TAG_PREFIX}{name}")
+
+
+def provider_tag(builtins: tuple[str, ...]) -> Callable[[Any], str]:
+    """The union member for a raw section or a built component: its built-in name, else the plug-in."""
+
+    def pick(value: Any) -> str:
+        if isinstance(value, dict):
+            name = value.get("provider")
+        elif isinstance(value, BuiltinComponent | PluginSpec):
+            name = value.provider
+        else:
+            name = None
+        return f"{UNION_TAG_PREFIX}{name}" if name in builtins else PLUGIN_TAG
+
+    return pick

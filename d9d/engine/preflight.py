@@ -12,21 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.data.sources.config import HFDatasetConfig, TextDatasetConfig, check_dataset
 from d9d.data.tokenizers.config import build_tokenizer
-from d9d.engine.builtin.models import CausalLMProvider, Qwen3MoEProvider, Qwen3Provider
-from d9d.engine.components import DataPlugin, ModelPlugin, Qwen3Model, Qwen3MoEModel, TextData
+from d9d.engine.builtin.models import CausalLMProvider
+from d9d.engine.components import BuiltinModel, DataPlugin, ModelPlugin, TextData
 from d9d.engine.config import TrainConfig
 from d9d.engine.errors import ConfigError
-from d9d.engine.registry import PeftModel
+from d9d.engine.providers import ModelArchitecture
+from d9d.engine.registry import PeftModel, build_model
+from d9d.models.family import family_of
 from d9d.models.hf.io import build_causal_lm
-from d9d.models.hf.mapping import detect_expert_layout, has_expert_bias, hf_to_d9d_mapper
-from d9d.models.qwen3.config import Qwen3Config
-from d9d.models.qwen3_moe.config import Qwen3MoEConfig
+from d9d.models.hf.mapping import hf_to_d9d_mapper_for
 from d9d.state import read_header, resolve_checkpoint
 from d9d.state.mapper.base import apply_group
 
@@ -46,11 +47,12 @@ def check_vocabulary(config: TrainConfig) -> None:
         return
     field, provider = models[0]
     vocab = provider.model_config.vocab_size
-    where = (
-        f"{field}.options.architecture.vocab_size"
-        if provider.options.architecture and "vocab_size" in provider.options.architecture
-        else f"the vocab_size of {field}.options.source_checkpoint"
-    )
+    if not isinstance(provider, CausalLMProvider):
+        where = f"the vocab_size of {field}'s model"
+    elif provider.options.architecture and "vocab_size" in provider.options.architecture:
+        where = f"{field}.options.architecture.vocab_size"
+    else:
+        where = f"the vocab_size of {field}.options.source_checkpoint"
     sections = [("data", config.data)] + (
         [("eval.data", config.eval.data)] if config.eval is not None else []
     )
@@ -117,44 +119,44 @@ def _check_readable(path: Path, field: str) -> None:
 def check_model(config: TrainConfig) -> None:
     for field, provider in _causal_lms(config):
         check_model_mesh(provider.model_config, config.mesh, field)
-        source = provider.options.source_checkpoint
+        source = provider.options.source_checkpoint if isinstance(provider, CausalLMProvider) else None
         if source is not None:
             check_source_checkpoint(provider.model_config, source, f"{field}.options.source_checkpoint")
 
 
-def _causal_lms(config: TrainConfig) -> Iterator[tuple[str, CausalLMProvider]]:
+def _causal_lms(config: TrainConfig) -> Iterator[tuple[str, ModelArchitecture]]:
+    """The model of a registered family the job trains (a built-in provider, or a plug-in with the
+    `ModelArchitecture` trait), with its key; nothing for other plug-ins, which check their own."""
     model = config.model
     field = "model"
     if isinstance(model, PeftModel):
         model, field = model.options.base, "model.options.base"
     try:
         match model:
-            case Qwen3Model():
-                yield field, Qwen3Provider(model.options)
-            case Qwen3MoEModel():
-                yield field, Qwen3MoEProvider(model.options)
+            case BuiltinModel():
+                provider = build_model(model, field)
+                assert isinstance(provider, ModelArchitecture)
+                yield field, provider
             case ModelPlugin():
-                pass
+                plugin = build_model(model, field)
+                if isinstance(plugin, ModelArchitecture):
+                    yield field, plugin
+    except ConfigError:
+        raise
     except (OSError, ValueError) as e:  # the source checkpoint's config.json
         raise ConfigError(f"{field}.options: {e}") from e
 
 
-def check_model_mesh(model: Qwen3Config, mesh: DeviceMeshParameters, field: str) -> None:
-    """The sizes tensor, expert and pipeline parallelism split must divide evenly."""
+def check_model_mesh(model: Any, mesh: DeviceMeshParameters, field: str) -> None:
+    """The sizes tensor, expert and pipeline parallelism split must divide evenly (the family names them:
+    `ModelFamily.mesh_splits`)."""
     arch = f"{field}.options.architecture"
-    tp, ep, pp = mesh.tensor_parallel, mesh.expert_parallel, mesh.pipeline_parallel
+    pp = mesh.pipeline_parallel
     problems = []
-    if tp > 1:
-        sizes = [("num_attention_heads", model.num_attention_heads), ("num_kv_heads", model.num_kv_heads)]
-        if not isinstance(model, Qwen3MoEConfig):  # an MoE model's dense MLPs may be none at all
-            sizes.append(("intermediate_size", model.intermediate_size))
-        for name, size in sizes:
-            if size % tp:
-                problems.append(f"{arch}.{name}={size} is not divisible by mesh.tensor_parallel={tp}")
-    if isinstance(model, Qwen3MoEConfig) and model.num_experts % ep:
-        problems.append(
-            f"{arch}.num_experts={model.num_experts} is not divisible by mesh.expert_parallel={ep}"
-        )
+    for split in family_of(model).mesh_splits(model):
+        parts = getattr(mesh, split.dim)
+        if parts > 1 and split.size % parts:
+            problems.append(f"{arch}.{split.field}={split.size} is not divisible by mesh.{split.dim}={parts}")
     if model.num_layers < pp:
         problems.append(
             f"{arch}.num_layers={model.num_layers} is fewer than mesh.pipeline_parallel={pp} stages"
@@ -163,7 +165,7 @@ def check_model_mesh(model: Qwen3Config, mesh: DeviceMeshParameters, field: str)
         raise ConfigError("; ".join(problems))
 
 
-def check_source_checkpoint(model: Qwen3Config, source: Path, field: str) -> None:
+def check_source_checkpoint(model: Any, source: Path, field: str) -> None:
     """Every tensor the model loads is in the checkpoint, in a file that exists, with the shape the model
     expects: the checkpoint's headers (no tensor data) are mapped to model keys on the meta device and
     compared with the whole model built on meta."""
@@ -179,12 +181,7 @@ def check_source_checkpoint(model: Qwen3Config, source: Path, field: str) -> Non
             raise ConfigError(f"{field}: {layout} lists {key!r} in {path.name}, which does not hold it")
         entries[key] = entry
     keys = set(entries)
-    mapper = hf_to_d9d_mapper(
-        model,
-        expert_layout=detect_expert_layout(keys),
-        checkpoint_has_lm_head="lm_head.weight" in keys,
-        checkpoint_has_expert_bias=has_expert_bias(keys),
-    )
+    mapper = hf_to_d9d_mapper_for(model, keys)
     missing = sorted(mapper.inputs() - keys)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

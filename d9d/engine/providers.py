@@ -20,6 +20,7 @@ from torch import nn
 from d9d.core.context import DistributedContext
 from d9d.core.types import PyTree
 from d9d.engine.events import EventBus
+from d9d.models.family import ModelFamily
 from d9d.pipeline.api import PipelineStageInfo
 
 
@@ -74,6 +75,18 @@ class ModelFlops(Protocol):
         """Forward plus backward FLOPs per trained token at sequence length `seq_len` (for a transformer:
         6 × active matmul parameters, plus the attention scores)."""
         ...
+
+
+@runtime_checkable
+class ModelArchitecture(Protocol):
+    """Optional trait of a model provider: its model is a registered family's (`d9d.models.family`), with
+    this config. The built-in providers have it; a plug-in gets it by being (or wrapping) a family's provider
+    (`d9d.engine.builtin.models.family_provider`). With it the dry run estimates memory with the family's
+    footprint (tensor-parallel sharding, activations) and preflight checks the mesh against the family's
+    splits, as for a built-in model."""
+
+    family: ModelFamily[Any]
+    model_config: Any
 
 
 @runtime_checkable

@@ -8,20 +8,19 @@ path (`model.options.hidden_size: ...`) before any process group or actor exists
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 from pydantic import Discriminator, Tag
 
-from d9d.engine.builtin.models import CausalLMProvider
+from d9d.engine.builtin.models import CausalLMProvider, model_members
 from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.components import (
     PLUGIN_TAG,
     BuiltinComponent,
+    BuiltinModel,
     LRSchedulerPlugin,
     ModelPlugin,
     PiecewiseLR,
-    Qwen3Model,
-    Qwen3MoEModel,
     build_base_model,
     build_lr_scheduler,
     provider_tag,
@@ -41,22 +40,26 @@ class PeftModel(BuiltinComponent):
     options: PeftModelProvider.Config
 
 
-ModelComponent = Annotated[
-    Annotated[Qwen3Model, tag("qwen3")]
-    | Annotated[Qwen3MoEModel, tag("qwen3_moe")]
-    | Annotated[PeftModel, tag("peft")]
-    | Annotated[ModelPlugin, Tag(PLUGIN_TAG)],
-    Discriminator(provider_tag(ModelPlugin.builtins)),
-]
+if TYPE_CHECKING:
+    ModelComponent = BuiltinModel | PeftModel | ModelPlugin
+else:  # one member per registered model family (`d9d.models.families()`), then the wrapper and plug-ins
+    ModelComponent = Annotated[
+        Union[
+            (
+                *model_members(),
+                Annotated[PeftModel, tag("peft")],
+                Annotated[ModelPlugin, Tag(PLUGIN_TAG)],
+            )
+        ],
+        Discriminator(provider_tag(ModelPlugin.builtins)),
+    ]
 
 
-def build_model(
-    component: Qwen3Model | Qwen3MoEModel | PeftModel | ModelPlugin, field: str = "model"
-) -> ModelProvider:
+def build_model(component: BuiltinModel | PeftModel | ModelPlugin, field: str = "model") -> ModelProvider:
     match component:
         case PeftModel():
             return PeftModelProvider(component.options)
-        case Qwen3Model() | Qwen3MoEModel() | ModelPlugin():
+        case BuiltinModel() | ModelPlugin():
             return build_base_model(component, field)
 
 

@@ -1,5 +1,15 @@
-"""The model catalogue: Qwen3 and Qwen3-MoE built from d9d blocks, with Hugging Face interop."""
+"""The model catalogue: families of decoder LMs built from d9d blocks, each in its own folder with its Hugging
+Face format, parallel plan and cost model (`d9d.models.family`), registered by `d9d.models.catalogue`."""
 
+from d9d.models.catalogue import BUILTIN_FAMILIES
+from d9d.models.family import (
+    ModelFamily,
+    families,
+    family_for_model_type,
+    family_of,
+    get_family,
+    register_family,
+)
 from d9d.models.hf import from_pretrained, save_pretrained
 from d9d.models.qwen3 import (
     Qwen3Config,
@@ -7,7 +17,6 @@ from d9d.models.qwen3 import (
     Qwen3ForEmbedding,
     Qwen3ForSequenceClassification,
     Qwen3Model,
-    Qwen3StageModel,
 )
 from d9d.models.qwen3_moe import (
     Qwen3MoEConfig,
@@ -18,6 +27,8 @@ from d9d.models.qwen3_moe import (
 )
 
 __all__ = [
+    "BUILTIN_FAMILIES",
+    "ModelFamily",
     "Qwen3Config",
     "Qwen3ForCausalLM",
     "Qwen3ForEmbedding",
@@ -28,7 +39,11 @@ __all__ = [
     "Qwen3MoEForSequenceClassification",
     "Qwen3MoEModel",
     "Qwen3Model",
-    "Qwen3StageModel",
+    "families",
+    "family_for_model_type",
+    "family_of",
     "from_pretrained",
+    "get_family",
+    "register_family",
     "save_pretrained",
 ]

@@ -2,7 +2,7 @@
 
 Strategies (apply in this order): `parallelize_expert_parallel` (d9d.parallel.expert), tensor parallelism
 (d9d.parallel.tensor), then `parallelize_fsdp` / `parallelize_hsdp` / `parallelize_replicate`; or the
-whole recipe for a model family, `parallelize_qwen3` (d9d.parallel.plans). Then
+whole recipe of a model family (`d9d.models.<family>`, e.g. `parallelize_qwen3`). Then
 `build_gradient_synchronizer` and, each step, `wait(loss_weight)` and `clip_grad_norm_`.
 """
 

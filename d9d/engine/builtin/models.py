@@ -1,39 +1,55 @@
-"""Built-in model providers: Qwen3 and Qwen3-MoE causal LMs from the d9d catalogue.
+"""Built-in model providers: one causal-LM provider per registered model family (`d9d.models.families()`),
+and the `model` section's members that select them.
 
 Weights come from a random init or a Hugging Face checkpoint (`source_checkpoint`), streamed through the
-HF→d9d state mapper directly into the (possibly sharded) stage; `export` writes Hugging Face format back.
+family's HF→d9d state mapper directly into the (possibly sharded) stage; `export` writes Hugging Face format
+back. Everything architecture-specific comes from the family spec; nothing here names a family.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, cast
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.engine.errors import prefixed
 from d9d.engine.events import EventBus, OptimizerStepFinished, StepSkipped
+from d9d.engine.plugins import PLUGIN_TAG, BuiltinComponent, PluginSpec, provider_tag, tag
+from d9d.engine.providers import ModelProvider
+from d9d.models.family import ModelFamily, families, family_of
 from d9d.models.hf.config import config_from_hf, config_to_hf
-from d9d.models.hf.io import build_causal_lm, side_files
-from d9d.models.hf.mapping import d9d_to_hf_mapper, detect_expert_layout, has_expert_bias, hf_to_d9d_mapper
-from d9d.models.qwen3 import Qwen3Config, Qwen3StageModel
-from d9d.models.qwen3_moe import Qwen3MoEConfig
+from d9d.models.hf.io import side_files
+from d9d.models.hf.mapping import d9d_to_hf_mapper, hf_to_d9d_mapper_for
 from d9d.modules.base import ModuleLateInit
 from d9d.modules.moe import MoELayer, MoEMetrics, TopKRouter
-from d9d.parallel.plans import ParallelPlanConfig, parallelize_qwen3
+from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import load_model_state, read_header, resolve_checkpoint, save_model_state
 
 
-class _CausalLMOptions(BaseModel):
+class CausalLMOptions(BaseModel):
+    """`model.options` of a built-in family's provider (`family` is the family it selects)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
-    architecture_class: ClassVar[type[Qwen3Config]] = Qwen3Config
+    family: ClassVar[ModelFamily[Any]]
 
     # Architecture (d9d config fields), or None to take it from `source_checkpoint`'s config.json.
     architecture: dict[str, Any] | None = None
@@ -44,7 +60,7 @@ class _CausalLMOptions(BaseModel):
     parallel: ParallelPlanConfig = Field(default_factory=ParallelPlanConfig)
 
     @model_validator(mode="after")
-    def _need_one(self) -> _CausalLMOptions:
+    def _need_one(self) -> CausalLMOptions:
         if self.architecture is None and self.source_checkpoint is None:
             raise ValueError(
                 "give `architecture` (random init) or `source_checkpoint` (a Hugging Face directory)"
@@ -53,29 +69,35 @@ class _CausalLMOptions(BaseModel):
             raise ValueError(f"source_checkpoint {self.source_checkpoint} has no config.json")
         if self.source_checkpoint is None:
             try:  # fail at config time, with field names under `architecture`
-                self.architecture_class.model_validate(self.architecture)
+                self.family.config_class.model_validate(self.architecture)
             except ValidationError as e:
                 raise prefixed(e, "architecture") from None
         return self
 
 
 class CausalLMProvider:
-    """What the catalogue's causal LMs share; `model_config` is the architecture (Hugging Face mapping)."""
+    """The causal LM of a model family; `model_config` is its architecture, `family` the family that builds,
+    parallelizes, loads and exports it (the `ModelArchitecture` trait)."""
 
-    def __init__(self, config: _CausalLMOptions) -> None:
+    Config: ClassVar[type[CausalLMOptions]] = CausalLMOptions
+
+    def __init__(self, config: CausalLMOptions) -> None:
         self.options = config
-        self.model_config = self._resolve_config()
+        self.model_config: Any = self._resolve_config()
+        # A checkpoint of a more specific family than the provider's (a Qwen3-MoE one under `qwen3`) builds
+        # its own family's model.
+        self.family: ModelFamily[Any] = family_of(self.model_config)
 
-    def _resolve_config(self) -> Qwen3Config:
+    def _resolve_config(self) -> Any:
         o = self.options
+        wanted = o.family.config_class
         if o.source_checkpoint is not None:
             hf = json.loads((o.source_checkpoint / "config.json").read_text())
             config = config_from_hf(hf, **(o.architecture or {}))
-            wanted = o.architecture_class
             if not isinstance(config, wanted):
                 raise ValueError(f"source_checkpoint holds a {type(config).__name__}, not {wanted.__name__}")
             return config
-        return o.architecture_class.model_validate(o.architecture)
+        return wanted.model_validate(o.architecture)
 
     @property
     def base_model_name_or_path(self) -> str | None:
@@ -88,22 +110,20 @@ class CausalLMProvider:
         return getattr(torch, self.options.dtype)  # type: ignore[no-any-return]
 
     def flops_per_token(self, seq_len: int) -> float:
-        """The `ModelFlops` trait: 6 × the matmul parameters a token passes through (MoE: the routed experts
-        only) + the attention scores, 12 × query width × the mean number of keys per layer."""
-        return causal_lm_flops_per_token(self.model_config, seq_len)
+        """The `ModelFlops` trait, from the family's cost model."""
+        return self.family.flops_per_token(self.model_config, seq_len)
 
     def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
-        module = build_causal_lm(self.model_config, stage)
+        module = self.family.build_causal_lm(self.model_config, stage)
         for sub in module.modules():
             if isinstance(sub, MoELayer):
                 sub.aux_loss_per_token = True  # the causal-LM loss is a token sum divided by the token count
         return module.to(self.dtype)
 
     def parallelize(self, module: nn.Module, ctx: DistributedContext) -> None:
-        """Expert, tensor, then data parallelism (replicate / FSDP / HSDP) as the mesh asks."""
+        """The family's plan: expert, tensor, context, then data parallelism as the mesh asks."""
         if ctx.is_distributed:
-            assert isinstance(module, Qwen3StageModel)
-            parallelize_qwen3(module, ctx, self.options.parallel, activation_dtype=self.dtype)
+            self.family.parallelize(module, ctx, self.options.parallel, self.dtype)
 
     def initialize(self, module: nn.Module, ctx: DistributedContext) -> None:
         if not isinstance(module, ModuleLateInit):
@@ -114,12 +134,7 @@ class CausalLMProvider:
             return
         key_to_file, _ = resolve_checkpoint(source)
         keys = {k for f in set(key_to_file.values()) for k in read_header(f).entries if k in key_to_file}
-        mapper = hf_to_d9d_mapper(
-            self.model_config,
-            expert_layout=detect_expert_layout(keys),
-            checkpoint_has_lm_head="lm_head.weight" in keys,
-            checkpoint_has_expert_bias=has_expert_bias(keys),
-        )
+        mapper = hf_to_d9d_mapper_for(self.model_config, keys)
         load_model_state(source, module, mapper, strict=True, allow_cast=True)
 
     def export(self, modules: Sequence[nn.Module], ctx: DistributedContext, path: Path) -> None:
@@ -155,27 +170,86 @@ class CausalLMProvider:
             events.subscribe(StepSkipped, lambda event: balancer.drop_step())
 
 
-def causal_lm_flops_per_token(config: Qwen3Config, seq_len: int) -> float:
-    """Training FLOPs per token of a Qwen3 / Qwen3-MoE causal LM (embedding lookups and norms are free)."""
-    h = config.hidden_size
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    projections = h * (q + 2 * kv) + q * h
-    active = config.vocab_size * h  # the LM head, tied or not
-    attention = 0.0
-    for layer in range(config.num_layers):
-        if isinstance(config, Qwen3MoEConfig) and config.is_moe_layer(layer):
-            ffn = 3 * h * config.moe_intermediate_size * config.num_experts_per_tok + h * config.num_experts
-        else:
-            ffn = 3 * h * config.intermediate_size
-        active += projections + ffn
-        # Keys a query sees, on average over the sequence: T/2 under the causal mask, about w (1 - w/2T)
-        # with a sliding window w < T.
-        window = config.layer_window(layer)
-        keys = seq_len / 2 if window is None or window >= seq_len else window * (1 - window / (2 * seq_len))
-        # QK^T and AV: 2 × 2 × q FLOPs per key forward; forward + backward: 3 times that.
-        attention += 12 * q * keys
-    return 6.0 * active + attention
+def causal_lm_flops_per_token(config: BaseModel, seq_len: int) -> float:
+    """Training FLOPs per token of a family's causal LM (its cost model; embedding lookups and norms are
+    free)."""
+    return family_of(config).flops_per_token(config, seq_len)
+
+
+def _camel(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in re.split(r"[^0-9A-Za-z]+", name))
+
+
+@cache
+def family_provider(family: ModelFamily[Any]) -> type[CausalLMProvider]:
+    """The provider class of `family`: what `model.provider: <family.name>` builds, and what a user family
+    names as a plug-in (`provider: mypkg.family:Provider` with `Provider = family_provider(MY_FAMILY)`), so it
+    gets the built-ins' dry run, preflight and Hugging Face import/export."""
+    camel = _camel(family.name)
+    options = type(f"{camel}Options", (CausalLMOptions,), {"family": family, "__module__": __name__})
+    return type(f"{camel}Provider", (CausalLMProvider,), {"Config": options, "__module__": __name__})
+
+
+def builtin_provider(name: str) -> type[CausalLMProvider]:
+    """The provider class of the registered family `name` (`qwen3`, `qwen3_moe`, ...)."""
+    for family in families():
+        if family.name == name:
+            return family_provider(family)
+    raise KeyError(f"no model family {name!r}")
+
+
+# -- the `model` section's members (without the peft wrapper, which `d9d.engine.registry` adds) ------------
+
+
+class BuiltinModel(BuiltinComponent):
+    """A built-in family's section; each family's member narrows `provider` and `options`."""
+
+    options: CausalLMOptions
+
+
+def _family_section(family: ModelFamily[Any]) -> type[BuiltinModel]:
+    provider = cast(Any, Literal)[family.name]
+    return create_model(
+        f"{_camel(family.name)}Section",
+        __base__=BuiltinModel,
+        __module__=__name__,
+        provider=(provider, ...),
+        options=(family_provider(family).Config, ...),
+    )
+
+
+FAMILY_SECTIONS: dict[str, type[BuiltinModel]] = {f.name: _family_section(f) for f in families()}
+MODEL_BUILTINS = (*FAMILY_SECTIONS, "peft")
+
+
+class ModelPlugin(PluginSpec):
+    kind: ClassVar[str] = "model"
+    protocol: ClassVar[type] = ModelProvider
+    builtins: ClassVar[tuple[str, ...]] = MODEL_BUILTINS
+
+
+def model_members() -> tuple[Any, ...]:
+    """The section's union members, each tagged by its provider name (for `Annotated[Union[...], ...]`)."""
+    return tuple(Annotated[section, tag(name)] for name, section in FAMILY_SECTIONS.items())
+
+
+if TYPE_CHECKING:
+    BaseModelComponent = BuiltinModel | ModelPlugin
+else:
+    BaseModelComponent = Annotated[
+        Union[(*model_members(), Annotated[ModelPlugin, Tag(PLUGIN_TAG)])],
+        Discriminator(provider_tag(tuple(FAMILY_SECTIONS))),
+    ]
+
+
+def build_base_model(component: BuiltinModel | ModelPlugin, field: str) -> ModelProvider:
+    match component:
+        case BuiltinModel():
+            return family_provider(component.options.family)(component.options)
+        case ModelPlugin():
+            provider = component.instantiate(field)
+            assert isinstance(provider, ModelProvider)  # checked against the protocol at config time
+            return provider
 
 
 class ExpertLoadBalancer:
@@ -223,13 +297,3 @@ class ExpertLoadBalancer:
             name.rpartition(".")[0] or name: load for (name, _), load in zip(self.routers, loads, strict=True)
         }
         self.moe_metrics.record(self.metrics, layers, step)
-
-
-class Qwen3Provider(CausalLMProvider):
-    class Config(_CausalLMOptions):
-        architecture_class = Qwen3Config
-
-
-class Qwen3MoEProvider(CausalLMProvider):
-    class Config(_CausalLMOptions):
-        architecture_class = Qwen3MoEConfig

@@ -19,13 +19,11 @@ from pydantic import BaseModel, ConfigDict, ModelWrapValidatorHandler, Validatio
 from torch import nn
 
 from d9d.core.context import DistributedContext
-from d9d.engine.builtin.models import CausalLMProvider
-from d9d.engine.components import BaseModelComponent, ModelPlugin, build_base_model
+from d9d.engine.builtin.models import BaseModelComponent, CausalLMProvider, ModelPlugin, build_base_model
 from d9d.engine.errors import UNION_TAG_PREFIX
 from d9d.engine.events import EventBus
 from d9d.engine.providers import ModelProvider
 from d9d.models.hf import d9d_to_hf_mapper, side_files
-from d9d.models.qwen3 import Qwen3Config
 from d9d.peft import (
     PeftConfig,
     adapted_modules,
@@ -87,13 +85,11 @@ class PeftModelProvider:
         self.base: ModelProvider = build_base_model(config.base, "model.options.base")
         self.method = build_peft_method(config.method)
         # Only the catalogue's providers know the Hugging Face layout an adapter export needs.
-        self.hf_config: Qwen3Config | None = (
-            self.base.model_config if isinstance(self.base, CausalLMProvider) else None
-        )
+        self.hf_config: Any = self.base.model_config if isinstance(self.base, CausalLMProvider) else None
         if config.export_adapters and self.hf_config is None:
             raise ValueError(
-                f"export_adapters needs a base provider with a Hugging Face mapping (qwen3, qwen3_moe); "
-                f"{config.base.provider!r} has none"
+                "export_adapters needs a base provider with a Hugging Face mapping (a built-in model "
+                f"family); {config.base.provider!r} has none"
             )
 
     def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
@@ -146,7 +142,7 @@ class PeftModelProvider:
         with the source's tokenizer and generation-config files."""
         if self.hf_config is None:
             raise ValueError(
-                f"a peft adapter needs a base provider with a Hugging Face mapping (qwen3, qwen3_moe); "
+                "a peft adapter needs a base provider with a Hugging Face mapping (a built-in model family); "
                 f"{self.config.base.provider!r} has none; export merged weights instead"
             )
         source = self.base.options.source_checkpoint if isinstance(self.base, CausalLMProvider) else None

@@ -1,4 +1,5 @@
-"""`from_pretrained` / `save_pretrained`: Hugging Face Qwen3 / Qwen3-MoE directories ⇄ d9d causal LMs."""
+"""`from_pretrained` / `save_pretrained`: Hugging Face directories ⇄ d9d causal LMs, for every registered
+family with a Hugging Face format (the `model_type` of `config.json` picks it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel
+from torch import nn
 
+from d9d.models.family import family_of
 from d9d.models.hf.config import config_from_hf, config_to_hf
 from d9d.models.hf.mapping import (
     ExpertLayout,
@@ -17,11 +21,8 @@ from d9d.models.hf.mapping import (
     detect_expert_layout,
     expected_hf_shapes,
     expert_bias_hf_keys,
-    has_expert_bias,
-    hf_to_d9d_mapper,
+    hf_to_d9d_mapper_for,
 )
-from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import (
     CheckpointFormatError,
@@ -57,11 +58,9 @@ def side_files(source: Path | None) -> dict[str, bytes]:
     return {name: (source / name).read_bytes() for name in SIDE_FILES if (source / name).is_file()}
 
 
-def build_causal_lm(config: Qwen3Config, stage: PipelineStageInfo | None = None) -> Qwen3ForCausalLM:
-    """The causal-LM class matching `config` (dense or MoE)."""
-    if isinstance(config, Qwen3MoEConfig):
-        return Qwen3MoEForCausalLM(config, stage)
-    return Qwen3ForCausalLM(config, stage)
+def build_causal_lm(config: BaseModel, stage: PipelineStageInfo | None = None) -> Any:
+    """The causal-LM model of `config`'s family, for `stage` (default: the whole model)."""
+    return family_of(config).build_causal_lm(config, stage)
 
 
 @contextlib.contextmanager
@@ -88,15 +87,15 @@ def _checkpoint_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], torch.dt
 
 
 def check_checkpoint_matches(
-    path: Path, config: Qwen3Config, found: Mapping[str, tuple[int, ...]], layout: ExpertLayout
+    path: Path, config: BaseModel, found: Mapping[str, tuple[int, ...]], layout: ExpertLayout
 ) -> None:
     """Compare a checkpoint's keys and shapes with what `config` needs, before any tensor is read; every
     problem is listed with the key and both shapes."""
     with torch.device("meta"):
         full = build_causal_lm(config)
     expected = expected_hf_shapes(config, full.state_dict(), layout)
-    tolerated = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    optional = set(expert_bias_hf_keys(config))  # absent: the bias starts at zero; unwanted: dropped
+    tolerated = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    optional = set(expert_bias_hf_keys(config))  # e.g. an expert bias: absent, it starts at zero
     tolerated |= optional
     problems = [
         f"missing key {key!r} (expected shape {shape})"
@@ -129,8 +128,8 @@ def from_pretrained(
     device: torch.device | str | None = None,
     stage: PipelineStageInfo | None = None,
     config_overrides: Mapping[str, Any] | None = None,
-) -> Qwen3ForCausalLM:
-    """Load a Hugging Face Qwen3 / Qwen3-MoE directory (`config.json` + `model.safetensors` or a sharded
+) -> Any:
+    """Load a Hugging Face directory of a registered family (`config.json` + `model.safetensors` or a sharded
     index) as a d9d causal-LM model, for `stage` only (default: the whole model).
 
     `dtype` defaults to the checkpoint's; `device` to CPU. `config_overrides` set d9d-only config fields
@@ -152,18 +151,13 @@ def from_pretrained(
     model.to_empty(device=device or "cpu")
     with torch.no_grad():
         model.reset_parameters()  # d9d-only state (router buffers) starts from its initial values
-    mapper = hf_to_d9d_mapper(
-        config,
-        expert_layout=layout,
-        checkpoint_has_lm_head="lm_head.weight" in found,
-        checkpoint_has_expert_bias=has_expert_bias(found),
-    )
+    mapper = hf_to_d9d_mapper_for(config, found)
     load_model_state(root, model, mapper, strict=True, allow_cast=True, progress=False)
     return model
 
 
 def save_pretrained(
-    model: Qwen3ForCausalLM,
+    model: nn.Module,
     path: str | Path,
     *,
     expert_layout: ExpertLayout = "per_expert",
@@ -177,19 +171,21 @@ def save_pretrained(
     Distributed models (pipeline stages, DTensor parameters) are saved by every rank together through
     `d9d.state.save_model_state(path, module, d9d_to_hf_mapper(config), distributed=True)`.
     """
-    if model.stage.num_stages != 1:
+    stage: PipelineStageInfo = getattr(model, "stage", PipelineStageInfo())
+    config = getattr(model, "config", None)
+    if not isinstance(config, BaseModel):
+        raise TypeError(f"{type(model).__name__} has no model-family config (`.config`)")
+    if stage.num_stages != 1:
         raise ValueError(
-            f"save_pretrained needs the whole model, got pipeline stage {model.stage.current_stage} of "
-            f"{model.stage.num_stages}; save stages with d9d.state.save_model_state(..., distributed=True)"
+            f"save_pretrained needs the whole model, got pipeline stage {stage.current_stage} of "
+            f"{stage.num_stages}; save stages with d9d.state.save_model_state(..., distributed=True)"
         )
-    hf_config = config_to_hf(model.config)
+    hf_config = config_to_hf(config)
     dtype = next(model.parameters()).dtype
     hf_config["dtype"] = str(dtype).removeprefix("torch.")
     options: dict[str, Any] = {"overwrite": overwrite, "distributed": False, "progress": False}
     if max_shard_bytes is not None:
         options["max_shard_bytes"] = max_shard_bytes
-    dest = save_model_state(
-        path, model, d9d_to_hf_mapper(model.config, expert_layout=expert_layout), **options
-    )
+    dest = save_model_state(path, model, d9d_to_hf_mapper(config, expert_layout=expert_layout), **options)
     (dest / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
     return dest

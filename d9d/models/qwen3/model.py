@@ -3,118 +3,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import cast
-
-import torch
-from torch import nn
-
+from d9d.models.decoder import DecoderBackbone
 from d9d.models.qwen3.config import Qwen3Config
 from d9d.models.qwen3.layer import Qwen3DecoderLayer, qwen3_mlp
-from d9d.modules.attention import AttentionMask, PaddingSide, SdpaBackend, build_sdpa_backend
-from d9d.modules.checkpointing import checkpointed
-from d9d.modules.embedding import TokenEmbedding
-from d9d.modules.norm import RMSNorm
+from d9d.modules.attention import SdpaBackend
 from d9d.modules.rotary import RotaryEmbedding
-from d9d.pipeline.api import PipelineStageInfo, balance_layers
+from d9d.pipeline.api import PipelineStageInfo
 
 
-class Qwen3Model(nn.Module):
-    """Decoder stack for `stage`. Layers live in a `ModuleDict` keyed by their *global* index, so state-dict
-    keys (`layers.17.…`) are the same whichever stage holds a layer.
+class Qwen3Model(DecoderBackbone):
+    """Qwen3 decoder layers (`Qwen3DecoderLayer`, dense SwiGLU) over the shared stage plumbing of
+    `DecoderBackbone` (embeddings, masks, activation checkpointing, final norm)."""
 
-    forward: the first stage embeds `input_ids`, later stages continue from `hidden_states`;
-    `position_ids` [batch, seq] default to 0..seq-1; `attention_mask` [batch, seq] marks real tokens (1) and
-    padding (0); `padding_side="right"` declares that padding only trails real tokens (what the causal-LM
-    collator produces), so the batch keeps the plain causal kernel; `segment_ids` [batch, seq] confines
-    attention to packed documents. The attention backend prepares the mask once per forward (dense or block
-    masks for the windows this stage's layers use) and all layers share it.
-    """
+    config: Qwen3Config
 
     def __init__(self, config: Qwen3Config, stage: PipelineStageInfo | None = None) -> None:
-        super().__init__()
-        self.config = config
-        self.stage = stage if stage is not None else PipelineStageInfo()
-        self.layer_range = balance_layers(config.num_layers, self.stage)
-        backend = build_sdpa_backend(config.attention_backend)
-        self.attention_backend = backend
-        self.attention_windows = frozenset(config.layer_window(i) for i in self.layer_range)
-        self.embed_tokens = (
-            TokenEmbedding(config.splits, config.hidden_size, init_std=config.initializer_range)
-            if self.stage.is_first
-            else None
-        )
-        self.layers = nn.ModuleDict({str(i): self.make_layer(i, backend) for i in self.layer_range})
-        self.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, backend=config.kernel_backend)
-            if self.stage.is_last
-            else None
-        )
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, config.rope_style
-        )
-        self.checkpointed_layers: set[int] = set()
+        super().__init__(config, stage)
+
+    def make_rotary(self) -> RotaryEmbedding:
+        c = self.config
+        return RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, c.rope_style)
+
+    def layer_window(self, index: int) -> int | None:
+        return self.config.layer_window(index)
 
     def make_layer(self, index: int, backend: SdpaBackend) -> Qwen3DecoderLayer:
         return Qwen3DecoderLayer(
             self.config, index, backend, qwen3_mlp(self.config, self.config.intermediate_size)
         )
 
-    def reset_parameters(self) -> None:
-        if self.embed_tokens is not None:
-            self.embed_tokens.reset_parameters()
-        for layer in self.decoder_layers().values():
-            layer.reset_parameters()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-
-    def decoder_layers(self) -> dict[int, Qwen3DecoderLayer]:
+    def decoder_layers(self) -> dict[int, Qwen3DecoderLayer]:  # type: ignore[override]
         """This stage's layers by global index."""
-        return {int(name): cast(Qwen3DecoderLayer, layer) for name, layer in self.layers.items()}
-
-    def set_activation_checkpointing(self, enabled: bool = True, layers: Iterable[int] | None = None) -> None:
-        """Recompute the given layers (default: all of this stage's) in backward instead of storing them."""
-        chosen = set(self.layer_range if layers is None else layers)
-        outside = sorted(chosen - set(self.layer_range))
-        if outside:
-            raise ValueError(f"layers {outside} are not on this stage (it holds {list(self.layer_range)})")
-        self.checkpointed_layers = (
-            self.checkpointed_layers | chosen if enabled else self.checkpointed_layers - chosen
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
-        padding_side: PaddingSide | None = None,
-    ) -> torch.Tensor:
-        if self.embed_tokens is not None:
-            if input_ids is None:
-                raise ValueError("the first pipeline stage needs input_ids")
-            hidden = self.embed_tokens(input_ids)
-        else:
-            if hidden_states is None:
-                raise ValueError(f"pipeline stage {self.stage.current_stage} needs hidden_states")
-            hidden = hidden_states
-        batch, seq = hidden.shape[:2]
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
-        rotary = self.rotary(position_ids, hidden.dtype)
-        mask = self.attention_backend.prepare(
-            AttentionMask(padding=attention_mask, segment_ids=segment_ids, padding_side=padding_side),
-            seq_len=seq,
-            windows=self.attention_windows,
-            device=hidden.device,
-        )
-        for index, layer in self.decoder_layers().items():
-            if index in self.checkpointed_layers:
-                hidden = checkpointed(layer, hidden, rotary, mask)
-            else:
-                hidden = layer(hidden, rotary, mask)
-        if self.norm is not None:
-            hidden = self.norm(hidden)
-        out: torch.Tensor = hidden
-        return out
+        return {int(name): layer for name, layer in self.layers.items()}  # type: ignore[misc]

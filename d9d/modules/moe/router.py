@@ -29,9 +29,16 @@ def route_topk(
     score_function: ScoreFunction = "softmax",
     renormalize: bool = True,
     expert_bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int | None = None,
+    scaling_factor: float = 1.0,
 ) -> Routing:
     """logits [tokens, experts] → scores → top-k (on scores + `expert_bias` when given; the weights stay
-    the unbiased scores) → optional renormalization over the k chosen.
+    the unbiased scores) → optional renormalization over the k chosen → times `scaling_factor`.
+
+    Group-limited routing (DeepSeek-V3): with `num_groups` > 1 the experts form that many equal groups, each
+    group scores the sum of its two best selection scores, and a token picks its top-k only among the experts
+    of its `topk_groups` best groups.
 
     One chain of elementwise ops, a top-k and a gather, written so `torch.compile` fuses it into a couple
     of kernels; the [tokens, experts] tensors are small next to the expert matmuls, so no hand kernel.
@@ -43,13 +50,22 @@ def route_topk(
         case "sigmoid":
             scores = torch.sigmoid(logits.float())
             probs = scores / scores.sum(dim=-1, keepdim=True)
-    if expert_bias is None:
+    choice = scores if expert_bias is None else scores + expert_bias
+    if num_groups > 1:
+        grouped = choice.unflatten(-1, (num_groups, -1))
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, topk_groups or num_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+    if expert_bias is None and num_groups == 1:
         topk_scores, topk_ids = torch.topk(scores, top_k, dim=-1)
     else:
-        _, topk_ids = torch.topk(scores + expert_bias, top_k, dim=-1)
+        _, topk_ids = torch.topk(choice, top_k, dim=-1)
         topk_scores = scores.gather(1, topk_ids)
     if renormalize:
         topk_scores = topk_scores / topk_scores.sum(dim=-1, keepdim=True)
+    if scaling_factor != 1.0:
+        topk_scores = topk_scores * scaling_factor
     return Routing(probs=probs, topk_ids=topk_ids, topk_weights=topk_scores.to(logits.dtype))
 
 
@@ -60,6 +76,9 @@ class TopKRouter(nn.Module):
     - `expert_bias` (auxiliary-loss-free balancing, DeepSeek-V3 style): a per-expert bias added to the
       probabilities *for selection only* (weights stay the unbiased probabilities). `update_expert_bias()`
       moves it by `bias_update_rate` towards balance, using the load accumulated since the last update.
+    - `num_groups` / `topk_groups`: group-limited routing (DeepSeek-V3: a token's experts come from its
+      `topk_groups` best of `num_groups` equal groups); `scaling_factor` multiplies the routing weights
+      (DeepSeek-V3's `routed_scaling_factor`).
     - `expert_load` accumulates how many token copies each expert received since the last
       `update_expert_bias()` / `reset_expert_load()`; the engine logs it (and all-reduces it across data-
       parallel ranks before updating the bias, so every replica keeps the same bias).
@@ -76,10 +95,24 @@ class TopKRouter(nn.Module):
         expert_bias: bool = False,
         bias_update_rate: float = 1e-3,
         init_std: float = 0.02,
+        num_groups: int = 1,
+        topk_groups: int | None = None,
+        scaling_factor: float = 1.0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if num_experts % num_groups:
+            raise ValueError(f"num_experts={num_experts} does not split into num_groups={num_groups} groups")
+        groups_kept = topk_groups or num_groups
+        if not 1 <= groups_kept <= num_groups or groups_kept * (num_experts // num_groups) < top_k:
+            raise ValueError(
+                f"topk_groups={topk_groups} of num_groups={num_groups} groups of {num_experts // num_groups} "
+                f"experts cannot hold top_k={top_k}"
+            )
+        self.num_groups = num_groups
+        self.topk_groups = topk_groups
+        self.scaling_factor = scaling_factor
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
@@ -121,6 +154,9 @@ class TopKRouter(nn.Module):
             score_function=self.score_function,
             renormalize=self.renormalize,
             expert_bias=self.expert_bias,
+            num_groups=self.num_groups,
+            topk_groups=self.topk_groups,
+            scaling_factor=self.scaling_factor,
         )
         if not is_recomputing():
             with torch.no_grad():

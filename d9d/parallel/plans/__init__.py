@@ -1,6 +1,7 @@
-"""Per-architecture parallelization plans."""
+"""The options of a model family's parallelization plan. The plans themselves live with their families
+(`d9d.models.<family>`, built on `d9d.models.decoder.parallelize_decoder`), which compose the per-layer
+strategies of this package."""
 
 from d9d.parallel.plans.config import ParallelPlanConfig
-from d9d.parallel.plans.qwen3 import parallelize_qwen3, parallelize_qwen3_moe
 
-__all__ = ["ParallelPlanConfig", "parallelize_qwen3", "parallelize_qwen3_moe"]
+__all__ = ["ParallelPlanConfig"]

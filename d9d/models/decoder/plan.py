@@ -1,4 +1,6 @@
-"""Parallelization plans for Qwen3 and Qwen3-MoE task models, driven by a `DistributedContext`.
+"""The parallelization plan of a decoder stage model whose layers are pre-norm attention + feed-forward
+(Qwen3, Qwen3-MoE, Llama 3), driven by a `DistributedContext`. A family with other layers passes its own
+per-layer tensor-parallel function (`layer_tp`).
 
 Order matters and is fixed here:
 1. expert parallelism (experts → `Shard(0)` on `ep_shard`, reduced over `ep_replicate`),
@@ -10,18 +12,21 @@ After that, `build_gradient_synchronizer(model, ctx)` finds every parameter's re
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from d9d.core import DistributedContext, MeshDomain
-from d9d.models.qwen3.layer import Qwen3DecoderLayer
-from d9d.models.qwen3.tasks import Qwen3StageModel
+from d9d.models.decoder.tasks import DecoderStageModel
+from d9d.modules.attention import GroupedQueryAttention
 from d9d.modules.heads import CausalLMHead
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe import MoELayer
+from d9d.modules.norm import RMSNorm
 from d9d.parallel.context import ContextParallelGroup, parallelize_context_attention
 from d9d.parallel.expert import parallelize_expert_parallel
 from d9d.parallel.fsdp import parallelize_fsdp, parallelize_hsdp
@@ -39,15 +44,53 @@ from d9d.parallel.tensor import (
 )
 
 
-def parallelize_qwen3(
-    model: Qwen3StageModel,
+class PreNormLayer(Protocol):
+    """A decoder layer as the default tensor-parallel function sees it (`Qwen3DecoderLayer`, ...)."""
+
+    input_layernorm: RMSNorm
+    self_attn: nn.Module
+    post_attention_layernorm: RMSNorm
+    mlp: nn.Module
+
+
+LayerTensorParallel = Callable[[nn.Module, DeviceMesh, bool], None]
+"""Shards one decoder layer over the tp mesh (`layer, tp_mesh, sequence_parallel`)."""
+
+
+def tensor_parallel_prenorm_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Heads of a `GroupedQueryAttention`, a SwiGLU's intermediate columns, a token-split MoE, and the two
+    norms (replicated; their gradients summed under sequence parallelism)."""
+    sp = sequence_parallel
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    attention = getattr(layer, "self_attn", None)
+    mlp = getattr(layer, "mlp", None)
+    if not all(isinstance(n, RMSNorm) for n in norms) or not isinstance(attention, GroupedQueryAttention):
+        raise TypeError(
+            f"no tensor-parallel plan for {type(layer).__name__}: the default one needs RMSNorm "
+            "input_layernorm / post_attention_layernorm and a GroupedQueryAttention self_attn"
+        )
+    assert isinstance(norms[0], RMSNorm) and isinstance(norms[1], RMSNorm)
+    parallelize_norm_tp(norms[0], tp_mesh, sequence_parallel=sp)
+    parallelize_attention_tp(attention, tp_mesh, sequence_parallel=sp)
+    parallelize_norm_tp(norms[1], tp_mesh, sequence_parallel=sp)
+    if isinstance(mlp, MoELayer):
+        parallelize_moe_tp(mlp, tp_mesh, sequence_parallel=sp)
+    elif isinstance(mlp, SwiGLU):
+        parallelize_swiglu_tp(mlp, tp_mesh, sequence_parallel=sp)
+    else:
+        raise TypeError(f"no tensor-parallel plan for feed-forward {type(mlp).__name__}")
+
+
+def parallelize_decoder(
+    model: DecoderStageModel,
     ctx: DistributedContext,
     config: ParallelPlanConfig | None = None,
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     activation_dtype: torch.dtype | None = None,
+    layer_tp: LayerTensorParallel = tensor_parallel_prenorm_layer,
 ) -> None:
-    """Apply expert, tensor and data parallelism to one pipeline stage of a Qwen3 / Qwen3-MoE task model.
+    """Apply expert, tensor and data parallelism to one pipeline stage of a decoder task model.
 
     Works for any mix of `data_parallel_replicate × data_parallel_shard × context_parallel × expert_parallel ×
     tensor_parallel` (context parallel ranks share the data-parallel dims of the dense domain, so their
@@ -76,22 +119,22 @@ def parallelize_qwen3(
         backbone.attention_backend = parallelize_context_attention(
             backbone, ContextParallelGroup.from_context(ctx), backbone.attention_backend
         )
-    if any(isinstance(layer.mlp, MoELayer) for layer in layers):
+    moe = [(layer, mlp) for layer in layers if isinstance(mlp := getattr(layer, "mlp", None), MoELayer)]
+    if moe:
         expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
         dtype = activation_dtype or _compute_dtype(model, mp_policy)
-        for layer in layers:
-            if isinstance(layer.mlp, MoELayer):
-                parallelize_expert_parallel(
-                    layer.mlp,
-                    expert_mesh,
-                    device=ctx.device,
-                    dtype=dtype,
-                    backend=config.expert_backend,
-                    unit=layer,
-                )
+        for layer, mlp in moe:
+            parallelize_expert_parallel(
+                mlp,
+                expert_mesh,
+                device=ctx.device,
+                dtype=dtype,
+                backend=config.expert_backend,
+                unit=layer,
+            )
     dense = ctx.mesh_for(MeshDomain.DENSE)
     if dense["tp"].size() > 1:
-        _tensor_parallel(model, layers, ctx, sequence_parallel)
+        _tensor_parallel(model, layers, ctx, sequence_parallel, layer_tp)
     if dense["dp_cp_shard"].size() > 1:
         units: list[nn.Module] = list(layers)
         if dense["dp_cp_replicate"].size() > 1:
@@ -114,9 +157,6 @@ def parallelize_qwen3(
         parallelize_replicate(model, dense["dp_cp_replicate"], units=layers)
 
 
-parallelize_qwen3_moe = parallelize_qwen3  # one plan: MoE layers are found by type
-
-
 def _compute_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> torch.dtype:
     if mp_policy is not None and mp_policy.param_dtype is not None:
         return mp_policy.param_dtype
@@ -127,7 +167,11 @@ def _compute_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> 
 
 
 def _tensor_parallel(
-    model: Qwen3StageModel, layers: list[Qwen3DecoderLayer], ctx: DistributedContext, sequence_parallel: bool
+    model: DecoderStageModel,
+    layers: list[nn.Module],
+    ctx: DistributedContext,
+    sequence_parallel: bool,
+    layer_tp: LayerTensorParallel,
 ) -> None:
     tp_mesh = ctx.mesh_for(MeshDomain.DENSE)["tp"]
     sp = sequence_parallel
@@ -149,15 +193,7 @@ def _tensor_parallel(
 
             backbone.register_forward_hook(gather_boundary)
     for layer in layers:
-        parallelize_norm_tp(layer.input_layernorm, tp_mesh, sequence_parallel=sp)
-        parallelize_attention_tp(layer.self_attn, tp_mesh, sequence_parallel=sp)
-        parallelize_norm_tp(layer.post_attention_layernorm, tp_mesh, sequence_parallel=sp)
-        if isinstance(layer.mlp, MoELayer):
-            parallelize_moe_tp(layer.mlp, tp_mesh, sequence_parallel=sp)
-        elif isinstance(layer.mlp, SwiGLU):
-            parallelize_swiglu_tp(layer.mlp, tp_mesh, sequence_parallel=sp)
-        else:
-            raise TypeError(f"no tensor-parallel plan for feed-forward {type(layer.mlp).__name__}")
+        layer_tp(layer, tp_mesh, sp)
     if backbone.norm is not None:
         parallelize_norm_tp(backbone.norm, tp_mesh, sequence_parallel=sp)
     for name, head in model.named_children():
