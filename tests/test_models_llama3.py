@@ -12,7 +12,6 @@ import pytest
 import torch
 import transformers
 import yaml
-from pydantic import TypeAdapter
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -31,12 +30,11 @@ from d9d.models.llama3 import (
     parallelize_llama3,
 )
 from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
-from d9d.parallel.context import ContextParallelGroup, shard_microbatch
+from d9d.parallel.context import ContextParallelGroup
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
-from d9d.pipeline.schedule.config import ScheduleConfig
-from d9d.pipeline.setup import PipelineSetup
 from d9d.state import apply_group
+from tests.family_checks import cp_shard, pipeline_matches_whole_model
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_reference import Batch, assert_runs_close, distributed_run, reference_run
 
@@ -339,19 +337,10 @@ def _matrix(env: RankEnv) -> None:
         local = [b.shard(params.data_parallel, dp).split(2) for b in data]
         if params.context_parallel > 1:
             cp = ContextParallelGroup.from_context(ctx)
-            local = [[_cp_shard(mb, cp) for mb in step] for step in local]
+            local = [[cp_shard(mb, cp) for mb in step] for step in local]
         got = distributed_run(model, sync, local, _loss, max_norm=MAX_NORM)
         assert_runs_close(got, want, f"llama3 {mesh} sp={sp} meta={meta}")
         sync.close()
-
-
-def _cp_shard(batch: Batch, cp: ContextParallelGroup) -> Batch:
-    ids, positions = batch.inputs.unbind(1)
-    local = shard_microbatch({"input_ids": ids, "position_ids": positions, "labels": batch.targets}, cp)
-    labels = local["labels"]
-    return Batch(
-        torch.stack((local["input_ids"], local["position_ids"]), 1), labels, (labels != -100).float()
-    )
 
 
 @pytest.mark.distributed
@@ -359,53 +348,9 @@ def test_two_rank_matrix_matches_one_process() -> None:
     run_distributed(_matrix, 2, timeout=300)
 
 
-class _Loss:
-    def __init__(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
-        self.loss_sum = outputs["loss"].sum()
-        self.weight = (labels != -100).sum()
-
-
-def _pipeline(env: RankEnv) -> None:
-    """Two pipeline stages under 1F1B: the loss and every gradient equal the whole model's."""
-    ctx = DistributedContext.create(DeviceMeshParameters(pipeline_parallel=2), backend="gloo")
-    whole = _model(layers=4)
-    full = whole.state_dict()
-    setup = PipelineSetup.create(ctx, TypeAdapter(ScheduleConfig).validate_python({"kind": "1f1b"}), 4)
-    stages = {}
-    for info in setup.local_stages:
-        stage = _model(info, layers=4)
-        stage.load_state_dict({k: full[k] for k in stage.state_dict()})
-        stages[info.current_stage] = stage
-    g = torch.Generator().manual_seed(5)
-    batch = [
-        {
-            "input_ids": torch.randint(0, 43, (2, SEQ), generator=g),
-            "labels": torch.randint(0, 43, (2, SEQ), generator=g),
-        }
-        for _ in range(4)
-    ]
-    weight = sum(int((mb["labels"] != -100).sum()) for mb in batch)
-    ref = whole(
-        input_ids=torch.cat([mb["input_ids"] for mb in batch]),
-        labels=torch.cat([mb["labels"] for mb in batch]),
-    )
-    ref_loss = ref["loss"].sum() / weight
-    ref_loss.backward()
-    result = setup.executor(stages).train_step(
-        batch, lambda out, mb: _Loss(out, batch[mb]["labels"]), loss_scale=1.0 / weight
-    )
-    if result.loss_sum is not None:
-        torch.testing.assert_close(result.loss_sum / weight, ref_loss.detach(), rtol=1e-5, atol=0)
-    for s, stage in stages.items():
-        for name, p in stage.named_parameters():
-            expected = whole.get_parameter(name).grad
-            assert p.grad is not None and expected is not None, name
-            torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6, msg=f"stage {s} {name}")
-
-
 @pytest.mark.distributed
 def test_pipeline_of_two_stages_matches_the_whole_model() -> None:
-    run_distributed(_pipeline, 2, timeout=200)
+    run_distributed(pipeline_matches_whole_model, 2, "tests.test_models_llama3:_model", 43, SEQ, timeout=200)
 
 
 # -- the example config ---------------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""Checks every model family's tests share: its batches split for context parallelism, and two pipeline
+stages against the whole model (loss and every gradient)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from pydantic import TypeAdapter
+from torch import nn
+
+from d9d.core import DeviceMeshParameters, DistributedContext
+from d9d.parallel.context import ContextParallelGroup, shard_microbatch
+from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.schedule.config import ScheduleConfig
+from d9d.pipeline.setup import PipelineSetup
+from tests.harness import RankEnv
+from tests.test_parallel_reference import Batch
+
+
+def cp_shard(batch: Batch, cp: ContextParallelGroup) -> Batch:
+    """This rank's context-parallel share of a batch whose inputs stack (input_ids, position_ids)."""
+    ids, positions = batch.inputs.unbind(1)
+    local = shard_microbatch({"input_ids": ids, "position_ids": positions, "labels": batch.targets}, cp)
+    labels = local["labels"]
+    return Batch(
+        torch.stack((local["input_ids"], local["position_ids"]), 1), labels, (labels != -100).float()
+    )
+
+
+class _Loss:
+    def __init__(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
+        self.loss_sum = outputs["loss"].sum()
+        self.weight = (labels != -100).sum()
+
+
+def pipeline_matches_whole_model(env: RankEnv, factory: str, vocab: int, seq: int) -> None:
+    """A harness body: two pipeline stages under 1F1B, 4 microbatches, against the whole model built by
+    `factory` ("module:function", called as `function(stage_info | None, layers=4)`)."""
+    module, name = factory.split(":")
+    make: Callable[..., nn.Module] = getattr(importlib.import_module(module), name)
+    ctx = DistributedContext.create(DeviceMeshParameters(pipeline_parallel=2), backend="gloo")
+    whole = make(layers=4)
+    full = whole.state_dict()
+    setup = PipelineSetup.create(ctx, TypeAdapter(ScheduleConfig).validate_python({"kind": "1f1b"}), 4)
+    stages: dict[int, Any] = {}
+    for info in setup.local_stages:
+        stage = make(PipelineStageInfo(info.current_stage, info.num_stages), layers=4)
+        stage.load_state_dict({k: full[k] for k in stage.state_dict()})
+        stages[info.current_stage] = stage
+    g = torch.Generator().manual_seed(5)
+    batch = [
+        {
+            "input_ids": torch.randint(0, vocab, (2, seq), generator=g),
+            "labels": torch.randint(0, vocab, (2, seq), generator=g),
+        }
+        for _ in range(4)
+    ]
+    weight = sum(int((mb["labels"] != -100).sum()) for mb in batch)
+    ref = whole(
+        input_ids=torch.cat([mb["input_ids"] for mb in batch]),
+        labels=torch.cat([mb["labels"] for mb in batch]),
+    )
+    ref_loss = ref["loss"].sum() / weight
+    ref_loss.backward()
+    result = setup.executor(stages).train_step(
+        batch, lambda out, mb: _Loss(out, batch[mb]["labels"]), loss_scale=1.0 / weight
+    )
+    if result.loss_sum is not None:
+        torch.testing.assert_close(result.loss_sum / weight, ref_loss.detach(), rtol=1e-5, atol=0)
+    for s, stage in stages.items():
+        for param_name, p in stage.named_parameters():
+            expected = whole.get_parameter(param_name).grad
+            assert p.grad is not None and expected is not None, param_name
+            torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6, msg=f"stage {s} {param_name}")
