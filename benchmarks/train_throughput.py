@@ -24,6 +24,11 @@ torchtitan's own `llama3` (not yet measured on a GPU). MFU = 6 × active paramet
 the LM head) + causal attention, against 989 TFLOP/s. `--profile` adds a per-category GPU-time breakdown of
 the d9d step (torch.profiler). Needs CUDA.
 
+`--model deepseek_v3`: a small DeepSeek-V3 of the MoE row's size (`common.DEEPSEEK_V3`: 16 layers, the first
+dense, hidden 1024, MLA with 16 heads, 64 experts top-8 + 1 shared, sigmoid, 4 of 8 groups; about 2.0B
+parameters, 0.51B active), against torchtitan's own `deepseek_v3`; no expert-bias update on either side. Its
+MFU counts MLA's widths (`common.deepseek_v3_flops_per_token`).
+
 Time on one H100: the dense rows take about 7 minutes, the MoE rows longer (Liger's fused MoE kernels
 autotune for minutes on their first step, the compiled rows compile for one to two minutes). Where one
 command is capped below that, run `--model dense` and `--model moe` back to back on the same machine and
@@ -96,7 +101,13 @@ def _csv(allowed: tuple[str, ...]) -> Any:
 
 def plan(args: argparse.Namespace) -> list[Row]:
     """d9d rows first (the subject, and the rows a short budget must not lose), then the peers."""
-    models = {"dense": ["dense"], "moe": ["moe"], "llama3": ["llama3"], "both": ["dense", "moe"]}[args.model]
+    models = {
+        "dense": ["dense"],
+        "moe": ["moe"],
+        "llama3": ["llama3"],
+        "deepseek_v3": ["deepseek_v3"],
+        "both": ["dense", "moe"],
+    }[args.model]
     rows: list[Row] = []
     for model in models:
         if "d9d" in args.peers:
@@ -299,7 +310,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=["dense", "moe", "llama3", "both"], default="both")
+    parser.add_argument("--model", choices=["dense", "moe", "llama3", "deepseek_v3", "both"], default="both")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(

@@ -40,9 +40,43 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
-ARCHS = {"dense": DENSE, "moe": MOE, "llama3": LLAMA3}
+# A small DeepSeek-V3 of the MoE row's size: the MoE row's vocabulary (so the LM head and loss, a large
+# share of a step this small, cost what they cost there), hidden size, depth, heads and expert grid, with
+# DeepSeek-V3's own parts: multi-head latent attention (no query low-rank, as in DeepSeek-V2-Lite and
+# torchtitan's 16B entry; kv latent 512, 128 + 64 rotary query/key dims, values of 128), the first layer
+# dense (ffn 3072), one shared expert beside the routed ones, sigmoid scores limited to the 4 best of 8
+# expert groups (both frameworks rank a group by the sum of its two best scores), top-k weights
+# renormalized and scaled by DeepSeek-V3's 2.5. Plain RoPE (theta 10000, interleaved pairs as torchtitan
+# rotates them): torchtitan applies YaRN only past its `original_seq_len` of 4096, and this row runs 2048.
+# No aux-loss-free expert bias on either side: the torchtitan row's loop does not run its trainer's
+# optimizer hook that updates the bias, so d9d's row keeps none either (the routing is then the same
+# function of the scores in both).
+DEEPSEEK_V3 = {
+    "vocab_size": COMMON["vocab_size"],
+    "hidden_size": 1024,
+    "num_layers": 16,
+    "first_k_dense": 1,
+    "intermediate_size": 3072,
+    "num_attention_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "moe_intermediate_size": 512,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "num_shared_experts": 1,
+    "num_expert_groups": 8,
+    "topk_groups": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "expert_bias": False,
+    "rope_theta": 10000.0,
+}
+ARCHS = {"dense": DENSE, "moe": MOE, "llama3": LLAMA3, "deepseek_v3": DEEPSEEK_V3}
 # the d9d provider (model family) of each shape
-PROVIDERS = {"dense": "qwen3", "moe": "qwen3_moe", "llama3": "llama3"}
+PROVIDERS = {"dense": "qwen3", "moe": "qwen3_moe", "llama3": "llama3", "deepseek_v3": "deepseek_v3"}
 # A Qwen3 small enough for CPU smoke runs of the engine-driven benchmarks (no numbers are taken from it).
 TINY = {
     "vocab_size": 256,
@@ -61,7 +95,12 @@ SMOKE_ARCHS = {
     "dense": {**TINY, "num_layers": 6},
     "moe": {**TINY, "num_layers": 6, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
 }
-MODEL_NAMES = {"dense": "Qwen3-0.6B", "moe": "Qwen3-MoE (16L, 64e top-8)", "llama3": "Llama-3.2-1B (untied)"}
+MODEL_NAMES = {
+    "dense": "Qwen3-0.6B",
+    "moe": "Qwen3-MoE (16L, 64e top-8)",
+    "llama3": "Llama-3.2-1B (untied)",
+    "deepseek_v3": "DeepSeek-V3 (16L, MLA, 64e top-8 + 1 shared)",
+}
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 spec; the mission measured ~784 for plain matmuls
 LR = 1e-4
 
@@ -82,18 +121,73 @@ def flops_per_token(arch: dict[str, Any], moe: bool, seq: int = SEQ) -> float:
     return 6.0 * active + 6.0 * layers * q * seq  # causal: half of 12·L·q·T
 
 
+def deepseek_v3_params(arch: dict[str, Any]) -> dict[str, int]:
+    """Parameter counts of a DeepSeek-V3 shape from its hyper-parameters alone: `total` (every parameter:
+    embedding, untied LM head, norms, all experts) and `active` (the matmul weights one token passes through:
+    attention, the dense or the top-k routed + shared experts and the router, the LM head; the embedding
+    lookup and the norms do no matmul)."""
+    h, heads, layers = arch["hidden_size"], arch["num_attention_heads"], arch["num_layers"]
+    dense, qk = arch["first_k_dense"], arch["qk_nope_head_dim"] + arch["qk_rope_head_dim"]
+    q_rank, kv_rank = arch["q_lora_rank"], arch["kv_lora_rank"]
+    # MLA: queries (one projection, or down + up through a normed rank), the kv latent plus the shared rotary
+    # key, its up projection to every head's position-free key and value, the output projection
+    query = h * heads * qk if not q_rank else q_rank * (h + heads * qk)
+    attention = (
+        query
+        + h * (kv_rank + arch["qk_rope_head_dim"])
+        + kv_rank * heads * (arch["qk_nope_head_dim"] + arch["v_head_dim"])
+        + heads * arch["v_head_dim"] * h
+    )
+    norms = 2 * h + kv_rank + (q_rank or 0)  # the layer's two, the latent's (and the query rank's)
+    expert = 3 * h * arch["moe_intermediate_size"]  # one SwiGLU expert
+    router = h * arch["num_experts"]
+    shared = arch["num_shared_experts"] * expert
+    dense_ffn = 3 * h * arch["intermediate_size"]
+    moe_layers = layers - dense
+    head = arch["vocab_size"] * h
+    total = (
+        dense * (attention + norms + dense_ffn)
+        + moe_layers * (attention + norms + arch["num_experts"] * expert + shared + router)
+        + 2 * head  # embedding and untied LM head
+        + h  # final norm
+    )
+    active = (
+        dense * (attention + dense_ffn)
+        + moe_layers * (attention + arch["num_experts_per_tok"] * expert + shared + router)
+        + head
+    )
+    return {"total": total, "active": active}
+
+
+def deepseek_v3_flops_per_token(arch: dict[str, Any], seq: int = SEQ) -> float:
+    """6 × active parameters (`deepseek_v3_params`) + causal attention: per layer the scores are
+    `heads × (qk_nope + qk_rope)` wide and the values `heads × v_head_dim`, each 2 FLOPs per multiply-add,
+    × 3 for forward and backward, over T/2 keys on average (MLA expands its latent to full per-head keys and
+    values before attention, so attention costs what multi-head attention of those widths costs)."""
+    qk = arch["qk_nope_head_dim"] + arch["qk_rope_head_dim"]
+    width = arch["num_attention_heads"] * (qk + arch["v_head_dim"])
+    attention = 6.0 * width * seq / 2 * arch["num_layers"]
+    return 6.0 * deepseek_v3_params(arch)["active"] + attention
+
+
+def model_flops_per_token(model: str, seq: int = SEQ) -> float:
+    """Training FLOPs per token of a benchmark shape (`ARCHS[model]`), by its architecture's own formula."""
+    if model == "deepseek_v3":
+        return deepseek_v3_flops_per_token(ARCHS[model], seq)
+    return flops_per_token(ARCHS[model], model == "moe", seq)
+
+
 def summary(times: list[float], first_step_s: float | None, model: str) -> dict[str, Any]:
     """Median step → tokens/s (batch × sequence positions, padding included: every row computes on all of
     them) and MFU; peak is the allocator's high-water mark since the last reset."""
     if not times:
         raise RuntimeError("no timed steps were recorded")
-    moe = model == "moe"
     step = sorted(times)[len(times) // 2]
     tps = BATCH * SEQ / step
     return {
         "median_step_s": step,
         "tokens_per_s": tps,
-        "mfu": tps * flops_per_token(ARCHS[model], moe) / (PEAK_TFLOPS * 1e12),
+        "mfu": tps * model_flops_per_token(model) / (PEAK_TFLOPS * 1e12),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "first_step_s": first_step_s,
         "timed_steps": len(times),

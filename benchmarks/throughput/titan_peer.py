@@ -105,6 +105,58 @@ def llama3_model_args(arch: dict[str, Any], seq_len: int = SEQ) -> Any:
     return args
 
 
+def deepseek_v3_model_args(arch: dict[str, Any], seq_len: int = SEQ) -> Any:
+    """torchtitan's `DeepSeekV3ModelArgs` for `common.DEEPSEEK_V3`, routed as its own 671B entry spells
+    DeepSeek-V3 (sigmoid scores, renormalized top-k, weights applied after the experts, group-limited), SDPA
+    with the causal mask, grouped-mm experts. `load_balance_coeff=None`: no expert-bias buffer, like d9d's
+    row with `expert_bias` off, since this loop does not run the trainer's optimizer hook that would update
+    it. `moe_impl` is what the trainer's `update_from_config` sets from a default job (the standard MoE, not
+    DeepEP); this loop never calls that method, whose other effects (sequence length, grouped mm on SM90)
+    are set here directly."""
+    _stub_unused_imports()
+    from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+    from torchtitan.models.moe import MoEArgs
+
+    if arch["expert_bias"]:
+        raise ValueError("the torchtitan row runs no expert-bias update; give the shape expert_bias: false")
+    groups = arch["num_expert_groups"]
+    args = DeepSeekV3ModelArgs(
+        max_seq_len=seq_len,
+        vocab_size=arch["vocab_size"],
+        dim=arch["hidden_size"],
+        inter_dim=arch["intermediate_size"],
+        moe_inter_dim=arch["moe_intermediate_size"],
+        n_layers=arch["num_layers"],
+        n_dense_layers=arch["first_k_dense"],
+        n_heads=arch["num_attention_heads"],
+        moe_args=MoEArgs(
+            num_experts=arch["num_experts"],
+            num_shared_experts=arch["num_shared_experts"],
+            score_func="sigmoid",
+            route_norm=arch["norm_topk_prob"],
+            route_scale=arch["routed_scaling_factor"],
+            score_before_experts=False,
+            top_k=arch["num_experts_per_tok"],
+            num_expert_groups=groups if groups > 1 else None,
+            num_limited_groups=arch["topk_groups"] if groups > 1 else None,
+            use_grouped_mm=True,
+            load_balance_coeff=None,
+        ),
+        q_lora_rank=arch["q_lora_rank"] or 0,  # torchtitan's 0 is d9d's None: one full query projection
+        kv_lora_rank=arch["kv_lora_rank"],
+        qk_nope_head_dim=arch["qk_nope_head_dim"],
+        qk_rope_head_dim=arch["qk_rope_head_dim"],
+        v_head_dim=arch["v_head_dim"],
+        attn_type="sdpa",
+        attn_mask_type="causal",
+        rope_theta=arch["rope_theta"],
+    )
+    args.moe_impl = "standard"
+    # YaRN (and its softmax-scale correction) applies only past original_seq_len; d9d's row has plain RoPE
+    assert args.max_seq_len <= args.original_seq_len
+    return args
+
+
 def build_model(model: str, compiled: bool, device: torch.device | None = None) -> tuple[Any, Any]:
     _stub_unused_imports()
     from torchtitan.components.loss import build_cross_entropy_loss
@@ -116,6 +168,11 @@ def build_model(model: str, compiled: bool, device: torch.device | None = None) 
         from torchtitan.models.llama3 import parallelize_llama as parallelize_qwen3
 
         args = llama3_model_args(ARCHS[model])
+    elif model == "deepseek_v3":
+        from torchtitan.models.deepseek_v3 import DeepSeekV3Model as Qwen3Model
+        from torchtitan.models.deepseek_v3 import parallelize_deepseekv3 as parallelize_qwen3
+
+        args = deepseek_v3_model_args(ARCHS[model])
     else:
         from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
 
