@@ -128,7 +128,8 @@ def test_flops_per_token_counts_the_built_models_active_parameters(
 
 def test_other_shapes_keep_their_accounting(common: ModuleType) -> None:
     for model in ("dense", "moe", "llama3"):
-        assert common.model_flops_per_token(model) == common.flops_per_token(common.ARCHS[model], model == "moe")
+        qwen_style = common.flops_per_token(common.ARCHS[model], model == "moe")
+        assert common.model_flops_per_token(model) == qwen_style
     assert set(common.PROVIDERS) == set(common.ARCHS) == set(common.MODEL_NAMES)
 
 
@@ -150,10 +151,8 @@ def test_cli_plans_the_deepseek_rows(common: ModuleType) -> None:
         ("deepseek_v3", "torchtitan", "compile"),
     ]
     # `both` stays the Qwen3 pair
-    assert {r.model for r in train_throughput.plan(argparse.Namespace(**{**vars(args), "model": "both"}))} == {
-        "dense",
-        "moe",
-    }
+    both = train_throughput.plan(argparse.Namespace(**{**vars(args), "model": "both"}))
+    assert {r.model for r in both} == {"dense", "moe"}
 
 
 # ---- torchtitan's own model (skipped where torchtitan 0.2.2 is not importable) ----
@@ -191,7 +190,8 @@ def test_torchtitan_model_has_the_same_parameters(
     with torch.device("meta"):
         theirs = DeepSeekV3Model(args)
     provider, ours = _d9d_meta_model(_d9d_row_config(monkeypatch, tmp_path))
-    assert sum(p.numel() for p in theirs.parameters()) == common.deepseek_v3_params(common.DEEPSEEK_V3)["total"]
+    total = common.deepseek_v3_params(common.DEEPSEEK_V3)["total"]
+    assert sum(p.numel() for p in theirs.parameters()) == total
     assert _layer_numels(theirs, "layers.") == _layer_numels(ours, "model.layers.")
     router = theirs.layers["1"].moe.router
     assert (router.num_expert_groups, router.num_limited_groups, router.top_k) == (8, 4, 8)
@@ -288,5 +288,6 @@ def test_torchtitan_model_computes_what_d9d_computes(
     with torch.no_grad():
         expected = ours(input_ids=ids[:, :-1], labels=ids[:, 1:])["loss"]
         logits = theirs(ids[:, :-1])
-    got = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+    targets = ids[:, 1:].flatten()
+    got = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="none")
     torch.testing.assert_close(got.view_as(expected), expected, rtol=1e-5, atol=1e-5)
