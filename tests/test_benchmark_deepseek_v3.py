@@ -184,11 +184,9 @@ def _layer_numels(module: nn.Module, prefix: str) -> list[int]:
 def test_torchtitan_model_has_the_same_parameters(
     common: ModuleType, titan: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-
     args = titan.deepseek_v3_model_args(common.DEEPSEEK_V3)
     with torch.device("meta"):
-        theirs = DeepSeekV3Model(args)
+        theirs = titan.deepseek_v3_model_class()(args)
     provider, ours = _d9d_meta_model(_d9d_row_config(monkeypatch, tmp_path))
     total = common.deepseek_v3_params(common.DEEPSEEK_V3)["total"]
     assert sum(p.numel() for p in theirs.parameters()) == total
@@ -251,8 +249,6 @@ def test_torchtitan_model_computes_what_d9d_computes(
 ) -> None:
     """A tiny copy of the shape (every switch the same, small widths): equal weights give equal per-token
     losses, so routing (sigmoid, 4 of 8 groups, renormalized, ×2.5), MLA and RoPE agree, not just sizes."""
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
-
     tiny = {
         **common.DEEPSEEK_V3,
         "vocab_size": 96,
@@ -281,7 +277,7 @@ def test_torchtitan_model_computes_what_d9d_computes(
     # torchtitan counts tokens per expert with histc over int64 ids, which only CUDA implements
     histc = torch.histc
     monkeypatch.setattr(torch, "histc", lambda ids, *a, **k: histc(ids.float(), *a, **k).to(ids.dtype))
-    theirs = DeepSeekV3Model(args).eval()
+    theirs = titan.deepseek_v3_model_class()(args).eval()
     theirs.norm.eps = 1e-6
     _copy_into_titan(ours, theirs)
     ids = torch.randint(0, tiny["vocab_size"], (2, seq + 1), generator=torch.Generator().manual_seed(1))

@@ -107,12 +107,15 @@ def llama3_model_args(arch: dict[str, Any], seq_len: int = SEQ) -> Any:
 
 def deepseek_v3_model_args(arch: dict[str, Any], seq_len: int = SEQ) -> Any:
     """torchtitan's `DeepSeekV3ModelArgs` for `common.DEEPSEEK_V3`, routed as its own 671B entry spells
-    DeepSeek-V3 (sigmoid scores, renormalized top-k, weights applied after the experts, group-limited), SDPA
-    with the causal mask, grouped-mm experts. `load_balance_coeff=None`: no expert-bias buffer, like d9d's
-    row with `expert_bias` off, since this loop does not run the trainer's optimizer hook that would update
-    it. `moe_impl` is what the trainer's `update_from_config` sets from a default job (the standard MoE, not
-    DeepEP); this loop never calls that method, whose other effects (sequence length, grouped mm on SM90)
-    are set here directly."""
+    DeepSeek-V3 (sigmoid scores, renormalized top-k, weights applied after the experts, group-limited),
+    grouped-mm experts, and FlexAttention, which every DeepSeek entry of torchtitan's but its debug model
+    uses (its SDPA wrapper allows only the cuDNN, flash and math kernels, and MLA's 192-dim keys beside
+    128-dim values can leave it only math), with the plain causal mask (random tokens hold no documents).
+
+    `load_balance_coeff=None`: no expert-bias buffer, like d9d's row with `expert_bias` off, since this loop
+    does not run the trainer's optimizer hook that would update it. `moe_impl` is what the trainer's
+    `update_from_config` sets from a default job (the standard MoE, not DeepEP); this loop never calls that
+    method, whose other effects (sequence length, grouped mm on SM90) are set here directly."""
     _stub_unused_imports()
     from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
     from torchtitan.models.moe import MoEArgs
@@ -147,7 +150,7 @@ def deepseek_v3_model_args(arch: dict[str, Any], seq_len: int = SEQ) -> Any:
         qk_nope_head_dim=arch["qk_nope_head_dim"],
         qk_rope_head_dim=arch["qk_rope_head_dim"],
         v_head_dim=arch["v_head_dim"],
-        attn_type="sdpa",
+        attn_type="flex",
         attn_mask_type="causal",
         rope_theta=arch["rope_theta"],
     )
@@ -155,6 +158,25 @@ def deepseek_v3_model_args(arch: dict[str, Any], seq_len: int = SEQ) -> Any:
     # YaRN (and its softmax-scale correction) applies only past original_seq_len; d9d's row has plain RoPE
     assert args.max_seq_len <= args.original_seq_len
     return args
+
+
+def deepseek_v3_model_class() -> type[torch.nn.Module]:
+    """torchtitan's `DeepSeekV3Model`, callable as the loop calls every model (`net(ids)`): given no masks,
+    it builds the causal `BlockMask` its FlexAttention needs with the model's own `get_attention_masks`, as
+    torchtitan's trainer does before every step (the causal mask type reads no tokenizer)."""
+    _stub_unused_imports()
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+
+    class CausalDeepSeekV3Model(DeepSeekV3Model):  # type: ignore[misc]
+        def forward(
+            self, tokens: torch.Tensor, attention_masks: Any = None, positions: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            if attention_masks is None and self.model_args.attn_type == "flex":
+                attention_masks = self.get_attention_masks(tokens, tokenizer=None)
+            out: torch.Tensor = super().forward(tokens, attention_masks, positions)
+            return out
+
+    return CausalDeepSeekV3Model
 
 
 def build_model(model: str, compiled: bool, device: torch.device | None = None) -> tuple[Any, Any]:
@@ -169,9 +191,9 @@ def build_model(model: str, compiled: bool, device: torch.device | None = None) 
 
         args = llama3_model_args(ARCHS[model])
     elif model == "deepseek_v3":
-        from torchtitan.models.deepseek_v3 import DeepSeekV3Model as Qwen3Model
         from torchtitan.models.deepseek_v3 import parallelize_deepseekv3 as parallelize_qwen3
 
+        Qwen3Model = deepseek_v3_model_class()  # noqa: N806 (the name the shared code below builds)
         args = deepseek_v3_model_args(ARCHS[model])
     else:
         from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
