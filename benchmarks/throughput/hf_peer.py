@@ -18,6 +18,8 @@ HfVariant = Literal["plain", "liger", "compile"]
 def build_model(model: str) -> Any:
     import transformers
 
+    if model == "deepseek_v3":  # the peer for this shape is torchtitan's own deepseek_v3
+        raise ValueError("no transformers row for the DeepSeek-V3 shape: run it with --peers d9d,torchtitan")
     arch = ARCHS[model]
     common = {
         "vocab_size": arch["vocab_size"],
