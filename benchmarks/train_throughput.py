@@ -26,8 +26,9 @@ the d9d step (torch.profiler). Needs CUDA.
 
 `--model deepseek_v3`: a small DeepSeek-V3 of the MoE row's size (`common.DEEPSEEK_V3`: 16 layers, the first
 dense, hidden 1024, MLA with 16 heads, 64 experts top-8 + 1 shared, sigmoid, 4 of 8 groups; about 2.0B
-parameters, 0.51B active), against torchtitan's own `deepseek_v3`; no expert-bias update on either side. Its
-MFU counts MLA's widths (`common.deepseek_v3_flops_per_token`).
+parameters, 0.51B active), against torchtitan's own `deepseek_v3` (no transformers row: pass `--peers
+d9d,torchtitan`); no expert-bias update on either side. Its MFU counts MLA's widths
+(`common.deepseek_v3_flops_per_token`).
 
 Time on one H100: the dense rows take about 7 minutes, the MoE rows longer (Liger's fused MoE kernels
 autotune for minutes on their first step, the compiled rows compile for one to two minutes). Where one
