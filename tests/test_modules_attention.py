@@ -325,6 +325,17 @@ def test_flash_attn_backend_matches_eager() -> None:
         )
 
 
+def test_flash_attn_refuses_value_heads_narrower_than_query_heads() -> None:
+    """Multi-head latent attention (DeepSeek-V3) has 192-wide query/key heads and 128-wide value heads,
+    which flash_attn's kernels do not take: the explicit backend says so before importing the package."""
+    from d9d.modules.attention import FlashAttnSdpa
+
+    q = torch.randn(1, 2, 8, 192)
+    v = torch.randn(1, 2, 8, 128)
+    with pytest.raises(ValueError, match="equal query/key and value head dims"):
+        FlashAttnSdpa()(SdpaCall(q, q, v, mask=AttentionMask(), window=None, scale=0.1))
+
+
 @pytest.mark.parametrize("backend", ["torch", "eager"])
 def test_packed_collator_batch_keeps_documents_apart(backend: str) -> None:
     """A packed row from the causal-LM collator, fed with the keys the causal-LM task passes, gives each

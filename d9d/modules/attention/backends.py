@@ -167,6 +167,12 @@ class FlashAttnSdpa:
         return mask
 
     def __call__(self, call: SdpaCall) -> torch.Tensor:
+        if not _flash_shapes(call):
+            raise ValueError(
+                "attention backend 'flash_attn' needs equal query/key and value head dims (at most 256), got "
+                f"{call.q.shape[-1]} and {call.v.shape[-1]} (e.g. multi-head latent attention): use 'auto', "
+                "'torch' or 'flex'"
+            )
         from flash_attn import flash_attn_func
 
         out = flash_attn_func(
@@ -178,6 +184,12 @@ class FlashAttnSdpa:
             window_size=(call.window - 1, 0) if call.window is not None else (-1, -1),
         )
         return out.transpose(1, 2)  # type: ignore[no-any-return]  # flash_attn is untyped
+
+
+def _flash_shapes(call: SdpaCall) -> bool:
+    # flash_attn's kernels take one head dim for q, k and v (MLA's value heads are narrower than its query
+    # heads) and at most 256.
+    return call.q.shape[-1] == call.v.shape[-1] <= 256
 
 
 def _flash_attn_installed() -> bool:
@@ -230,7 +242,7 @@ class AutoSdpa:
         backend: SdpaBackend = self._torch
         if call.q.is_cuda:
             half = call.q.dtype in (torch.float16, torch.bfloat16)
-            if self._flash_installed and half and call.mask.is_plain_causal:
+            if self._flash_installed and half and call.mask.is_plain_causal and _flash_shapes(call):
                 backend = self._flash
             elif not call.plain_causal:
                 backend = self._flex
