@@ -1,7 +1,9 @@
 """PyTorch references for the MoE token movement: what the Triton kernels compute, written plainly.
 
 `slot_rows` [tokens, k] holds, for each (token, choice) slot, the row of the expert-grouped buffer that
-carries that copy; every row is named by at most one slot (rows no slot names are padding).
+carries that copy; every row is named by at most one slot (rows no slot names are padding). A negative
+entry is an absent slot: it writes no row, adds nothing and has a zero weight gradient (the
+expert-parallel exchange sends a token to a rank once and names only that rank's copies of it).
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ def scatter_rows_torch(
     if weights is not None:
         acc = accumulation_dtype(x.dtype)
         src = (src.to(acc) * weights[..., None].to(acc)).to(x.dtype)
-    rows = x.new_zeros(num_rows, x.shape[1])
-    rows[slot_rows.reshape(-1)] = src.reshape(tokens * k, x.shape[1])
-    return rows
+    # Absent slots write into one spare row past the end, dropped after: indices of data-independent
+    # size, so no host sync on CUDA (a boolean mask would need one).
+    target = torch.where(slot_rows >= 0, slot_rows, num_rows).reshape(-1)
+    rows = x.new_zeros(num_rows + 1, x.shape[1])
+    rows[target] = src.reshape(tokens * k, x.shape[1])
+    return rows[:num_rows]
 
 
 def gather_sum_torch(
@@ -34,7 +39,7 @@ def gather_sum_torch(
     """out[t] = Σ_j w[t, j] · rows[slot_rows[t, j]], accumulated in at least float32, returned in the rows'
     dtype."""
     acc = accumulation_dtype(rows.dtype)
-    picked = rows[slot_rows].to(acc)  # [tokens, k, hidden]
+    picked = _picked_rows(rows, slot_rows).to(acc)  # [tokens, k, hidden]
     if weights is not None:
         picked = picked * weights[..., None].to(acc)
     return picked.sum(1).to(rows.dtype)
@@ -44,4 +49,13 @@ def slot_dot_torch(rows: torch.Tensor, grad: torch.Tensor, slot_rows: torch.Tens
     """[tokens, k] in the accumulation dtype: ⟨rows[slot_rows[t, j]], grad[t]⟩, the gradient of a weighted
     combine."""
     acc = accumulation_dtype(rows.dtype)
-    return (rows[slot_rows].to(acc) * grad[:, None, :].to(acc)).sum(-1)
+    return (_picked_rows(rows, slot_rows).to(acc) * grad[:, None, :].to(acc)).sum(-1)
+
+
+def _picked_rows(rows: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tensor:
+    """[tokens, k, hidden]: the row each slot names, zero for absent slots. Selected rather than multiplied
+    by a mask, so a non-finite row never reaches a slot that does not name it."""
+    if rows.shape[0] == 0:  # only absent slots can point into an empty buffer
+        return rows.new_zeros(*slot_rows.shape, rows.shape[1])
+    present = (slot_rows >= 0)[..., None]
+    return torch.where(present, rows[slot_rows.clamp(min=0)], rows.new_zeros(()))
