@@ -131,9 +131,10 @@ class AllToAllMoECommunication:
         local_ids = torch.where(on_rank, ids[None] - ranks[:, None, None] * local_experts, -1)
         rank_weights = torch.where(on_rank, weights[None], 0)  # each weight lands on exactly one rank
         order = torch.argsort((~sent).to(torch.uint8), stable=True)  # sent (rank, token) pairs first
-        host = torch.stack([send_counts, recv_counts]).cpu()  # the dispatch's one host sync
-        send_splits, recv_splits = host[0, :, 0].tolist(), host[1, :, 0].tolist()
-        num_sent, num_copies = sum(send_splits), int(host[1, :, 1].sum())
+        sent_counts, received_counts = torch.stack([send_counts, recv_counts]).cpu().tolist()  # the one sync
+        send_splits = [rows for rows, _ in sent_counts]
+        recv_splits = [rows for rows, _ in received_counts]
+        num_sent, num_copies = sum(send_splits), sum(copies for _, copies in received_counts)
         order = order[:num_sent]
         send = permute_tokens(routed.hidden_states, send_slots, num_sent, backend=self.backend)
         rows = all_to_all(send, recv_splits, send_splits, self.group)
@@ -170,8 +171,8 @@ class AllToAllMoECommunication:
         send_counts = perm.rows_per_expert
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src rank, local expert]
-        counts = torch.stack([send_counts, recv_counts]).view(2, self.size, local_experts).sum(2).cpu()
-        send_splits, recv_splits = counts[0].tolist(), counts[1].tolist()
+        counts = torch.stack([send_counts, recv_counts]).view(2, self.size, local_experts).sum(2)
+        send_splits, recv_splits = counts.cpu().tolist()  # the one sync
         rows = all_to_all(send, recv_splits, send_splits, self.group)
         per_source = recv_counts.view(self.size, local_experts)
         expert_of_row = torch.repeat_interleave(  # output_size given: no second host sync
