@@ -3,12 +3,12 @@ one row per (token, expert) copy, the two modes of `AllToAllMoECommunication`.
 
 Every rank routes `--tokens` random tokens (hidden `--hidden`, `--dtype`) to `--top-k` of `--experts`
 distinct experts drawn uniformly (a balanced router), then times, per mode, with the device synchronized
-and the ranks at a barrier between phases (the slowest rank's time, median of `--steps` after `--warmup`):
-dispatch forward, combine forward, and backward through both (the experts are a scaling, so only the
-exchange and its index work are timed). It counts what goes on the wire by wrapping
-`dist.all_to_all_single`: hidden-state rows sent by all ranks (and those to another rank), and bytes of
-every message (metadata and counts included), against the expected distinct ranks per token,
-ep · (1 − C(E − E/ep, k) / C(E, k)).
+and the ranks at a barrier between phases (the slowest rank's time, median of `--steps` after `--warmup`;
+the modes take turns step by step): dispatch forward, combine forward, and backward through both (the
+experts are a scaling, so only the exchange and its index work are timed). It counts what goes on the
+wire by wrapping `dist.all_to_all_single`: hidden-state rows sent by all ranks (and those to another
+rank), and bytes of every message (metadata and counts included), against the expected distinct ranks
+per token, ep · (1 − C(E − E/ep, k) / C(E, k)).
 
     torchrun --standalone --nproc-per-node 4 benchmarks/ep_exchange.py          # the issue-28 shape
     torchrun --standalone --nproc-per-node 2 benchmarks/ep_exchange.py --smoke  # tiny, gloo on CPU
@@ -95,50 +95,59 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     return result, float(elapsed)
 
 
-def run_mode(
-    args: argparse.Namespace, dedup: bool, device: torch.device, dtype: torch.dtype
-) -> dict[str, Any]:
-    rank, ep = dist.get_rank(), dist.get_world_size()
-    comm = AllToAllMoECommunication(dist.group.WORLD, dedup=dedup)
-    g = torch.Generator().manual_seed(1234 + rank)
-    x = torch.randn(args.tokens, args.hidden, generator=g).to(device, dtype).requires_grad_()
-    ids = torch.rand(args.tokens, args.experts, generator=g).topk(args.top_k, dim=1).indices.to(device)
-    w = torch.rand(args.tokens, args.top_k, generator=g).to(device, dtype).requires_grad_()
-    grad_out = torch.randn(args.tokens, args.hidden, generator=g).to(device, dtype)
-    phases: dict[str, list[float]] = {"dispatch": [], "combine": [], "backward": []}
-    wire = None
-    for step in range(args.warmup + args.steps):
-        x.grad = w.grad = None
-        counter = WireCounter(args.hidden) if step == 0 else None
+class Mode:
+    """One exchange mode on this rank's batch (the same batch for every mode: the seed is the rank's)."""
+
+    def __init__(
+        self, args: argparse.Namespace, dedup: bool, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.args, self.device, self.name = args, device, "dedup" if dedup else "copies"
+        self.comm = AllToAllMoECommunication(dist.group.WORLD, dedup=dedup)
+        g = torch.Generator().manual_seed(1234 + dist.get_rank())
+        tokens, hidden = args.tokens, args.hidden
+        self.x = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
+        self.ids = torch.rand(tokens, args.experts, generator=g).topk(args.top_k, dim=1).indices.to(device)
+        self.w = torch.rand(tokens, args.top_k, generator=g).to(device, dtype).requires_grad_()
+        self.grad_out = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+        self.phases: dict[str, list[float]] = {"dispatch": [], "combine": [], "backward": []}
+        self.wire: WireCounter | None = None
+
+    def step(self, timed_step: bool) -> None:
+        self.x.grad = self.w.grad = None
+        counter = WireCounter(self.args.hidden) if self.wire is None else None
         if counter is not None:
             counter.__enter__()
-        d, t_dispatch = timed(lambda: comm.dispatch(RoutedTokens(x, ids, w, args.experts)), device)
-        out, t_combine = timed(lambda d=d: comm.combine(d.hidden_states * 2, d), device)
-        _, t_backward = timed(lambda out=out: out.backward(grad_out), device)
+        routed = RoutedTokens(self.x, self.ids, self.w, self.args.experts)
+        d, t_dispatch = timed(lambda: self.comm.dispatch(routed), self.device)
+        out, t_combine = timed(lambda: self.comm.combine(d.hidden_states * 2, d), self.device)
+        _, t_backward = timed(lambda: out.backward(self.grad_out), self.device)
         if counter is not None:
             counter.__exit__()
-            wire = counter
-        if step >= args.warmup:
+            self.wire = counter
+        if timed_step:
             for name, t in (("dispatch", t_dispatch), ("combine", t_combine), ("backward", t_backward)):
-                phases[name].append(t)
-    assert wire is not None
-    counts = [wire.rows, wire.rows_off_rank, wire.bytes, wire.bytes_off_rank]
-    totals = torch.tensor(counts, dtype=torch.float64, device=device)
-    dist.all_reduce(totals)  # every rank's sends
-    rows, rows_off, sent_bytes, bytes_off = (int(v) for v in totals.tolist())
-    # rows counted over dispatch, combine and both backwards: four hidden-state messages per token row
-    tokens_all = args.tokens * ep
-    median = {name: statistics.median(times) for name, times in phases.items()}
-    return {
-        "mode": "dedup" if dedup else "copies",
-        "hidden_rows_per_message": rows / 4,
-        "rows_per_token": rows / 4 / tokens_all,
-        "rows_per_token_off_rank": rows_off / 4 / tokens_all,
-        "bytes_per_step": sent_bytes,
-        "bytes_per_step_off_rank": bytes_off,
-        "median_s": median,
-        "total_s": sum(median.values()),
-    }
+                self.phases[name].append(t)
+
+    def result(self) -> dict[str, Any]:
+        assert self.wire is not None
+        wire = self.wire
+        counts = [wire.rows, wire.rows_off_rank, wire.bytes, wire.bytes_off_rank]
+        totals = torch.tensor(counts, dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)  # every rank's sends
+        rows, rows_off, sent_bytes, bytes_off = (int(v) for v in totals.tolist())
+        # rows counted over dispatch, combine and both backwards: four hidden-state messages per step
+        tokens_all = self.args.tokens * dist.get_world_size()
+        median = {name: statistics.median(times) for name, times in self.phases.items()}
+        return {
+            "mode": self.name,
+            "hidden_rows_per_message": rows / 4,
+            "rows_per_token": rows / 4 / tokens_all,
+            "rows_per_token_off_rank": rows_off / 4 / tokens_all,
+            "bytes_per_step": sent_bytes,
+            "bytes_per_step_off_rank": bytes_off,
+            "median_s": median,
+            "total_s": sum(median.values()),
+        }
 
 
 def main() -> None:
@@ -167,7 +176,11 @@ def main() -> None:
     dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     dtype = getattr(torch, args.dtype)
     ep = dist.get_world_size()
-    results = [run_mode(args, mode == "dedup", device, dtype) for mode in args.modes.split(",")]
+    modes = [Mode(args, name == "dedup", device, dtype) for name in args.modes.split(",")]
+    for step in range(args.warmup + args.steps):  # modes take turns, so drift on the machine hits both
+        for mode in modes:
+            mode.step(timed_step=step >= args.warmup)
+    results = [mode.result() for mode in modes]
     if dist.get_rank() == 0:
         expected = expected_distinct_ranks(args.experts, ep, args.top_k)
         report = {
