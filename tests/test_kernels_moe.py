@@ -304,6 +304,30 @@ def test_triton_kernels_match_reference_on_cuda() -> None:
 
 
 @pytest.mark.gpu
+def test_triton_kernels_with_absent_slots_match_reference_on_cuda() -> None:
+    """The expert-parallel receiver's shape of slots: [rows, k] with about a quarter present."""
+    g = torch.Generator().manual_seed(5)
+    tokens, k, hidden = 4096, 8, 1024
+    present = torch.rand(tokens, k, generator=g) < 0.27
+    num_rows = int(present.sum())
+    slots = torch.full((tokens, k), -1)
+    slots[present] = torch.randperm(num_rows, generator=g)
+    slots = slots.cuda()
+    results = {}
+    for backend in ("torch", "triton"):
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(tokens, hidden, generator=gen).cuda().bfloat16().requires_grad_()
+        w = torch.rand(tokens, k, generator=gen).cuda().bfloat16().requires_grad_()
+        rows = permute_tokens(x, slots, num_rows, backend=backend)
+        out = combine_tokens(rows * 1.5, slots, weights=w, backend=backend)
+        out.float().pow(2).sum().backward()
+        results[backend] = (rows, out, x.grad, w.grad)
+    for a, b in zip(results["triton"], results["torch"], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    assert results["triton"][3][~present.cuda()].abs().sum() == 0
+
+
+@pytest.mark.gpu
 def test_moe_layer_on_cuda_triton_aligned_matches_reference_path() -> None:
     """The production path (Triton permute/combine, aligned groups, torch._grouped_mm, bf16) against the
     reference path (PyTorch ops, unaligned) on the same weights."""
