@@ -89,6 +89,102 @@ def test_custom_ops_pass_opcheck_and_gradcheck() -> None:
     torch.autograd.gradcheck(lambda a, b: gather(a, b, perm.slot_rows, "torch"), (rows, w))
 
 
+# Absent (negative) slots, as the expert-parallel exchange passes them: 4 received rows, k = 3, 6 present
+# copies over a 6-row buffer; row 3 is named by one slot, one row has all its slots present.
+_SPARSE_SLOTS = torch.tensor([[4, -1, 0], [-1, -1, 5], [1, 2, 3], [-1, -1, -1]])
+
+
+def _loop_scatter(
+    x: torch.Tensor, weights: torch.Tensor, slot_rows: torch.Tensor, num_rows: int
+) -> torch.Tensor:
+    rows = torch.zeros(num_rows, x.shape[1], dtype=torch.float64)
+    for t in range(slot_rows.shape[0]):
+        for j in range(slot_rows.shape[1]):
+            if slot_rows[t, j] >= 0:
+                rows[slot_rows[t, j]] = weights[t, j].double() * x[t].double()
+    return rows
+
+
+def test_absent_slots_write_nothing_add_nothing_and_get_zero_weight_gradient() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    rows = permute_tokens(x, _SPARSE_SLOTS, 6, weights=w, backend="torch")
+    torch.testing.assert_close(rows, _loop_scatter(x, w, _SPARSE_SLOTS, 6), rtol=0, atol=0)
+    present = _SPARSE_SLOTS >= 0
+    # an absent slot of a non-finite buffer stays out of the sum (selected away, not multiplied by 0)
+    poisoned = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    out = combine_tokens(poisoned, _SPARSE_SLOTS, weights=w, backend="torch")
+    loop = _loop_combine(poisoned, torch.where(present, w, 0), _SPARSE_SLOTS.clamp(min=0))
+    torch.testing.assert_close(out, loop, rtol=0, atol=1e-15)
+    assert out[3].abs().sum() == 0  # a token with no present slot gets zero
+    with_nan = torch.cat([poisoned, torch.full((1, 5), float("nan"), dtype=torch.float64)])
+    assert combine_tokens(with_nan, _SPARSE_SLOTS, weights=w, backend="torch").isfinite().all()
+    # gradients: against plain indexing over the present slots only
+    (out.pow(2).sum() + rows.pow(2).sum()).backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    t_idx, j_idx = present.nonzero(as_tuple=True)
+    r_idx = _SPARSE_SLOTS[t_idx, j_idx]
+    rows2 = torch.zeros(6, 5, dtype=torch.float64).index_put((r_idx,), x2[t_idx] * w2[t_idx, j_idx, None])
+    out2 = torch.zeros(4, 5, dtype=torch.float64).index_add(
+        0, t_idx, poisoned[r_idx] * w2[t_idx, j_idx, None]
+    )
+    (out2.pow(2).sum() + rows2.pow(2).sum()).backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-13, atol=1e-13)
+    assert w.grad[~present].abs().sum() == 0
+    rows_in = poisoned.clone().requires_grad_()
+    torch.autograd.gradcheck(
+        lambda a, b: combine_tokens(a, _SPARSE_SLOTS, weights=b, backend="torch"), (rows_in, w)
+    )
+    torch.autograd.gradcheck(
+        lambda a, b: permute_tokens(a, _SPARSE_SLOTS, 6, weights=b, backend="torch"), (x, w)
+    )
+    for weights in (None, w):
+        torch.library.opcheck(torch.ops.d9d.moe_scatter_rows.default, (x, weights, _SPARSE_SLOTS, 6, "torch"))
+        torch.library.opcheck(
+            torch.ops.d9d.moe_gather_sum.default, (rows_in, weights, _SPARSE_SLOTS, "torch")
+        )
+    # every slot absent over an empty buffer
+    none = torch.full((2, 3), -1)
+    assert permute_tokens(x[:2], none, 0, backend="torch").shape == (0, 5)
+    empty_out = combine_tokens(x.new_zeros(0, 5), none, weights=w[:2], backend="torch")
+    assert empty_out.shape == (2, 5) and empty_out.abs().sum() == 0
+
+
+def test_reference_compact_and_dense_forms_agree() -> None:
+    """The reference's two forms (compacted present slots, the CPU default; dense and sync-free, the CUDA
+    one) on random sparse slots, half-precision included, against float64 loops."""
+    from d9d.kernels.moe.reference import gather_sum_torch, scatter_rows_torch, slot_dot_torch
+
+    g = torch.Generator().manual_seed(4)
+    tokens, k, hidden = 9, 4, 6
+    present = torch.rand(tokens, k, generator=g) < 0.4
+    num_rows = int(present.sum())
+    slots = torch.full((tokens, k), -1)
+    slots[present] = torch.randperm(num_rows, generator=g)
+    for dtype in (torch.float64, torch.bfloat16):
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
+        w = torch.rand(tokens, k, generator=g).to(dtype)
+        rows = torch.randn(num_rows, hidden, generator=g).to(dtype)
+        grad = torch.randn(tokens, hidden, generator=g).to(dtype)
+        tol = {"rtol": 0, "atol": 1e-14} if dtype == torch.float64 else {"rtol": 1e-2, "atol": 1e-2}
+        scattered = [scatter_rows_torch(x, w, slots, num_rows, compact=c) for c in (True, False)]
+        gathered = [gather_sum_torch(rows, w, slots, compact=c) for c in (True, False)]
+        dots = [slot_dot_torch(rows, grad, slots, compact=c) for c in (True, False)]
+        for got in scattered:
+            torch.testing.assert_close(got.double(), _loop_scatter(x, w, slots, num_rows), **tol)
+        for got in gathered:
+            want = _loop_combine(rows, torch.where(present, w, 0), slots.clamp(min=0))
+            torch.testing.assert_close(got.double(), want, **tol)
+        want_dot = torch.zeros(tokens, k, dtype=torch.float64)
+        for t, j in present.nonzero().tolist():
+            want_dot[t, j] = (rows[slots[t, j]].double() * grad[t].double()).sum()
+        for got in dots:
+            torch.testing.assert_close(got.double(), want_dot, **tol)
+        assert scattered[0].dtype == scattered[1].dtype == gathered[0].dtype == gathered[1].dtype == dtype
+
+
 def test_empty_batch() -> None:
     ids = torch.empty(0, 2, dtype=torch.long)
     perm = expert_permutation(ids, 4, align=4)
@@ -155,6 +251,26 @@ _INTERPRETER_CHECK = textwrap.dedent(
         for a, b in zip(results["triton"], results["torch"]):
             assert a.dtype == b.dtype, (a.dtype, b.dtype)
             torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    # absent (negative) slots: masked off in every kernel
+    slots = torch.tensor([[4, -1, 0], [-1, -1, 5], [1, 2, 3], [-1, -1, -1]])
+    for dtype, hidden, tol in [(torch.float32, 37, 1e-6), (torch.bfloat16, 20, 1e-2)]:
+        results = {}
+        for backend in ("torch", "triton"):
+            gen = torch.Generator().manual_seed(2)
+            x = torch.randn(4, hidden, generator=gen).to(dtype).requires_grad_()
+            w = torch.rand(4, 3, generator=gen).to(dtype).requires_grad_()
+            scale = torch.randn(6, hidden, generator=gen).to(dtype)
+            rows = permute_tokens(x, slots, 6, backend=backend)
+            out = combine_tokens(rows * scale, slots, weights=w, backend=backend)
+            dy = torch.randn(4, hidden, generator=gen).to(dtype)
+            (out.float() * dy.float()).sum().backward()
+            w2 = w.detach().clone().requires_grad_()
+            scattered = permute_tokens(x.detach(), slots, 6, weights=w2, backend=backend)
+            (scattered.float() * scale.float()).sum().backward()
+            results[backend] = (rows, out, x.grad, w.grad, scattered, w2.grad)
+        for a, b in zip(results["triton"], results["torch"]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+        assert results["triton"][3][slots < 0].abs().sum() == 0
     # an empty batch launches nothing
     empty = expert_permutation(torch.empty(0, 2, dtype=torch.long), 4)
     assert permute_tokens(torch.randn(0, 8), empty.slot_rows, 0, backend="triton").shape == (0, 8)
@@ -185,6 +301,30 @@ def test_triton_kernels_match_reference_on_cuda() -> None:
         results[backend] = (rows, out, x.grad, w.grad)
     for a, b in zip(results["triton"], results["torch"], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_triton_kernels_with_absent_slots_match_reference_on_cuda() -> None:
+    """The expert-parallel receiver's shape of slots: [rows, k] with about a quarter present."""
+    g = torch.Generator().manual_seed(5)
+    tokens, k, hidden = 4096, 8, 1024
+    present = torch.rand(tokens, k, generator=g) < 0.27
+    num_rows = int(present.sum())
+    slots = torch.full((tokens, k), -1)
+    slots[present] = torch.randperm(num_rows, generator=g)
+    slots = slots.cuda()
+    results = {}
+    for backend in ("torch", "triton"):
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(tokens, hidden, generator=gen).cuda().bfloat16().requires_grad_()
+        w = torch.rand(tokens, k, generator=gen).cuda().bfloat16().requires_grad_()
+        rows = permute_tokens(x, slots, num_rows, backend=backend)
+        out = combine_tokens(rows * 1.5, slots, weights=w, backend=backend)
+        out.float().pow(2).sum().backward()
+        results[backend] = (rows, out, x.grad, w.grad)
+    for a, b in zip(results["triton"], results["torch"], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    assert results["triton"][3][~present.cuda()].abs().sum() == 0
 
 
 @pytest.mark.gpu

@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import sys
 import types
+import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from pydantic import TypeAdapter, ValidationError
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
 from d9d.modules.mlp import SwiGLU
@@ -44,14 +47,20 @@ HIDDEN = 5
 
 
 def _routing(
-    rank: int, num_experts: int, k: int, case: str
+    rank: int, num_experts: int, k: int, case: str, ep: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-rank tokens and routing; `case` shapes the imbalance."""
     g = torch.Generator().manual_seed(1000 * rank + sum(map(ord, case)))
-    tokens = {"uneven": 3 + 4 * rank, "empty_rank": 0 if rank == 1 else 6, "one_expert": 7}[case]
+    tokens = {"uneven": 3 + 4 * rank, "empty_rank": 0 if rank == 1 else 6, "one_expert": 7, "same_rank": 6}[
+        case
+    ]
     x = torch.randn(tokens, HIDDEN, generator=g, dtype=torch.float64)
-    if case == "one_expert":  # every copy goes to expert 1: all other experts (and ranks) receive nothing
+    local_n = num_experts // ep
+    if case == "one_expert":  # every copy goes to expert 1 (k = 1): every other rank receives nothing
         ids = torch.stack([torch.full((tokens,), 1), torch.full((tokens,), num_experts - 1)], 1)[:, :k]
+    elif case == "same_rank":  # each token's k experts all sit on one rank (drawn per token)
+        home = torch.randint(0, ep, (tokens,), generator=g)
+        ids = torch.stack([h * local_n + torch.randperm(local_n, generator=g)[:k] for h in home])
     else:  # experts 0 and 2 are never chosen: zero counts inside a rank's expert range
         allowed = torch.tensor([e for e in range(num_experts) if e not in (0, 2)])
         picks = [allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(tokens)]
@@ -71,62 +80,335 @@ def _reference(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: tor
     return torch.einsum("tk,tkh->th", w, torch.tanh(torch.einsum("th,tkhj->tkj", x, experts[ids])))
 
 
+def _rows_to_each_rank(ids: torch.Tensor, local_n: int, ep: int, dedup: bool) -> list[int]:
+    """Hidden-state rows one sender's routing puts on the wire to each rank, counted with plain loops: a
+    row per distinct (token, rank) pair deduplicated, a row per (token, expert) copy otherwise."""
+    rows = [0] * ep
+    for token in ids.tolist():
+        ranks = [e // local_n for e in token]
+        for r in set(ranks) if dedup else ranks:
+            rows[r] += 1
+    return rows
+
+
+class _WireLog:
+    """Records every `all_to_all_single` this process issues: (input shape, dtype, input split sizes)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], torch.dtype, list[int] | None]] = []
+        self._original = dist.all_to_all_single
+
+    def __enter__(self) -> _WireLog:
+        def record(output: torch.Tensor, input: torch.Tensor, *args: object, **kwargs: object) -> object:
+            splits = kwargs.get("input_split_sizes", args[1] if len(args) > 1 else None)
+            self.calls.append((tuple(input.shape), input.dtype, list(splits) if splits is not None else None))
+            return self._original(output, input, *args, **kwargs)  # type: ignore[arg-type]
+
+        dist.all_to_all_single = record  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_to_all_single = self._original
+
+    def hidden_splits(self) -> list[list[int] | None]:
+        """Split sizes of the hidden-state messages (width HIDDEN, float64), in issue order."""
+        return [
+            splits for shape, dtype, splits in self.calls if shape[1:] == (HIDDEN,) and dtype == torch.float64
+        ]
+
+
 def _exchange(env: RankEnv) -> None:
+    tight = {"rtol": 1e-12, "atol": 1e-12}  # float64: only the per-token summation order may differ
     for ep in (2, env.world_size):
         groups = [dist.new_group(list(range(s, s + ep))) for s in range(0, env.world_size, ep)]
         group = groups[env.rank // ep]
         ep_rank = env.rank % ep
-        comm = AllToAllMoECommunication(group)
-        for num_experts, k in ((2 * ep, 2), (3 * ep, 1)):
-            full_experts = _expert_weights(num_experts)
-            local_n = num_experts // ep
-            for case in ("uneven", "empty_rank", "one_expert"):
-                what = f"ep={ep} experts={num_experts} k={k} case={case}"
-                x, ids, w = _routing(env.rank, num_experts, k, case)
-                x.requires_grad_()
-                w.requires_grad_()
-                local_experts = (
-                    full_experts[ep_rank * local_n : (ep_rank + 1) * local_n].clone().requires_grad_()
-                )
-                d = comm.dispatch(RoutedTokens(x, ids, w, num_experts))
-                assert d.tokens_per_expert.shape == (local_n,), what
-                assert int(d.tokens_per_expert.sum()) == d.hidden_states.shape[0], what
-                outs = [
-                    torch.tanh(rows @ local_experts[e])
-                    for e, rows in enumerate(d.hidden_states.split(d.tokens_per_expert.tolist()))
-                ]
-                out = comm.combine(torch.cat(outs), d)
-                dy = torch.randn(
-                    out.shape, generator=torch.Generator().manual_seed(env.rank), dtype=torch.float64
-                )
-                (out * dy).sum().backward()
-
-                # Reference: the same math on this rank's tokens, and on every rank's tokens for expert grads.
-                xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-                experts_ref = full_experts.clone().requires_grad_()
-                want = _reference(xr, ids, wr, experts_ref)
-                (want * dy).sum().backward()
-                torch.testing.assert_close(out, want, msg=what)
-                torch.testing.assert_close(x.grad, xr.grad, msg=what)
-                torch.testing.assert_close(w.grad, wr.grad, msg=what)
-                expert_grad_ref = torch.zeros_like(full_experts)
-                for r in range(env.world_size):
-                    if r // ep != env.rank // ep:
-                        continue
-                    xo, io, wo = _routing(r, num_experts, k, case)
-                    eo = full_experts.clone().requires_grad_()
-                    dyo = torch.randn(
-                        xo.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64
+        peers = [r for r in range(env.world_size) if r // ep == env.rank // ep]
+        for dedup in (True, False):
+            comm = AllToAllMoECommunication(group, dedup=dedup)
+            for num_experts, k in ((2 * ep, 2), (3 * ep, 1)):
+                full_experts = _expert_weights(num_experts)
+                local_n = num_experts // ep
+                for case in ("uneven", "empty_rank", "one_expert", "same_rank"):
+                    what = f"ep={ep} dedup={dedup} experts={num_experts} k={k} case={case}"
+                    x, ids, w = _routing(env.rank, num_experts, k, case, ep)
+                    x.requires_grad_()
+                    w.requires_grad_()
+                    local_experts = (
+                        full_experts[ep_rank * local_n : (ep_rank + 1) * local_n].clone().requires_grad_()
                     )
-                    (_reference(xo, io, wo, eo) * dyo).sum().backward()
-                    expert_grad_ref += eo.grad
-                mine = expert_grad_ref[ep_rank * local_n : (ep_rank + 1) * local_n]
-                torch.testing.assert_close(local_experts.grad, mine, msg=what)
+                    with _WireLog() as wire:
+                        d = comm.dispatch(RoutedTokens(x, ids, w, num_experts))
+                        assert d.tokens_per_expert.shape == (local_n,), what
+                        assert int(d.tokens_per_expert.sum()) == d.hidden_states.shape[0], what
+                        outs = [
+                            torch.tanh(rows @ local_experts[e])
+                            for e, rows in enumerate(d.hidden_states.split(d.tokens_per_expert.tolist()))
+                        ]
+                        out = comm.combine(torch.cat(outs), d)
+                        dy = torch.randn(
+                            out.shape, generator=torch.Generator().manual_seed(env.rank), dtype=torch.float64
+                        )
+                        (out * dy).sum().backward()
+
+                    # What went on the wire: every hidden-state message (dispatch, combine, and both
+                    # backwards) carries exactly the rows counted independently from the routing.
+                    sent = _rows_to_each_rank(ids, local_n, ep, dedup)
+                    received = [
+                        _rows_to_each_rank(_routing(r, num_experts, k, case, ep)[1], local_n, ep, dedup)[
+                            ep_rank
+                        ]
+                        for r in peers
+                    ]
+                    assert wire.hidden_splits() == [sent, received, sent, received], what
+                    assert d.hidden_states.shape[0] == sum(  # the receiver expands to one row per copy
+                        _rows_to_each_rank(_routing(r, num_experts, k, case, ep)[1], local_n, ep, False)[
+                            ep_rank
+                        ]
+                        for r in peers
+                    ), what
+                    if case == "same_rank" and dedup:
+                        assert sum(sent) == ids.shape[0], what  # a token whose experts share a rank: one row
+
+                    # Reference: the same math on this rank's tokens, and every group rank's for expert grads.
+                    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+                    experts_ref = full_experts.clone().requires_grad_()
+                    want = _reference(xr, ids, wr, experts_ref)
+                    (want * dy).sum().backward()
+                    torch.testing.assert_close(out, want, msg=what, **tight)
+                    torch.testing.assert_close(x.grad, xr.grad, msg=what, **tight)
+                    torch.testing.assert_close(w.grad, wr.grad, msg=what, **tight)
+                    expert_grad_ref = torch.zeros_like(full_experts)
+                    for r in peers:
+                        xo, io, wo = _routing(r, num_experts, k, case, ep)
+                        eo = full_experts.clone().requires_grad_()
+                        dyo = torch.randn(
+                            xo.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64
+                        )
+                        (_reference(xo, io, wo, eo) * dyo).sum().backward()
+                        expert_grad_ref += eo.grad
+                    mine = expert_grad_ref[ep_rank * local_n : (ep_rank + 1) * local_n]
+                    torch.testing.assert_close(local_experts.grad, mine, msg=what, **tight)
 
 
 @pytest.mark.distributed
 def test_all_to_all_matches_local_permutation() -> None:
-    run_distributed(_exchange, 4, timeout=120)
+    """Both exchanges (deduplicated and one row per copy) at ep 2 and 4, output and every gradient against
+    plain float64 math, and the rows each puts on the wire against counts taken from the routing."""
+    run_distributed(_exchange, 4, timeout=180)
+
+
+# -- host synchronization on the hot path ---------------------------------------------------------------
+
+# aten ops that make the host wait for the device on CUDA: a scalar read, or an output whose size depends on
+# the data (a boolean index is a nonzero underneath).
+_SYNCING_OPS = {
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "masked_select",
+    "bincount",
+    "unique_dim",
+    "_unique2",
+}
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts device→host reads: `Tensor.cpu()` / `.tolist()` calls, and the aten ops above."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self._saved = (torch.Tensor.cpu, torch.Tensor.tolist)
+
+    def __enter__(self) -> _HostReads:
+        cpu, tolist = self._saved
+
+        def counted_cpu(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self.reads.append("Tensor.cpu")
+            host = cpu(t, *args, **kwargs)
+            host._d9d_on_host = True  # type: ignore[attr-defined]
+            return host
+
+        def counted_tolist(t: torch.Tensor) -> Any:
+            # a list read from a tensor `.cpu()` already brought over costs nothing more
+            if not getattr(t, "_d9d_on_host", False):
+                self.reads.append("Tensor.tolist")
+            return tolist(t)
+
+        torch.Tensor.cpu = counted_cpu  # type: ignore[method-assign]
+        torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.cpu, torch.Tensor.tolist = self._saved  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _SYNCING_OPS:
+            self.reads.append(name)
+        if name in ("index", "index_put", "index_put_") and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        ):
+            self.reads.append(f"{name} with a boolean mask")
+        if (
+            name == "repeat_interleave"
+            and kwargs.get("output_size") is None
+            and isinstance(args[0], torch.Tensor)
+        ):
+            self.reads.append("repeat_interleave without output_size")
+        out = func(*args, **kwargs)
+        return out
+
+
+def _host_syncs(env: RankEnv) -> None:
+    group = dist.new_group(list(range(env.world_size)))
+    num_experts, k = 4 * env.world_size, 3
+    for dedup in (True, False):
+        comm = AllToAllMoECommunication(group, dedup=dedup)
+        x, ids, w = _routing(env.rank, num_experts, k, "uneven", env.world_size)
+        x.requires_grad_()
+        w.requires_grad_()
+        with _HostReads() as dispatch_reads:
+            d = comm.dispatch(RoutedTokens(x, ids, w, num_experts))
+        # the split sizes, once: what `all_to_all_single` needs as Python ints
+        assert dispatch_reads.reads == ["Tensor.cpu"], (dedup, dispatch_reads.reads)
+        expert_out = torch.tanh(d.hidden_states) * torch.arange(1.0, d.hidden_states.shape[0] + 1)[:, None]
+        with _HostReads() as combine_reads:
+            out = comm.combine(expert_out, d)
+            out.pow(2).sum().backward()
+        assert combine_reads.reads == [], (dedup, combine_reads.reads)
+        assert x.grad is not None and w.grad is not None
+
+
+@pytest.mark.distributed
+def test_exchange_reads_the_host_once_per_dispatch_and_never_in_combine_or_backward() -> None:
+    run_distributed(_host_syncs, 2, timeout=60)
+
+
+def _cuda_syncs(env: RankEnv) -> None:
+    """The same on NCCL with CUDA's own sync detector: one synchronizing call in dispatch, none after; and
+    the deduplicated exchange against the copy exchange in bf16."""
+    torch.cuda.set_device(env.rank)
+    group = dist.new_group(list(range(env.world_size)), backend="nccl")
+    device = torch.device("cuda", env.rank)
+    num_experts, k, hidden, tokens = 16, 4, 256, 512
+    g = torch.Generator().manual_seed(env.rank)
+    x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16).requires_grad_()
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(tokens)]).to(device)
+    w = torch.rand(tokens, k, generator=g).to(device, torch.bfloat16).requires_grad_()
+    comm = AllToAllMoECommunication(group)
+    comm.dispatch(RoutedTokens(x, ids, w, num_experts))  # warm-up: first-call allocations and kernel loads
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as dispatch_warnings:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            d = comm.dispatch(RoutedTokens(x, ids, w, num_experts))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [m for m in dispatch_warnings if "synchronizing" in str(m.message)]
+    assert len(syncs) == 1, [str(m.message) for m in syncs]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = comm.combine(d.hidden_states * 2, d)
+        out.float().pow(2).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # and the copy exchange gives the same in bf16 (up to the rounding of each rank's partial)
+    grads = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    copies = AllToAllMoECommunication(group, dedup=False)
+    d2 = copies.dispatch(RoutedTokens(x, ids, w, num_experts))
+    out2 = copies.combine(d2.hidden_states * 2, d2)
+    out2.float().pow(2).sum().backward()
+    assert torch.equal(d.tokens_per_expert, d2.tokens_per_expert)
+    torch.testing.assert_close(out.float(), out2.float(), rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads, (x.grad, w.grad), strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.gpus(2)
+def test_exchange_host_syncs_on_gpus() -> None:
+    run_distributed(_cuda_syncs, 2, timeout=300)
+
+
+# -- the MoE layer under expert parallelism against the same layer in one process ---------------------
+
+
+def _moe_layer(num_experts: int, k: int, hidden: int) -> MoELayer:
+    torch.manual_seed(31)
+    layer = MoELayer(TopKRouter(hidden, num_experts, k), GroupedExperts(num_experts, hidden, 4))
+    return layer.double()
+
+
+def _layer_tokens(rank: int, hidden: int) -> torch.Tensor:
+    """Uneven tokens per rank, none on rank 3 (a rank that sends nothing)."""
+    count = (5, 9, 3, 0)[rank]
+    return torch.randn(count, hidden, generator=torch.Generator().manual_seed(70 + rank), dtype=torch.float64)
+
+
+def _layer_against_single_process(env: RankEnv) -> None:
+    num_experts, k, hidden = 8, 3, 6
+    # The reference: the unsharded layer, run on each rank's tokens one rank at a time (the router's
+    # float32 softmax then sees the very same rows as the sharded run, so routing is identical).
+    ref = _moe_layer(num_experts, k, hidden)
+    ref_grads: dict[int, dict[str, torch.Tensor]] = {}
+    for r in range(env.world_size):
+        ref.zero_grad()
+        xr = _layer_tokens(r, hidden).requires_grad_()
+        out = ref(xr)
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(90 + r), dtype=torch.float64)
+        (out * dy).sum().backward()
+        ref_grads[r] = {"out": out.detach(), "x": xr.grad, "router": ref.gate.weight.grad.clone()}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            ref_grads[r][name] = getattr(ref.experts, name).grad.clone()
+    for ep in (2, env.world_size):  # ep 2 runs with ep_replicate 2
+        ctx = DistributedContext.create(
+            DeviceMeshParameters(data_parallel_replicate=env.world_size, expert_parallel=ep), backend="gloo"
+        )
+        expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
+        for dedup in (True, False):
+            what = f"ep={ep} ep_replicate={env.world_size // ep} dedup={dedup}"
+            layer = _moe_layer(num_experts, k, hidden)
+            parallelize_expert_parallel(
+                layer,
+                expert_mesh,
+                device=ctx.device,
+                dtype=torch.float64,
+                backend=AllToAllBackendConfig(dedup=dedup),
+            )
+            assert isinstance(layer.communication, AllToAllMoECommunication), what
+            assert layer.communication.dedup == dedup, what
+            x = _layer_tokens(env.rank, hidden).requires_grad_()
+            out = layer(x)
+            dy = torch.randn(
+                out.shape, generator=torch.Generator().manual_seed(90 + env.rank), dtype=torch.float64
+            )
+            (out * dy).sum().backward()
+            tight = {"rtol": 1e-12, "atol": 1e-12, "msg": what}
+            mine = ref_grads[env.rank]
+            torch.testing.assert_close(out, mine["out"], **tight)
+            torch.testing.assert_close(x.grad, mine["x"], **tight)
+            # the router's gradient comes only through the routing weights (no balancing loss here)
+            torch.testing.assert_close(layer.gate.weight.grad, mine["router"], **tight)
+            local_n = num_experts // ep
+            shard = ctx.mesh_for(MeshDomain.EXPERT)["ep_shard"].get_local_rank()
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                grad = getattr(layer.experts, name).grad.to_local().clone()
+                # this ep group's tokens only: add the other replicas' to compare with every rank's tokens
+                dist.all_reduce(grad, group=expert_mesh["ep_replicate"].get_group())
+                want = sum(ref_grads[r][name] for r in range(env.world_size))
+                torch.testing.assert_close(grad, want[shard * local_n : (shard + 1) * local_n], **tight)
+
+
+@pytest.mark.distributed
+def test_moe_layer_under_expert_parallel_matches_single_process_in_float64() -> None:
+    run_distributed(_layer_against_single_process, 4, timeout=180)
 
 
 # -- training an MoE model with expert parallelism against one process ---------------------------------

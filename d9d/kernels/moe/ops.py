@@ -6,6 +6,9 @@ breaks: each has a fake (shape) implementation and an autograd formula written w
 
 They are each other's backward; the weight gradient is `slot_dot`. Every output element is written by
 one program from values it reads, so results do not depend on scheduling (no atomics).
+
+A negative slot row marks an absent copy (the expert-parallel exchange names only the copies a rank holds):
+scatter writes nothing for it, gather adds nothing, and its weight gradient is 0.
 """
 
 from __future__ import annotations
@@ -126,7 +129,9 @@ def permute_tokens(
     backend: KernelBackend = "auto",
 ) -> torch.Tensor:
     """`x` [tokens, hidden] → [num_rows, hidden] expert-grouped rows: copy j of token t lands on row
-    `slot_rows[t, j]` (times `weights[t, j]` when given); rows no slot names are zero."""
+    `slot_rows[t, j]` (times `weights[t, j]` when given; nowhere when the slot is negative); rows no slot
+    names are zero. `num_rows == slot_rows.numel()` must mean every slot is present: the Triton path then
+    skips clearing the buffer."""
     rows: torch.Tensor = _scatter_rows(x, weights, slot_rows, num_rows, resolve_backend(backend, x.device))
     return rows
 
@@ -138,7 +143,8 @@ def combine_tokens(
     weights: torch.Tensor | None = None,
     backend: KernelBackend = "auto",
 ) -> torch.Tensor:
-    """Expert-grouped `rows` → [tokens, hidden]: token t sums its k rows (times `weights[t, j]` when given).
-    A gather per token: deterministic, unlike a scatter-add of rows into tokens."""
+    """Expert-grouped `rows` → [tokens, hidden]: token t sums its k rows (times `weights[t, j]` when given),
+    skipping negative (absent) slots. A gather per token: deterministic, unlike a scatter-add of rows into
+    tokens."""
     out: torch.Tensor = _gather_sum(rows, weights, slot_rows, resolve_backend(backend, rows.device))
     return out

@@ -2,6 +2,8 @@
 
 One program per (token, hidden block); the k copies of a token are handled inside the program, so the
 combine sums them in registers (deterministic, no atomics) and each row is written exactly once.
+A negative slot row is an absent copy: its loads and stores are masked off (no memory traffic), so the
+expert-parallel exchange can pass [tokens, k] slots of which only a rank's own copies are present.
 Importing this module imports Triton; `TRITON_INTERPRET=1` must be set before the import to run the
 kernels on CPU tensors.
 """
@@ -35,7 +37,8 @@ def _scatter_rows_kernel(
         value = x
         if HAS_W:
             value = x * tl.load(w_ptr + token * K + j).to(tl.float32)
-        tl.store(out_ptr + row * hidden + cols, value.to(out_ptr.dtype.element_ty), mask=mask)
+        present = cols < tl.where(row >= 0, hidden, 0)  # an absent slot (row < 0) stores nothing
+        tl.store(out_ptr + row * hidden + cols, value.to(out_ptr.dtype.element_ty), mask=present)
 
 
 @triton.jit
@@ -48,7 +51,8 @@ def _gather_sum_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
         row = tl.load(slot_rows_ptr + token * K + j)
-        value = tl.load(rows_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        present = cols < tl.where(row >= 0, hidden, 0)  # an absent slot (row < 0) loads nothing
+        value = tl.load(rows_ptr + row * hidden + cols, mask=present, other=0.0).to(tl.float32)
         if HAS_W:
             value = value * tl.load(w_ptr + token * K + j).to(tl.float32)
         acc += value
@@ -63,7 +67,8 @@ def _slot_dot_kernel(
     for j in tl.static_range(K):
         row = tl.load(slot_rows_ptr + token * K + j)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, hidden, BLOCK):
+        stop = tl.where(row >= 0, hidden, 0)  # an absent slot reads nothing and stores 0
+        for start in range(0, stop, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < hidden
             r = tl.load(rows_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
@@ -95,7 +100,8 @@ def _launch_rows(
 def scatter_rows_triton(
     x: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, num_rows: int
 ) -> torch.Tensor:
-    # Rows no slot names (alignment padding) must read as zero; a buffer every slot fills needs no clear.
+    # Rows no slot names (alignment padding) must read as zero; a buffer every slot fills needs no clear
+    # (as many rows as slots: the callers guarantee no slot is absent then, `permute_tokens`).
     full = num_rows == slot_rows.numel()
     out = x.new_empty(num_rows, x.shape[1]) if full else x.new_zeros(num_rows, x.shape[1])
     _launch_rows(_scatter_rows_kernel, x, weights, slot_rows, out)

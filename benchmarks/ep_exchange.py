@@ -1,0 +1,216 @@
+"""The expert-parallel token exchange alone: deduplicated (one row per token and destination rank) against
+one row per (token, expert) copy, the two modes of `AllToAllMoECommunication`.
+
+Every rank routes `--tokens` random tokens (hidden `--hidden`, `--dtype`) to `--top-k` of `--experts`
+distinct experts drawn uniformly (a balanced router), then times, per mode, with the device synchronized
+and the ranks at a barrier between phases (the slowest rank's time, median of `--steps` after `--warmup`;
+the modes take turns step by step): dispatch forward, combine forward, and backward through both (the
+experts are a scaling, so only the exchange and its index work are timed). It counts what goes on the
+wire by wrapping `dist.all_to_all_single`: hidden-state rows sent by all ranks (and those to another
+rank), and bytes of every message (metadata and counts included), against the expected distinct ranks
+per token, ep · (1 − C(E − E/ep, k) / C(E, k)).
+
+    torchrun --standalone --nproc-per-node 4 benchmarks/ep_exchange.py          # the issue-28 shape
+    torchrun --standalone --nproc-per-node 2 benchmarks/ep_exchange.py --smoke  # tiny, gloo on CPU
+
+NCCL on CUDA when available (the rank's `LOCAL_RANK` GPU), gloo on CPU otherwise. `--out` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from d9d.modules.moe.communication import RoutedTokens
+from d9d.parallel.expert import AllToAllMoECommunication
+
+
+class WireCounter:
+    """Counts what `all_to_all_single` is asked to send: host-known shapes, so counting syncs nothing."""
+
+    def __init__(self, hidden: int) -> None:
+        self.hidden = hidden
+        self.rows = 0  # hidden-state rows, this rank's self-send included
+        self.rows_off_rank = 0
+        self.bytes = 0  # every message
+        self.bytes_off_rank = 0
+        self._original = dist.all_to_all_single
+
+    def __enter__(self) -> WireCounter:
+        me = dist.get_rank()
+
+        def counted(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            splits = kwargs.get("input_split_sizes", args[1] if len(args) > 1 else None)
+            group = kwargs.get("group")
+            size = dist.get_world_size(group)
+            per_rank = list(splits) if splits is not None else [input.shape[0] // size] * size
+            own = dist.get_group_rank(group, me) if group is not None else me
+            row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+            self.bytes += input.shape[0] * row_bytes
+            self.bytes_off_rank += (input.shape[0] - per_rank[own]) * row_bytes
+            if input.dim() == 2 and input.shape[1] == self.hidden:
+                self.rows += input.shape[0]
+                self.rows_off_rank += input.shape[0] - per_rank[own]
+            return self._original(output, input, *args, **kwargs)
+
+        dist.all_to_all_single = counted  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_to_all_single = self._original
+
+
+def expected_distinct_ranks(experts: int, ep: int, k: int) -> float:
+    """A token's k distinct experts drawn uniformly from E, L = E/ep per rank: rank r hosts none of them
+    with probability C(E − L, k) / C(E, k)."""
+    return ep * (1 - math.comb(experts - experts // ep, k) / math.comb(experts, k))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """`fn`'s result and its time on the slowest rank (ranks start together, the device is drained)."""
+    synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)  # NCCL: on GPU
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return result, float(elapsed)
+
+
+class Mode:
+    """One exchange mode on this rank's batch (the same batch for every mode: the seed is the rank's)."""
+
+    def __init__(
+        self, args: argparse.Namespace, dedup: bool, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.args, self.device, self.name = args, device, "dedup" if dedup else "copies"
+        self.comm = AllToAllMoECommunication(dist.group.WORLD, dedup=dedup)
+        g = torch.Generator().manual_seed(1234 + dist.get_rank())
+        tokens, hidden = args.tokens, args.hidden
+        self.x = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
+        self.ids = torch.rand(tokens, args.experts, generator=g).topk(args.top_k, dim=1).indices.to(device)
+        self.w = torch.rand(tokens, args.top_k, generator=g).to(device, dtype).requires_grad_()
+        self.grad_out = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+        self.phases: dict[str, list[float]] = {"dispatch": [], "combine": [], "backward": []}
+        self.wire: WireCounter | None = None
+
+    def step(self, timed_step: bool) -> None:
+        self.x.grad = self.w.grad = None
+        counter = WireCounter(self.args.hidden) if self.wire is None else None
+        if counter is not None:
+            counter.__enter__()
+        routed = RoutedTokens(self.x, self.ids, self.w, self.args.experts)
+        d, t_dispatch = timed(lambda: self.comm.dispatch(routed), self.device)
+        out, t_combine = timed(lambda: self.comm.combine(d.hidden_states * 2, d), self.device)
+        _, t_backward = timed(lambda: out.backward(self.grad_out), self.device)
+        if counter is not None:
+            counter.__exit__()
+            self.wire = counter
+        if timed_step:
+            for name, t in (("dispatch", t_dispatch), ("combine", t_combine), ("backward", t_backward)):
+                self.phases[name].append(t)
+
+    def result(self) -> dict[str, Any]:
+        assert self.wire is not None
+        wire = self.wire
+        counts = [wire.rows, wire.rows_off_rank, wire.bytes, wire.bytes_off_rank]
+        totals = torch.tensor(counts, dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)  # every rank's sends
+        rows, rows_off, sent_bytes, bytes_off = (int(v) for v in totals.tolist())
+        # rows counted over dispatch, combine and both backwards: four hidden-state messages per step
+        tokens_all = self.args.tokens * dist.get_world_size()
+        median = {name: statistics.median(times) for name, times in self.phases.items()}
+        return {
+            "mode": self.name,
+            "hidden_rows_per_message": rows / 4,
+            "rows_per_token": rows / 4 / tokens_all,
+            "rows_per_token_off_rank": rows_off / 4 / tokens_all,
+            "bytes_per_step": sent_bytes,
+            "bytes_per_step_off_rank": bytes_off,
+            "median_s": median,
+            "total_s": sum(median.values()),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=8 * 2048, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--modes", default="dedup,copies", help="comma-separated: dedup, copies")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 warm-up and 2 timed steps")
+    parser.add_argument("--out", type=Path, help="write the results as JSON (rank 0)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.hidden, args.experts, args.top_k, args.warmup, args.steps = 64, 32, 16, 4, 1, 2
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    dtype = getattr(torch, args.dtype)
+    ep = dist.get_world_size()
+    modes = [Mode(args, name == "dedup", device, dtype) for name in args.modes.split(",")]
+    for step in range(args.warmup + args.steps):  # modes take turns, so drift on the machine hits both
+        for mode in modes:
+            mode.step(timed_step=step >= args.warmup)
+    results = [mode.result() for mode in modes]
+    if dist.get_rank() == 0:
+        expected = expected_distinct_ranks(args.experts, ep, args.top_k)
+        report = {
+            "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+            "ep": ep,
+            "torch": torch.__version__,
+            "shape": {k: getattr(args, k) for k in ("tokens", "hidden", "experts", "top_k", "dtype")},
+            "expected_distinct_ranks_per_token": expected,
+            "results": results,
+        }
+        print(
+            f"ep {ep} on {report['device']}: {args.tokens} tokens/rank, hidden {args.hidden}, "
+            f"{args.experts} experts top-{args.top_k}, {args.dtype}; expected distinct ranks per token "
+            f"{expected:.3f} (copies: {args.top_k})"
+        )
+        columns = ["mode", "rows/token", "off-rank rows/token", "MB sent/step"]
+        columns += ["dispatch ms", "combine ms", "backward ms", "total ms"]
+        print("| " + " | ".join(columns) + " |")
+        print("|---" * len(columns) + "|")
+        for r in results:
+            m = r["median_s"]
+            print(
+                f"| {r['mode']} | {r['rows_per_token']:.3f} | {r['rows_per_token_off_rank']:.3f} | "
+                f"{r['bytes_per_step'] / 1e6:.1f} | {m['dispatch'] * 1e3:.2f} | {m['combine'] * 1e3:.2f} | "
+                f"{m['backward'] * 1e3:.2f} | {r['total_s'] * 1e3:.2f} |"
+            )
+        if args.out is not None:
+            args.out.write_text(json.dumps(report, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""`benchmarks/ep_exchange.py`: its smoke mode on 2 gloo ranks under torchrun (what it reports about the
+wire, not its speed), and its expected-distinct-ranks formula against brute-force enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.engine_fixtures import subprocess_env
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import ep_exchange
+
+        yield ep_exchange
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.parametrize(("experts", "ep", "k"), [(8, 2, 3), (8, 4, 2), (12, 3, 4), (6, 2, 1)])
+def test_expected_distinct_ranks_matches_enumeration(bench, experts: int, ep: int, k: int) -> None:
+    local = experts // ep
+    choices = list(itertools.combinations(range(experts), k))
+    mean = sum(len({e // local for e in c}) for c in choices) / len(choices)
+    assert bench.expected_distinct_ranks(experts, ep, k) == pytest.approx(mean, rel=1e-12)
+
+
+@pytest.mark.distributed
+def test_smoke_on_two_gloo_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "ep.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(BENCH / "ep_exchange.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(
+        cmd, env=subprocess_env(GLOO_SOCKET_IFNAME="lo"), capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["ep"] == 2
+    k = report["shape"]["top_k"]
+    rows = {r["mode"]: r for r in report["results"]}
+    assert set(rows) == {"dedup", "copies"}
+    assert rows["copies"]["rows_per_token"] == k  # one row per copy, exactly
+    # one row per (token, rank): at least one, at most ep, and fewer than the copies at this shape
+    assert 1 <= rows["dedup"]["rows_per_token"] <= 2 < k
+    assert rows["dedup"]["bytes_per_step"] < rows["copies"]["bytes_per_step"]
+    for r in rows.values():
+        assert 0 < r["rows_per_token_off_rank"] < r["rows_per_token"]
+        assert set(r["median_s"]) == {"dispatch", "combine", "backward"} and r["total_s"] > 0
+    assert "| dedup |" in proc.stdout and "| copies |" in proc.stdout
