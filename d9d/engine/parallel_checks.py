@@ -114,18 +114,25 @@ def check_activation_checkpointing(
     compile_config: CompileConfig,
 ) -> None:
     """Checkpointing needs a family with a decoder stack (a plug-in is checked when its stages are built);
-    op-level selective under compilation traces the checkpoint inside each compiled block in one graph, which
-    expert parallelism's all-to-all (data-dependent splits) breaks."""
+    op-level selective with compiled blocks refuses expert parallelism (`check_op_checkpointing_compiled`)."""
     if isinstance(checkpointing, NoActivationCheckpointing):
         return
     base, field = _base(model)
     if isinstance(base, BuiltinModel):
         check_checkpointing_family(base.options.family, f"{field}.provider", checkpointing.mode)
-    ops = getattr(checkpointing, "ops", None)
-    if ops is not None and compile_config.enabled is not False and mesh.expert_parallel > 1:
+    if compile_config.enabled:  # on CUDA by default too: checked again when the stages are built
+        check_op_checkpointing_compiled(mesh, checkpointing)
+
+
+def check_op_checkpointing_compiled(
+    mesh: DeviceMeshParameters, checkpointing: ActivationCheckpointingConfig
+) -> None:
+    """Op-level selective checkpointing of compiled blocks traces the checkpoint with the block in one graph,
+    which expert parallelism's all-to-all (data-dependent splits, run outside the graph) breaks."""
+    if getattr(checkpointing, "ops", None) is not None and mesh.expert_parallel > 1:
         raise ValueError(
-            f"activation_checkpointing.ops with mesh.expert_parallel = {mesh.expert_parallel} and compile "
-            f"(compile.enabled: {compile_config.enabled}, on for CUDA when null): the experts' all-to-all "
-            "breaks the compiled block's graph, so the op-level policy cannot be traced with it; use "
-            "activation_checkpointing `every: k` or mode full, or compile.enabled: false"
+            f"activation_checkpointing.ops with mesh.expert_parallel = {mesh.expert_parallel} and compiled "
+            "blocks (compile.enabled, or on CUDA by default): the experts' all-to-all breaks the compiled "
+            "block's graph, so the op-level policy cannot be traced with it; use activation_checkpointing "
+            "`every: k` or mode full, or compile.enabled: false"
         )

@@ -25,7 +25,14 @@ from d9d.modules.checkpointing import (
     NoActivationCheckpointing,
     apply_activation_checkpointing,
 )
-from d9d.parallel.compile import CompileConfig, CompileReport, check_compile_available, compile_stage
+from d9d.engine.parallel_checks import check_op_checkpointing_compiled
+from d9d.parallel.compile import (
+    CompileConfig,
+    CompileReport,
+    check_compile_available,
+    compile_enabled,
+    compile_stage,
+)
 from d9d.parallel.grad_sync import unsynced_params
 from d9d.pipeline.api import PipelineStageInfo
 
@@ -76,6 +83,8 @@ def build_stages(
     checkpointing = activation_checkpointing or NoActivationCheckpointing()
     try:  # before anything is built: a config that cannot compile here fails with its reason
         check_compile_available(compile_config, ctx.device)
+        if training and compile_enabled(compile_config, ctx.device):
+            check_op_checkpointing_compiled(ctx.params, checkpointing)
     except ValueError as error:
         raise ConfigError(str(error)) from error
     modules = []
