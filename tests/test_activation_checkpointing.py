@@ -266,7 +266,9 @@ def test_layers_are_chosen_by_global_index_on_every_stage() -> None:
     assert stage.model.checkpointed_layers == {}
     apply_activation_checkpointing(stage, MODES["ops"])
     assert set(stage.model.checkpointed_layers) == {3, 4, 5}
-    assert all(p is not None and p.kinds == {"matmul", "attention"} for p in stage.model.checkpointed_layers.values())
+    assert all(
+        p is not None and p.kinds == {"matmul", "attention"} for p in stage.model.checkpointed_layers.values()
+    )
 
 
 # -- config validation and the dry run --------------------------------------------------------------------
@@ -305,7 +307,10 @@ def _job(tmp: Path, checkpointing: Any = None, **sections: Any) -> dict[str, Any
         ({"mode": "selective", "every": 0}, r"activation_checkpointing\.every: Input should be greater than"),
         ({"mode": "selective"}, r"activation_checkpointing: .*exactly one of `every: k`"),
         ({"mode": "selective", "every": 2, "ops": ["matmul"]}, r"activation_checkpointing: .*not both"),
-        ({"mode": "selective", "ops": ["conv"]}, r"activation_checkpointing\.ops\.0: Input should be 'matmul'"),
+        (
+            {"mode": "selective", "ops": ["conv"]},
+            r"activation_checkpointing\.ops\.0: Input should be 'matmul'",
+        ),
         ({"mode": "selective", "ops": []}, r"activation_checkpointing\.ops: .*at least 1 item"),
         ({"mode": "selective", "ops": ["matmul", "matmul"]}, r"names an op kind twice"),
         ({"mode": "full", "every": 2}, r"activation_checkpointing\.every: Extra inputs are not permitted"),
@@ -327,8 +332,12 @@ def test_a_family_without_a_decoder_stack_is_refused_by_name(
 ) -> None:
     job = _job(tmp_path, {"mode": "full"})
     options = type(parse_config(job).model.options)  # the qwen3 provider's options: they name the family
-    monkeypatch.setattr(options, "family", dataclasses.replace(options.family, activation_checkpointing=False))
-    with pytest.raises(ConfigError, match=r"activation_checkpointing\.mode=full: model\.provider is the 'qwen3'"):
+    monkeypatch.setattr(
+        options, "family", dataclasses.replace(options.family, activation_checkpointing=False)
+    )
+    with pytest.raises(
+        ConfigError, match=r"activation_checkpointing\.mode=full: model\.provider is the 'qwen3'"
+    ):
         parse_config(job)
     parse_config(_job(tmp_path, {"mode": "none"}))  # nothing to refuse without checkpointing
 
@@ -352,7 +361,9 @@ def test_op_level_under_compile_with_expert_parallelism_is_refused(tmp_path: Pat
     parse_config({**job, "compile": {}})  # null: decided by the device, when the stages are built
     parse_config({**job, "activation_checkpointing": {"mode": "selective", "every": 2}})
     with pytest.raises(ValueError, match="all-to-all breaks"):
-        check_op_checkpointing_compiled(DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2), MODES["ops"])
+        check_op_checkpointing_compiled(
+            DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2), MODES["ops"]
+        )
 
 
 def test_a_stage_without_a_decoder_stack_is_refused_when_built() -> None:
@@ -361,7 +372,9 @@ def test_a_stage_without_a_decoder_stack_is_refused_when_built() -> None:
 
     module = TinyLM(4)
     apply_stage_checkpointing(module, NoActivationCheckpointing(), PipelineStageInfo())
-    with pytest.raises(ConfigError, match=r"activation_checkpointing\.mode=full: stage 0 of the model \(TinyLM\)"):
+    with pytest.raises(
+        ConfigError, match=r"activation_checkpointing\.mode=full: stage 0 of the model \(TinyLM\)"
+    ):
         apply_stage_checkpointing(module, FullActivationCheckpointing(), PipelineStageInfo())
 
 
@@ -390,7 +403,9 @@ def test_dry_run_estimate_falls_with_checkpointing(tmp_path: Path) -> None:
     assert "checkpoint" not in notes["none"]
     assert "activation_checkpointing full: each of the 4 checkpointed layer(s)" in notes["full"]
     assert "selective every 2: each of the 2 checkpointed layer(s)" in notes["every2"]
-    assert "selective ops ['matmul', 'attention']" in notes["ops"] and "matmul/attention outputs" in notes["ops"]
+    assert (
+        "selective ops ['matmul', 'attention']" in notes["ops"] and "matmul/attention outputs" in notes["ops"]
+    )
 
 
 # -- through the engine, multi-rank -----------------------------------------------------------------------
@@ -418,7 +433,13 @@ def _engine_config(
 
 
 ENGINE_DENSE = {**ARCH, "vocab_size": ENGINE_VOCAB}
-ENGINE_MOE = {**ENGINE_DENSE, "num_layers": 2, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}
+ENGINE_MOE = {
+    **ENGINE_DENSE,
+    "num_layers": 2,
+    "moe_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
 OPS = {"mode": "selective", "ops": ["matmul", "attention"]}
 # (name, mesh, MoE model, modes: the first without checkpointing). Compiled blocks under FSDP / TP / EP are
 # covered in tests/test_parallel_compile.py (a compiled engine run costs ~15 s of tracing on CPU).

@@ -271,7 +271,11 @@ def _compiled_parallel_cases(env: RankEnv) -> None:
         ("qwen3", DeviceMeshParameters(data_parallel_shard=2), ops),
         ("qwen3", DeviceMeshParameters(tensor_parallel=2), ops),
         # op-level under expert parallelism is refused at config time (the all-to-all breaks the graph)
-        ("qwen3_moe", DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2), FullActivationCheckpointing()),
+        (
+            "qwen3_moe",
+            DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2),
+            FullActivationCheckpointing(),
+        ),
     ):
         reference = reference_run(MODELS[name](), data, _task_loss, max_norm=0.5)
         ctx = DistributedContext.create(params, backend="gloo")

@@ -234,7 +234,9 @@ def _checkpointing_note(config: TrainConfig, stages: list[_StageValues]) -> str:
         case _:
             assert_never(ac)
     if not all(s.modelled for s in stages):
-        return f"; activation_checkpointing {what}: op-level values not modelled for this family (not counted)"
+        return (
+            f"; activation_checkpointing {what}: op-level values not modelled for this family (not counted)"
+        )
     layers = sum(s.checkpointed for s in stages)
     return (
         f"; activation_checkpointing {what}: each of the {layers} checkpointed layer(s) here keeps {keeps}, "

@@ -103,7 +103,9 @@ def validate_components(config: TrainConfig) -> None:
         base = provider.base if isinstance(provider, PeftModelProvider) else provider
         if isinstance(base, ModelArchitecture):
             try:
-                check_checkpointing_family(base.family, "model.provider", config.activation_checkpointing.mode)
+                check_checkpointing_family(
+                    base.family, "model.provider", config.activation_checkpointing.mode
+                )
             except ValueError as e:
                 raise ConfigError(str(e)) from None
     checkpointing = config.checkpointing

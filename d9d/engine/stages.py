@@ -19,13 +19,13 @@ from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.determinism import parameter_init_rng
 from d9d.engine.errors import ConfigError
+from d9d.engine.parallel_checks import check_op_checkpointing_compiled
 from d9d.engine.providers import ModelProvider
 from d9d.modules.checkpointing import (
     ActivationCheckpointingConfig,
     NoActivationCheckpointing,
     apply_activation_checkpointing,
 )
-from d9d.engine.parallel_checks import check_op_checkpointing_compiled
 from d9d.parallel.compile import (
     CompileConfig,
     CompileReport,
@@ -110,9 +110,9 @@ def build_stages(
 def apply_stage_checkpointing(
     module: nn.Module, config: ActivationCheckpointingConfig, info: PipelineStageInfo
 ) -> None:
-    """The job's checkpointing on one stage's decoder stacks; a stage without one is refused unless the mode is
-    none. Before compilation, which reads nothing of it (a block's compiled region applies an op-level policy
-    handed to each call, `d9d.parallel.compile`), so the order is only for the reader."""
+    """The job's checkpointing on one stage's decoder stacks; a stage without one is refused unless the mode
+    is none. Before compilation, which reads nothing of it (a block's compiled region applies an op-level
+    policy handed to each call, `d9d.parallel.compile`), so the order is only for the reader."""
     stacks = apply_activation_checkpointing(module, config)
     if stacks == 0 and not isinstance(config, NoActivationCheckpointing):
         raise ConfigError(

@@ -170,7 +170,9 @@ def _loss_head(head: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(head).forward(head, *args, **kwargs)
 
 
-def _checkpointed_decoder_block(block: nn.Module, context_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+def _checkpointed_decoder_block(
+    block: nn.Module, context_fn: Callable[[], Any], *args: Any, **kwargs: Any
+) -> Any:
     """A decoder block under an op-level checkpoint policy, the checkpoint traced with it (its own code
     object: its graphs have their own cache entries and recompile limit)."""
     return traced_checkpoint(type(block).forward, context_fn, block, *args, **kwargs)

@@ -67,8 +67,8 @@ def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
 
 
 def attention_op_values(config: Qwen3Config) -> int:
-    """Per token, the attention's matmul and kernel outputs op-level selective checkpointing keeps: the q, k, v
-    projections, the attention output and o_proj."""
+    """Per token, the attention's matmul and kernel outputs that op-level selective checkpointing keeps: the
+    q, k, v projections, the attention output and o_proj."""
     q, kv = config.num_attention_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return (q + 2 * kv) + q + config.hidden_size
 

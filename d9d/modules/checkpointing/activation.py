@@ -100,7 +100,9 @@ class SaveOps:
     def __post_init__(self) -> None:
         unknown = sorted(set(self.kinds) - set(OP_KINDS))
         if unknown or not self.kinds:
-            raise ValueError(f"op kinds must be a non-empty subset of {list(OP_KINDS)}, got {sorted(self.kinds)}")
+            raise ValueError(
+                f"op kinds must be a non-empty subset of {list(OP_KINDS)}, got {sorted(self.kinds)}"
+            )
 
     def saves(self, name: str) -> bool:
         return name.startswith(_COMMUNICATION_NAMESPACE) or any(name in _OPS[k] for k in self.kinds)

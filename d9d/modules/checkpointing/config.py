@@ -106,5 +106,7 @@ def apply_activation_checkpointing(stage: nn.Module, config: ActivationCheckpoin
         stack.set_activation_checkpointing(False, indices)
         plan = plan_layers(config, indices)
         for policy in dict.fromkeys(plan.values()):
-            stack.set_activation_checkpointing(True, [i for i, p in plan.items() if p == policy], policy=policy)
+            stack.set_activation_checkpointing(
+                True, [i for i, p in plan.items() if p == policy], policy=policy
+            )
     return len(stacks)
