@@ -366,6 +366,20 @@ def test_op_level_under_compile_with_expert_parallelism_is_refused(tmp_path: Pat
         )
 
 
+def test_op_level_with_a_split_backward_schedule_is_refused(tmp_path: Path) -> None:
+    """torch's selective checkpointing allows one backward per region; zero-bubble schedules run two."""
+    job = _job(
+        tmp_path,
+        {"mode": "selective", "ops": ["matmul"]},
+        mesh={"pipeline_parallel": 2},
+        pipelining={"kind": "zb1p"},
+    )
+    with pytest.raises(ConfigError, match=r"activation_checkpointing\.ops with pipelining\.kind=zb1p"):
+        parse_config(job)
+    parse_config({**job, "pipelining": {"kind": "1f1b"}})
+    parse_config({**job, "activation_checkpointing": {"mode": "full"}})
+
+
 def test_a_stage_without_a_decoder_stack_is_refused_when_built() -> None:
     from d9d.engine.stages import apply_stage_checkpointing
     from tests.engine_fixtures import TinyLM
@@ -412,11 +426,10 @@ def test_dry_run_estimate_falls_with_checkpointing(tmp_path: Path) -> None:
 
 
 def _engine_config(
-    tmp: Path, name: str, mesh: dict[str, int], checkpointing: dict[str, Any], moe: bool
+    tmp: Path, name: str, layout: dict[str, Any], checkpointing: dict[str, Any], moe: bool
 ) -> dict[str, Any]:
     return {
         "run": {"name": name, "dir": str(tmp / name)},
-        "mesh": mesh,
         "batching": {"global_batch_size": 4, "microbatch_size": 2},
         "trainer": {"total_steps": 2},
         "logging": {"progress_bar": "off"},
@@ -429,6 +442,7 @@ def _engine_config(
         "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
         "optimizer": {"provider": "adamw", "options": {"lr": 3e-3}},
         "activation_checkpointing": checkpointing,
+        **layout,
     }
 
 
@@ -441,14 +455,25 @@ ENGINE_MOE = {
     "num_experts_per_tok": 2,
 }
 OPS = {"mode": "selective", "ops": ["matmul", "attention"]}
-# (name, mesh, MoE model, modes: the first without checkpointing). Compiled blocks under FSDP / TP / EP are
-# covered in tests/test_parallel_compile.py (a compiled engine run costs ~15 s of tracing on CPU).
-ENGINE_RUNS: list[tuple[str, dict[str, int], bool, list[dict[str, Any]]]] = [
-    ("fsdp", {"data_parallel_shard": 2}, False, [{"mode": "none"}, {"mode": "full"}, OPS]),
-    ("pp", {"pipeline_parallel": 2}, False, [{"mode": "none"}, {"mode": "selective", "every": 2}]),
-    ("cp", {"context_parallel_shard": 2}, False, [{"mode": "none"}, {"mode": "full"}]),
-    ("tp", {"tensor_parallel": 2}, False, [{"mode": "none"}, OPS]),
-    ("ep", {"data_parallel_shard": 2, "expert_parallel": 2}, True, [{"mode": "none"}, OPS]),
+# (name, mesh and schedule, MoE model, modes: the first without checkpointing). Compiled blocks under FSDP /
+# TP / EP are covered in tests/test_parallel_compile.py (a compiled engine run costs ~15 s of tracing on CPU).
+ENGINE_RUNS: list[tuple[str, dict[str, Any], bool, list[dict[str, Any]]]] = [
+    ("fsdp", {"mesh": {"data_parallel_shard": 2}}, False, [{"mode": "none"}, {"mode": "full"}, OPS]),
+    ("pp", {"mesh": {"pipeline_parallel": 2}}, False, [{"mode": "none"}, {"mode": "selective", "every": 2}]),
+    (  # zero-bubble: the input and weight passes are two backward calls through the checkpointed layers
+        "pp-zbv",
+        {
+            "mesh": {"pipeline_parallel": 2},
+            "pipelining": {"kind": "zbv"},
+            "batching": {"global_batch_size": 8, "microbatch_size": 2},
+            "model": {"provider": "qwen3", "options": {"architecture": {**ENGINE_DENSE, "num_layers": 6}}},
+        },
+        False,
+        [{"mode": "none"}, {"mode": "full"}, {"mode": "selective", "every": 2}],
+    ),
+    ("cp", {"mesh": {"context_parallel_shard": 2}}, False, [{"mode": "none"}, {"mode": "full"}]),
+    ("tp", {"mesh": {"tensor_parallel": 2}}, False, [{"mode": "none"}, OPS]),
+    ("ep", {"mesh": {"data_parallel_shard": 2, "expert_parallel": 2}}, True, [{"mode": "none"}, OPS]),
 ]
 
 
@@ -470,8 +495,8 @@ def _engine_runs(env: RankEnv) -> None:
 
 @pytest.mark.distributed
 def test_engine_losses_equal_without_checkpointing_under_every_layout(tmp_path: Path) -> None:
-    """Two ranks, two steps each of FSDP, pp, cp, tp and ep (MoE): every checkpointing mode trains to
-    exactly the losses of the same layout without it."""
+    """Two ranks, two steps each of FSDP, pp (1F1B and ZBV), cp, tp and ep (MoE): every checkpointing mode
+    trains to exactly the losses of the same layout without it."""
     run_distributed(_engine_runs, 2, tmp_dir=tmp_path, timeout=300)
     for layout, _mesh, _moe, modes in ENGINE_RUNS:
         want = torch.load(tmp_path / f"{layout}-0.pt")

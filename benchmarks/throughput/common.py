@@ -18,6 +18,21 @@ SEQ = int(os.environ.get("D9D_BENCH_SEQ", "2048"))
 # attention outputs of every layer and recomputes the rest (torchtitan's `"op"`, d9d's `ops`).
 AcMode = Literal["none", "full", "selective", "selective-op"]
 AC_MODES: tuple[AcMode, ...] = ("none", "full", "selective", "selective-op")
+
+
+def d9d_ac_section(ac: AcMode) -> dict[str, Any]:
+    """The d9d job's `activation_checkpointing:` section for a row's mode."""
+    match ac:
+        case "none":
+            return {"mode": "none"}
+        case "full":
+            return {"mode": "full"}
+        case "selective":
+            return {"mode": "selective", "every": 2}
+        case "selective-op":
+            return {"mode": "selective", "ops": ["matmul", "attention"]}
+
+
 COMMON = {"vocab_size": 151936, "hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128}
 # Qwen3-0.6B, untied LM head.
 DENSE = {**COMMON, "num_layers": 28, "num_kv_heads": 8, "intermediate_size": 3072}

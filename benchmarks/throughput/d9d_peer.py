@@ -7,7 +7,7 @@ inductor's fusion of the reference ops), `eager` = `{enabled: false}`,
 `eager-legacy` = no section at all, for an engine that predates the field (a command-line choice; the
 script never probes which engine it has).
 
-`ac` (`common.AC_MODES`) sets the job's `activation_checkpointing:` section (`ac_section`).
+`ac` (`common.AC_MODES`) sets the job's `activation_checkpointing:` section (`common.d9d_ac_section`).
 
 Batches:
 - `random`: bare causal random tokens, no mask, no positions (what the benchmark measured before).
@@ -36,7 +36,18 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from throughput import profile as gpu_profile
-from throughput.common import ARCHS, BATCH, COMMON, LLAMA3_ROPE, LR, PROVIDERS, SEQ, AcMode, summary
+from throughput.common import (
+    ARCHS,
+    BATCH,
+    COMMON,
+    LLAMA3_ROPE,
+    LR,
+    PROVIDERS,
+    SEQ,
+    AcMode,
+    d9d_ac_section,
+    summary,
+)
 
 D9dVariant = Literal["compiled", "compiled-kernels", "eager", "eager-legacy"]
 D9dBatch = Literal["random", "collate", "padded", "ones-mask", "packed"]
@@ -149,18 +160,6 @@ def compile_section(variant: D9dVariant) -> dict[str, Any]:
             return {}
 
 
-def ac_section(ac: AcMode) -> dict[str, Any]:
-    match ac:
-        case "none":
-            return {"mode": "none"}
-        case "full":
-            return {"mode": "full"}
-        case "selective":
-            return {"mode": "selective", "every": 2}
-        case "selective-op":
-            return {"mode": "selective", "ops": ["matmul", "attention"]}
-
-
 def job(
     model: str,
     variant: D9dVariant,
@@ -195,7 +194,7 @@ def job(
         "data": data_section(batch, total, ARCHS[model]["vocab_size"]),
         "optimizer": {"provider": "adamw", "options": {"lr": LR, "weight_decay": 0.0}},
         **compile_section(variant),
-        **({} if ac == "none" else {"activation_checkpointing": ac_section(ac)}),
+        **({} if ac == "none" else {"activation_checkpointing": d9d_ac_section(ac)}),
     }
 
 

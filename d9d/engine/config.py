@@ -318,6 +318,21 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_checkpointing_schedule(self) -> Self:
+        pp = self.mesh.pipeline_parallel
+        if pp == 1 or getattr(self.activation_checkpointing, "ops", None) is None:
+            return self
+        accumulation = self.batching.gradient_accumulation(self.mesh.data_parallel)
+        if build_schedule(self.schedule, pp, accumulation).splits_backward:
+            raise ValueError(
+                f"activation_checkpointing.ops with pipelining.kind={self.schedule.kind}: this schedule runs "
+                "backward as two passes (input, then weights), and torch's selective checkpointing allows one "
+                "backward through a checkpointed region; use `every: k` or mode full with it, or a schedule "
+                "without split backward (1f1b, interleaved_1f1b, gpipe)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_context_parallel(self) -> Self:
         check_context_parallel(self.mesh, self.model, self.data, self.task)
         check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)

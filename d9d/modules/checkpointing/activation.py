@@ -76,18 +76,31 @@ def is_recomputing() -> bool:
     return bool(getattr(_state, "recomputing", False))
 
 
-@contextlib.contextmanager
-def _recomputing() -> Iterator[None]:
-    previous = is_recomputing()
-    _state.recomputing = True
-    try:
-        yield
-    finally:
-        _state.recomputing = previous
+class _Recomputing:
+    """The recompute context of one checkpointed call: flags the replay (and enters `inner`, torch's cached
+    selective mode, when given). A class, not a generator: a backward split into input and weight passes
+    (zero-bubble schedules) replays the same checkpoint twice, entering its context again."""
+
+    def __init__(self, inner: contextlib.AbstractContextManager[Any] | None = None) -> None:
+        self.inner = inner
+        self.previous: list[bool] = []
+
+    def __enter__(self) -> None:
+        self.previous.append(is_recomputing())
+        _state.recomputing = True
+        if self.inner is not None:
+            self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.inner is not None:
+                self.inner.__exit__(*exc)
+        finally:
+            _state.recomputing = self.previous.pop()
 
 
 def _contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-    return contextlib.nullcontext(), _recomputing()
+    return contextlib.nullcontext(), _Recomputing()
 
 
 @dataclass(frozen=True)
@@ -117,13 +130,7 @@ def _selective_contexts(
 ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
     """Eager: torch's caching (forward) and cached (recompute) modes, the latter also flagging the replay."""
     forward, recompute = create_selective_checkpoint_contexts(policy)
-
-    @contextlib.contextmanager
-    def replay() -> Iterator[None]:
-        with recompute, _recomputing():
-            yield
-
-    return forward, replay()
+    return forward, _Recomputing(recompute)
 
 
 def checkpointed(
