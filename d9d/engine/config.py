@@ -326,9 +326,9 @@ class TrainConfig(_Section):
         if build_schedule(self.schedule, pp, accumulation).splits_backward:
             raise ValueError(
                 f"activation_checkpointing.ops with pipelining.kind={self.schedule.kind}: this schedule runs "
-                "backward as two passes (input, then weights), and torch's selective checkpointing allows one "
-                "backward through a checkpointed region; use `every: k` or mode full with it, or a schedule "
-                "without split backward (1f1b, interleaved_1f1b, gpipe)"
+                "backward as two passes (input, then weights), and torch's selective checkpointing allows "
+                "one backward through a checkpointed region; use `every: k` or mode full with it, or a "
+                "schedule without split backward (1f1b, interleaved_1f1b, gpipe)"
             )
         return self
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
+from types import TracebackType
 from typing import Any, Literal, Protocol
 
 import torch
@@ -91,10 +92,15 @@ class _Recomputing:
         if self.inner is not None:
             self.inner.__enter__()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         try:
             if self.inner is not None:
-                self.inner.__exit__(*exc)
+                self.inner.__exit__(kind, error, traceback)
         finally:
             _state.recomputing = self.previous.pop()
 
