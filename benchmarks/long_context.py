@@ -2,7 +2,8 @@
 tokens/s at 32k.
 
     python benchmarks/long_context.py [--start 4096] [--max 262144] [--throughput-seq 32768]
-        [--steps 4] [--warmup 2] [--eager] [--row-timeout 900] [--out FILE]
+        [--steps 4] [--warmup 2] [--eager] [--ac none|full|selective|selective-op] [--row-timeout 900]
+        [--out FILE]
     python benchmarks/long_context.py --cpu-smoke      # a tiny shape on CPU: checks the script, no numbers
 
 Every row trains the real engine (`d9d.engine.Trainer`: bf16 parameters, fused AdamW, no clipping, the
@@ -13,6 +14,9 @@ longest row that trained is the answer. Then `--throughput-seq` is timed over `-
 `--warmup`. Attention is the `auto` backend (flash_attn / SDPA causal on plain causal rows). Context
 parallelism over several GPUs divides the activations by cp (the K/V of the whole sequence excepted,
 docs/parallelism.md); those numbers belong to the multi-GPU benchmark.
+
+`--ac` sets the job's activation checkpointing (`throughput.common.AC_MODES`: `full` every layer, `selective`
+every second layer, `selective-op` the op-level policy); run once per mode for the longest sequence of each.
 
 Needs CUDA except with `--cpu-smoke`.
 """
@@ -33,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from throughput.common import ARCHS  # benchmarks/ is the script's directory: on sys.path
+from throughput.common import AC_MODES, ARCHS, AcMode, d9d_ac_section  # benchmarks/ is on sys.path
 
 TINY = {
     "vocab_size": 256,
@@ -46,7 +50,9 @@ TINY = {
 }
 
 
-def train_row(seq_len: int, steps: int, warmup: int, eager: bool, smoke: bool) -> dict[str, Any]:
+def train_row(
+    seq_len: int, steps: int, warmup: int, eager: bool, smoke: bool, ac: AcMode = "none"
+) -> dict[str, Any]:
     """In the child: train `warmup + steps` steps at `seq_len`; median step time, tokens/s, peak memory."""
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.engine.checkpoint import LocalRunReporter
@@ -85,6 +91,7 @@ def train_row(seq_len: int, steps: int, warmup: int, eager: bool, smoke: bool) -
             },
             "optimizer": {"provider": "adamw", "options": {"lr": 1e-4, "weight_decay": 0.0}},
             "compile": {"enabled": False if eager else None},  # None: the engine's default
+            "activation_checkpointing": d9d_ac_section(ac),
         }
     )
     ctx = DistributedContext.create(DeviceMeshParameters(), backend="nccl" if cuda else "gloo")
@@ -121,7 +128,7 @@ def train_row(seq_len: int, steps: int, warmup: int, eager: bool, smoke: bool) -
 
 def child_main(args: argparse.Namespace) -> None:
     try:
-        result = train_row(args.one_row, args.steps, args.warmup, args.eager, args.cpu_smoke)
+        result = train_row(args.one_row, args.steps, args.warmup, args.eager, args.cpu_smoke, args.ac)
     except torch.OutOfMemoryError as e:
         result = {"seq_len": args.one_row, "oom": True, "error": str(e)[:300]}
     except Exception as e:  # the parent's table shows it; the traceback goes to stderr
@@ -135,7 +142,7 @@ def spawn(seq_len: int, args: argparse.Namespace, steps: int, warmup: int) -> di
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, __file__, "--one-row", str(seq_len), "--row-out", str(out)]
         cmd += ["--steps", str(steps), "--warmup", str(warmup)]
-        cmd += ["--eager"] * args.eager + ["--cpu-smoke"] * args.cpu_smoke
+        cmd += ["--eager"] * args.eager + ["--cpu-smoke"] * args.cpu_smoke + ["--ac", args.ac]
         proc = subprocess.Popen(cmd, start_new_session=True)  # own session: a timeout ends compile workers
         try:
             proc.wait(timeout=args.row_timeout)
@@ -163,6 +170,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="no regional torch.compile (default: on CUDA)")
+    parser.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing mode")
     parser.add_argument("--row-timeout", type=float, default=900.0)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, short lengths")
     parser.add_argument("--out", type=Path)
@@ -191,6 +199,7 @@ def main() -> None:
         "torch": torch.__version__,
         "shape": "tiny (smoke)" if args.cpu_smoke else "Qwen3-0.6B",
         "compile": "off" if args.eager else "engine default (on for CUDA)",
+        "activation_checkpointing": args.ac,
         "longest_trained_seq": max(trained) if trained else None,
         "first_failure": next((r for r in search if "error" in r), None),
         "search": search,

@@ -2,7 +2,8 @@
 
     python benchmarks/train_throughput.py [--model dense|moe|llama3|both] [--steps 10] [--warmup 3]
         [--peers d9d,transformers,torchtitan] [--d9d-variants compiled,eager] [--d9d-batches ...]
-        [--row-timeout 600] [--budget-s S] [--profile] [--out FILE]
+        [--d9d-ac none,full,selective,selective-op] [--titan-ac none,full,selective,selective-op]
+        [--batch 8] [--seq 2048] [--row-timeout 600] [--budget-s S] [--profile] [--out FILE]
     python benchmarks/train_throughput.py --merge dense.json moe.json [--out FILE]
 
 Every row trains a randomly initialized model with bf16 parameters and fused AdamW on batch 8 x 2048
@@ -16,6 +17,13 @@ records its error and the table goes on. Rows:
 - transformers (plain, + Liger kernels: rope, rms_norm, swiglu, fused linear cross-entropy, +
   `torch.compile`); torchtitan 0.2.2 (eager, and with its per-block compile of model and loss). Both are
   optional extras, never dependencies of d9d.
+
+Activation checkpointing (`--d9d-ac`, `--titan-ac`, default `none`): each d9d row and each torchtitan row once
+per mode, the label naming it; `full` recomputes every layer, `selective` every second one (torchtitan's
+`selective_ac_option: "2"`, d9d's `every: 2`), `selective-op` keeps the matmul and attention outputs of every
+layer (torchtitan's `"op"`, d9d's `ops: [matmul, attention]`). The `vs no AC` column gives tok/s and peak
+memory against the same row without checkpointing. For the longest sequence a mode trains, rerun with
+`--batch 1 --seq 65536` (a row that runs out of memory records the error).
 
 Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, head_dim 128, ffn 3072, vocab 151936, untied) and a
 small Qwen3-MoE (16 layers, 16/4 heads, 64 experts top-8, moe ffn 512); `--model llama3`: Llama-3.2-1B's shape
@@ -52,7 +60,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from throughput.common import MODEL_NAMES
+from throughput.common import AC_MODES, MODEL_NAMES, AcMode
 
 D9D_VARIANTS = ("compiled", "compiled-kernels", "eager", "eager-legacy")
 D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
@@ -73,20 +81,22 @@ class Row:
     peer: str  # d9d | transformers | torchtitan
     variant: str
     batch: str = "random"
+    ac: str = "none"  # activation checkpointing, `common.AC_MODES`
 
     @property
     def label(self) -> str:
-        if self.peer == "d9d":
-            return f"d9d {self.variant}, {self.batch}"
-        return LABELS[(self.peer, self.variant)]
+        base = (
+            f"d9d {self.variant}, {self.batch}" if self.peer == "d9d" else LABELS[(self.peer, self.variant)]
+        )
+        return base if self.ac == "none" else f"{base}, AC {self.ac}"
 
     def spec(self) -> str:
-        return f"{self.model}:{self.peer}:{self.variant}:{self.batch}"
+        return f"{self.model}:{self.peer}:{self.variant}:{self.batch}:{self.ac}"
 
     @staticmethod
     def parse(spec: str) -> Row:
-        model, peer, variant, batch = spec.split(":")
-        return Row(model, peer, variant, batch)
+        model, peer, variant, batch, ac = spec.split(":")
+        return Row(model, peer, variant, batch, ac)
 
 
 def _csv(allowed: tuple[str, ...]) -> Any:
@@ -112,9 +122,14 @@ def plan(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     for model in models:
         if "d9d" in args.peers:
-            rows += [Row(model, "d9d", v, b) for v in args.d9d_variants for b in args.d9d_batches]
+            rows += [
+                Row(model, "d9d", v, b, ac)
+                for v in args.d9d_variants
+                for b in args.d9d_batches
+                for ac in args.d9d_ac
+            ]
         if "torchtitan" in args.peers:
-            rows += [Row(model, "torchtitan", v) for v in args.titan_variants]
+            rows += [Row(model, "torchtitan", v, ac=ac) for v in args.titan_variants for ac in args.titan_ac]
         if "transformers" in args.peers:
             rows += [Row(model, "transformers", v) for v in args.hf_variants]
     return rows
@@ -149,6 +164,7 @@ def run_row(row: Row, args: argparse.Namespace) -> dict[str, Any]:
                 args.profile,
                 args.profile_ops,
                 json.loads(args.d9d_arch),
+                cast(AcMode, row.ac),
             )
         case "transformers":
             from throughput import hf_peer
@@ -157,7 +173,9 @@ def run_row(row: Row, args: argparse.Namespace) -> dict[str, Any]:
         case "torchtitan":
             from throughput import titan_peer
 
-            return titan_peer.run(row.model, row.variant == "compile", args.steps, args.warmup)
+            return titan_peer.run(
+                row.model, row.variant == "compile", args.steps, args.warmup, cast(AcMode, row.ac)
+            )
     raise ValueError(f"unknown peer {row.peer!r}")
 
 
@@ -181,8 +199,10 @@ def spawn(row: Row, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
         cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] * args.profile)
         cmd += ["--profile-ops"] * args.profile_ops + ["--d9d-arch", args.d9d_arch]
         start = time.perf_counter()
+        # The shape reaches the row through the environment (`throughput.common` reads it on import).
+        env = {**os.environ, "D9D_BENCH_BATCH": str(args.batch), "D9D_BENCH_SEQ": str(args.seq)}
         # Own session, so a timeout also ends the row's compile workers.
-        proc = subprocess.Popen(cmd, start_new_session=True)
+        proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -198,42 +218,61 @@ def spawn(row: Row, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    def tps(model: str, peer: str, variant: str, batch: str = "random") -> float | None:
+    """Ratios of tok/s against the peers' rows with the same activation checkpointing, and tok/s and peak
+    memory against the same row without it (`x_no_ac`, `mem_x_no_ac`)."""
+
+    def find(model: str, peer: str, variant: str, batch: str = "random", ac: str = "none") -> dict[str, Any]:
         for r in results:
-            if (r["model"], r["peer"], r["variant"], r["batch"]) == (model, peer, variant, batch):
-                return r.get("tokens_per_s")
-        return None
+            if (r["model"], r["peer"], r["variant"], r["batch"], r.get("ac", "none")) == (
+                model,
+                peer,
+                variant,
+                batch,
+                ac,
+            ):
+                return r
+        return {}
 
     for r in results:
         if "tokens_per_s" not in r:
             continue
+        ac = r.get("ac", "none")
+        d9d = r["peer"] == "d9d"
         for key, ref in (
-            ("x_titan_compile", tps(r["model"], "torchtitan", "compile")),
-            ("x_transformers", tps(r["model"], "transformers", "plain")),
-            ("x_own_random", tps(r["model"], r["peer"], r["variant"]) if r["peer"] == "d9d" else None),
+            ("x_titan_compile", find(r["model"], "torchtitan", "compile", ac=ac)),
+            ("x_transformers", find(r["model"], "transformers", "plain")),
+            ("x_own_random", find(r["model"], r["peer"], r["variant"], ac=ac) if d9d else {}),
+            ("x_no_ac", find(r["model"], r["peer"], r["variant"], r["batch"]) if ac != "none" else {}),
         ):
-            if ref:
-                r[key] = r["tokens_per_s"] / ref
+            if ref.get("tokens_per_s"):
+                r[key] = r["tokens_per_s"] / ref["tokens_per_s"]
+            if key == "x_no_ac" and ref.get("peak_gib"):
+                r["mem_x_no_ac"] = r["peak_gib"] / ref["peak_gib"]
 
 
 def table(results: list[dict[str, Any]]) -> str:
     def ratio(r: dict[str, Any], key: str) -> str:
         return f"{r[key]:.2f}x" if key in r else "-"
 
+    def no_ac(r: dict[str, Any]) -> str:
+        if "x_no_ac" not in r:
+            return "-"
+        return f"{r['x_no_ac']:.2f}x / {r['mem_x_no_ac']:.2f}x" if "mem_x_no_ac" in r else ratio(r, "x_no_ac")
+
     lines = [
         "| model | row | tok/s | MFU | peak GiB | 1st step s | vs titan+compile | vs transformers "
-        "| vs own random |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| vs own random | vs no AC (tok/s / memory) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         head = f"| {MODEL_NAMES[r['model']]} | {r['label']} |"
         if "error" in r:
-            lines.append(f"{head} failed: {r['error'][:160].replace('|', '/')} | | | | | | |")
+            lines.append(f"{head} failed: {r['error'][:160].replace('|', '/')} | | | | | | | |")
             continue
         lines.append(
             f"{head} {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
             f"{r.get('first_step_s') or float('nan'):.1f} | {ratio(r, 'x_titan_compile')} | "
-            f"{ratio(r, 'x_transformers')} | {ratio(r, 'x_own_random')} |"
+            f"{ratio(r, 'x_transformers')} | {ratio(r, 'x_own_random')} | {no_ac(r)} |"
         )
     return "\n".join(lines)
 
@@ -296,7 +335,11 @@ def report(envs: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
 def merge_main(args: argparse.Namespace) -> None:
     """One table from several runs' `--out` files (e.g. the dense and the MoE half on the same machine)."""
     runs = [json.loads(Path(f).read_text()) for f in args.merge]
-    results = [{k: v for k, v in r.items() if not k.startswith("x_")} for run in runs for r in run["results"]]
+    results = [
+        {k: v for k, v in r.items() if not k.startswith(("x_", "mem_x_"))}
+        for run in runs
+        for r in run["results"]
+    ]
     add_ratios(results)
     envs = [{k: v for k, v in run.items() if k != "results"} for run in runs]
     if args.out:
@@ -307,7 +350,7 @@ def merge_main(args: argparse.Namespace) -> None:
     report(envs, results)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -321,6 +364,14 @@ def main() -> None:
     parser.add_argument("--d9d-batches", type=_csv(D9D_BATCHES), default="random,collate,padded,packed")
     parser.add_argument("--hf-variants", type=_csv(HF_VARIANTS), default=",".join(HF_VARIANTS))
     parser.add_argument("--titan-variants", type=_csv(TITAN_VARIANTS), default=",".join(TITAN_VARIANTS))
+    parser.add_argument(
+        "--d9d-ac", type=_csv(AC_MODES), default="none", help="activation checkpointing modes of the d9d rows"
+    )
+    parser.add_argument(
+        "--titan-ac", type=_csv(AC_MODES), default="none", help="activation checkpointing modes of torchtitan"
+    )
+    parser.add_argument("--batch", type=int, default=8, help="samples per step (every row)")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sample (every row)")
     parser.add_argument("--row-timeout", type=float, default=600.0)
     parser.add_argument("--budget-s", type=float, default=None, help="skip the rows that would start past it")
     parser.add_argument("--profile", action="store_true", help="GPU-time breakdown of the d9d step")
@@ -339,7 +390,11 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", default=None, help="--out files to print as one table")
     parser.add_argument("--one-row", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--row-out", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.one_row:
         child_main(args)
     elif args.merge:

@@ -143,6 +143,8 @@ def test_cli_plans_the_deepseek_rows(common: ModuleType) -> None:
         d9d_batches=["random"],
         titan_variants=["eager", "compile"],
         hf_variants=[],
+        d9d_ac=["none"],
+        titan_ac=["none"],
     )
     rows = train_throughput.plan(args)
     assert [(r.model, r.peer, r.variant) for r in rows] == [

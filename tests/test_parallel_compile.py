@@ -246,28 +246,41 @@ def test_check_compile_available(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _compiled_parallel_cases(env: RankEnv) -> None:
-    """Replication, FSDP2 (with activation checkpointing), TP and EP each wrapped around compiled blocks
-    (aot_eager: the traced graphs and the parallel hooks, without inductor's slow CPU code generation)
-    against a single-process eager run of the same global batches."""
+    """Replication, FSDP2, TP and EP each wrapped around compiled blocks with activation checkpointing (every
+    other layer or every layer around the compiled call; under FSDP and TP the op-level policy traced inside
+    it), with aot_eager (the traced graphs and the parallel hooks, without inductor's slow CPU code
+    generation), against a single-process eager run of the same global batches."""
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.models.qwen3 import parallelize_qwen3
     from d9d.models.qwen3_moe import parallelize_qwen3_moe
+    from d9d.modules.checkpointing import (
+        FullActivationCheckpointing,
+        SelectiveActivationCheckpointing,
+        apply_activation_checkpointing,
+    )
     from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
     from d9d.parallel.expert import AllToAllBackendConfig
     from d9d.parallel.plans import ParallelPlanConfig
     from tests.test_parallel_qwen3 import MODELS, _batches, _task_loss
 
     data = _batches(2, 4)
-    for name, params in (
-        ("qwen3", DeviceMeshParameters(data_parallel_replicate=2)),
-        ("qwen3", DeviceMeshParameters(data_parallel_shard=2)),
-        ("qwen3", DeviceMeshParameters(tensor_parallel=2)),
-        ("qwen3_moe", DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2)),
+    every_other = SelectiveActivationCheckpointing(every=2)
+    ops = SelectiveActivationCheckpointing(ops=("matmul", "attention"))
+    for name, params, checkpointing in (
+        ("qwen3", DeviceMeshParameters(data_parallel_replicate=2), every_other),
+        ("qwen3", DeviceMeshParameters(data_parallel_shard=2), ops),
+        ("qwen3", DeviceMeshParameters(tensor_parallel=2), ops),
+        # op-level under expert parallelism is refused at config time (the all-to-all breaks the graph)
+        (
+            "qwen3_moe",
+            DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2),
+            FullActivationCheckpointing(),
+        ),
     ):
         reference = reference_run(MODELS[name](), data, _task_loss, max_norm=0.5)
         ctx = DistributedContext.create(params, backend="gloo")
         model = MODELS[name]()
-        model.model.set_activation_checkpointing()
+        apply_activation_checkpointing(model, checkpointing)
         plan = parallelize_qwen3_moe if name == "qwen3_moe" else parallelize_qwen3
         plan(model, ctx, ParallelPlanConfig(expert_backend=AllToAllBackendConfig()))
         report = compile_stage(model, CompileConfig(enabled=True, backend="aot_eager"), CPU)

@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-BATCH, SEQ = 8, 2048
+# The shape every row trains on: batch 8 × 2048 unless the parent sets `--batch` / `--seq`, which reach the
+# row's subprocess through these variables (read here, before any peer module imports the values).
+BATCH = int(os.environ.get("D9D_BENCH_BATCH", "8"))
+SEQ = int(os.environ.get("D9D_BENCH_SEQ", "2048"))
+# Activation checkpointing of a row, named alike for d9d and torchtitan: `selective` recomputes every second
+# layer (torchtitan's `selective_ac_option: "2"`, d9d's `every: 2`), `selective-op` keeps the matmul and
+# attention outputs of every layer and recomputes the rest (torchtitan's `"op"`, d9d's `ops`).
+AcMode = Literal["none", "full", "selective", "selective-op"]
+AC_MODES: tuple[AcMode, ...] = ("none", "full", "selective", "selective-op")
+
+
+def d9d_ac_section(ac: AcMode) -> dict[str, Any]:
+    """The d9d job's `activation_checkpointing:` section for a row's mode."""
+    match ac:
+        case "none":
+            return {"mode": "none"}
+        case "full":
+            return {"mode": "full"}
+        case "selective":
+            return {"mode": "selective", "every": 2}
+        case "selective-op":
+            return {"mode": "selective", "ops": ["matmul", "attention"]}
+
+
 COMMON = {"vocab_size": 151936, "hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128}
 # Qwen3-0.6B, untied LM head.
 DENSE = {**COMMON, "num_layers": 28, "num_kv_heads": 8, "intermediate_size": 3072}
@@ -187,7 +211,7 @@ def summary(times: list[float], first_step_s: float | None, model: str) -> dict[
     return {
         "median_step_s": step,
         "tokens_per_s": tps,
-        "mfu": tps * model_flops_per_token(model) / (PEAK_TFLOPS * 1e12),
+        "mfu": tps * model_flops_per_token(model, SEQ) / (PEAK_TFLOPS * 1e12),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "first_step_s": first_step_s,
         "timed_steps": len(times),

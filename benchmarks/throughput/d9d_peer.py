@@ -7,6 +7,8 @@ inductor's fusion of the reference ops), `eager` = `{enabled: false}`,
 `eager-legacy` = no section at all, for an engine that predates the field (a command-line choice; the
 script never probes which engine it has).
 
+`ac` (`common.AC_MODES`) sets the job's `activation_checkpointing:` section (`common.d9d_ac_section`).
+
 Batches:
 - `random`: bare causal random tokens, no mask, no positions (what the benchmark measured before).
 - `collate`: the built-in text provider (`data.provider: text`) end to end on a generated text file whose
@@ -34,7 +36,18 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from throughput import profile as gpu_profile
-from throughput.common import ARCHS, BATCH, COMMON, LLAMA3_ROPE, LR, PROVIDERS, SEQ, summary
+from throughput.common import (
+    ARCHS,
+    BATCH,
+    COMMON,
+    LLAMA3_ROPE,
+    LR,
+    PROVIDERS,
+    SEQ,
+    AcMode,
+    d9d_ac_section,
+    summary,
+)
 
 D9dVariant = Literal["compiled", "compiled-kernels", "eager", "eager-legacy"]
 D9dBatch = Literal["random", "collate", "padded", "ones-mask", "packed"]
@@ -147,6 +160,44 @@ def compile_section(variant: D9dVariant) -> dict[str, Any]:
             return {}
 
 
+def job(
+    model: str,
+    variant: D9dVariant,
+    batch: D9dBatch,
+    total: int,
+    ac: AcMode = "none",
+    arch_overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The job config of a d9d row (`total` steps)."""
+    return {
+        "run": {"name": "bench", "dir": tempfile.mkdtemp(prefix="d9d-bench-run-")},
+        "batching": {"global_batch_size": BATCH, "microbatch_size": BATCH},
+        "trainer": {"total_steps": total},
+        "logging": {"progress_bar": "off", "period": 1000},
+        "checkpointing": {"save_at_end": False},
+        "gradient_clipping": {"max_norm": None},
+        "model": {
+            "provider": PROVIDERS[model],
+            "options": {
+                "architecture": {
+                    **ARCHS[model],
+                    **_rope(model),
+                    "max_position_embeddings": SEQ,
+                    # compiled regions take the Triton kernels instead of letting inductor fuse the
+                    # reference ops
+                    **({"kernel_backend": "triton"} if variant == "compiled-kernels" else {}),
+                    **(arch_overrides or {}),
+                },
+                "dtype": "bfloat16",
+            },
+        },
+        "data": data_section(batch, total, ARCHS[model]["vocab_size"]),
+        "optimizer": {"provider": "adamw", "options": {"lr": LR, "weight_decay": 0.0}},
+        **compile_section(variant),
+        **({} if ac == "none" else {"activation_checkpointing": d9d_ac_section(ac)}),
+    }
+
+
 def run(
     model: str,
     variant: D9dVariant,
@@ -156,6 +207,7 @@ def run(
     profile: bool,
     profile_ops: bool = False,
     arch_overrides: dict[str, Any] | None = None,
+    ac: AcMode = "none",
 ) -> dict[str, Any]:
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.engine.checkpoint import LocalRunReporter
@@ -165,34 +217,7 @@ def run(
 
     profiled = PROFILE_STEPS if profile else 0
     total = warmup + steps + profiled
-    config = parse_config(
-        {
-            "run": {"name": "bench", "dir": tempfile.mkdtemp(prefix="d9d-bench-run-")},
-            "batching": {"global_batch_size": BATCH, "microbatch_size": BATCH},
-            "trainer": {"total_steps": total},
-            "logging": {"progress_bar": "off", "period": 1000},
-            "checkpointing": {"save_at_end": False},
-            "gradient_clipping": {"max_norm": None},
-            "model": {
-                "provider": PROVIDERS[model],
-                "options": {
-                    "architecture": {
-                        **ARCHS[model],
-                        **_rope(model),
-                        "max_position_embeddings": SEQ,
-                        # compiled regions take the Triton kernels instead of letting inductor fuse the
-                        # reference ops
-                        **({"kernel_backend": "triton"} if variant == "compiled-kernels" else {}),
-                        **(arch_overrides or {}),
-                    },
-                    "dtype": "bfloat16",
-                },
-            },
-            "data": data_section(batch, total, ARCHS[model]["vocab_size"]),
-            "optimizer": {"provider": "adamw", "options": {"lr": LR, "weight_decay": 0.0}},
-            **compile_section(variant),
-        }
-    )
+    config = parse_config(job(model, variant, batch, total, ac, arch_overrides))
     ctx = DistributedContext.create(DeviceMeshParameters())
     trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
     starts: dict[int, float] = {}

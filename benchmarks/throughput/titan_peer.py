@@ -4,8 +4,9 @@ per-block compiled) by its own `parallelize_qwen3` / `parallelize_llama`, loss f
 torchtitan trainer, config file or download.
 
 torchtitan's defaults that would make the comparison unequal are switched off or matched: activation
-checkpointing (default `selective`) is off like every other row, parameters are bf16 (single GPU, no FSDP
-mixed precision), buffers such as the RoPE cache stay fp32 as torchtitan keeps them. The MoE's
+checkpointing (default `selective`) is off unless the row asks for a mode (`common.AC_MODES`: `full`,
+`selective` = its `selective_ac_option: "2"`, `selective-op` = `"op"`), parameters are bf16 (single GPU,
+no FSDP mixed precision), buffers such as the RoPE cache stay fp32 as torchtitan keeps them. The MoE's
 aux-loss-free bias update, which torchtitan's trainer hooks into its optimizer, is not run (a few tiny
 kernels per step; the routing itself is unchanged).
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from throughput.common import ARCHS, BATCH, LLAMA3_ROPE, LR, SEQ, summary, time_loop
+from throughput.common import ARCHS, BATCH, LLAMA3_ROPE, LR, SEQ, AcMode, summary, time_loop
 
 
 def _stub_unused_imports() -> None:
@@ -179,7 +180,22 @@ def deepseek_v3_model_class() -> type[torch.nn.Module]:
     return CausalDeepSeekV3Model
 
 
-def build_model(model: str, compiled: bool, device: torch.device | None = None) -> tuple[Any, Any]:
+def activation_checkpoint(job: Any, ac: AcMode) -> None:
+    """torchtitan's `--activation_checkpoint.mode` and `--activation_checkpoint.selective_ac_option`."""
+    match ac:
+        case "none" | "full":
+            job.activation_checkpoint.mode = ac
+        case "selective":
+            job.activation_checkpoint.mode = "selective"
+            job.activation_checkpoint.selective_ac_option = "2"
+        case "selective-op":
+            job.activation_checkpoint.mode = "selective"
+            job.activation_checkpoint.selective_ac_option = "op"
+
+
+def build_model(
+    model: str, compiled: bool, device: torch.device | None = None, ac: AcMode = "none"
+) -> tuple[Any, Any]:
     _stub_unused_imports()
     from torchtitan.components.loss import build_cross_entropy_loss
     from torchtitan.config import JobConfig
@@ -201,7 +217,7 @@ def build_model(model: str, compiled: bool, device: torch.device | None = None) 
         args = model_args(ARCHS[model])
     job = JobConfig()
     job.training.seq_len = SEQ
-    job.activation_checkpoint.mode = "none"
+    activation_checkpoint(job, ac)
     job.compile.enable = compiled
     job.compile.components = ["model", "loss"]
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
@@ -218,8 +234,8 @@ def build_model(model: str, compiled: bool, device: torch.device | None = None) 
     return net.train(), build_cross_entropy_loss(job)
 
 
-def run(model: str, compiled: bool, steps: int, warmup: int) -> dict[str, Any]:
-    net, loss_fn = build_model(model, compiled)
+def run(model: str, compiled: bool, steps: int, warmup: int, ac: AcMode = "none") -> dict[str, Any]:
+    net, loss_fn = build_model(model, compiled, ac=ac)
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
 
     def step(ids: torch.Tensor) -> float:

@@ -27,8 +27,13 @@ from d9d.engine.components import (
     TaskComponent,
 )
 from d9d.engine.errors import ConfigError, format_validation_error
-from d9d.engine.parallel_checks import check_context_parallel, check_pipeline_parallel
+from d9d.engine.parallel_checks import (
+    check_activation_checkpointing,
+    check_context_parallel,
+    check_pipeline_parallel,
+)
 from d9d.engine.registry import ModelComponent, validate_components
+from d9d.modules.checkpointing import ActivationCheckpointingConfig, NoActivationCheckpointing
 from d9d.parallel.compile import CompileConfig
 from d9d.parallel.grad_sync import GradSyncConfig
 from d9d.pipeline.schedule.config import (
@@ -247,6 +252,9 @@ class TrainConfig(_Section):
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     # Regional torch.compile of every stage after it is parallelized (d9d.parallel.compile).
     compile: CompileConfig = Field(default_factory=CompileConfig)
+    # Recompute decoder layers in backward instead of keeping their activations (d9d.modules.checkpointing):
+    # mode none, full, or selective with `every: k` (every k-th layer) or `ops: [matmul, attention]`.
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=NoActivationCheckpointing)
     model: ModelComponent
     data: DataComponent
     task: TaskComponent = Field(default_factory=CausalLMTaskComponent)
@@ -310,9 +318,25 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_checkpointing_schedule(self) -> Self:
+        pp = self.mesh.pipeline_parallel
+        if pp == 1 or getattr(self.activation_checkpointing, "ops", None) is None:
+            return self
+        accumulation = self.batching.gradient_accumulation(self.mesh.data_parallel)
+        if build_schedule(self.schedule, pp, accumulation).splits_backward:
+            raise ValueError(
+                f"activation_checkpointing.ops with pipelining.kind={self.schedule.kind}: this schedule runs "
+                "backward as two passes (input, then weights), and torch's selective checkpointing allows "
+                "one backward through a checkpointed region; use `every: k` or mode full with it, or a "
+                "schedule without split backward (1f1b, interleaved_1f1b, gpipe)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_context_parallel(self) -> Self:
         check_context_parallel(self.mesh, self.model, self.data, self.task)
         check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
+        check_activation_checkpointing(self.mesh, self.model, self.activation_checkpointing, self.compile)
         return self
 
     @property

@@ -18,7 +18,10 @@ estimate from those meta parameters, their dtypes and the mesh:
   `num_experts_per_tok × moe_intermediate_size` in MoE layers) in the parameter dtype, split over
   `tensor_parallel × context_parallel`, times the microbatches a pipeline rank holds at once (1 without
   pipelining, `pp − pp_rank` under 1F1B-style schedules, all under GPipe), plus one loss chunk of fp32 logits
-  (`loss_chunk_size × vocab`). Attention scores are not stored (SDPA).
+  (`loss_chunk_size × vocab`). Attention scores are not stored (SDPA). Under `activation_checkpointing`, a
+  checkpointed layer keeps only its input (`hidden` values per token; op-level selective: also its matmul and
+  attention outputs, the family's `layer_op_values`), and the rank holds one layer's full activations again
+  (one microbatch) while backward recomputes it.
   Temporary buffers, allocator fragmentation and communication buffers come on top.
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import assert_never
 
 import torch
 from torch import nn
@@ -39,6 +43,12 @@ from d9d.engine.config import TrainConfig
 from d9d.engine.providers import ModelArchitecture, ModelProvider
 from d9d.engine.registry import build_model
 from d9d.models.family import StageFootprint
+from d9d.modules.checkpointing import (
+    FullActivationCheckpointing,
+    NoActivationCheckpointing,
+    SelectiveActivationCheckpointing,
+    plan_layers,
+)
 from d9d.modules.moe import GroupedExperts
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.schedule.config import GPipeSchedule
@@ -177,6 +187,63 @@ def _in_flight(config: TrainConfig, mesh: DeviceMeshParameters, pp_rank: int, ac
     return min(pp - pp_rank, accumulation)
 
 
+@dataclass(frozen=True)
+class _StageValues:
+    """Values per token one microbatch keeps on a stage under the job's activation checkpointing, and the
+    extra values the largest checkpointed layer holds again while its backward recomputes it."""
+
+    kept: int
+    recompute_peak: int
+    checkpointed: int  # layers
+    modelled: bool  # False: op-level values not modelled for this family (counted as not checkpointed)
+
+
+def _stage_values(config: TrainConfig, footprint: StageFootprint) -> _StageValues:
+    plan = plan_layers(config.activation_checkpointing, footprint.layer_values)
+    kept = peak = 0
+    modelled = True
+    for index, values in footprint.layer_values.items():
+        if index not in plan:
+            kept += values
+            continue
+        policy = plan[index]
+        keeps = footprint.layer_input_values
+        if policy is not None:
+            if footprint.layer_op_values is None:
+                modelled = False
+                keeps = values
+            else:
+                keeps += footprint.layer_op_values[index]
+        keeps = min(keeps, values)
+        kept += keeps
+        peak = max(peak, values - keeps)
+    return _StageValues(kept, peak, len(plan), modelled)
+
+
+def _checkpointing_note(config: TrainConfig, stages: list[_StageValues]) -> str:
+    ac = config.activation_checkpointing
+    match ac:
+        case NoActivationCheckpointing():
+            return ""
+        case FullActivationCheckpointing():
+            what, keeps = "full", "its input (hidden)"
+        case SelectiveActivationCheckpointing(every=int() as every):
+            what, keeps = f"selective every {every}", "its input (hidden)"
+        case SelectiveActivationCheckpointing():
+            what, keeps = f"selective ops {list(ac.ops or ())}", "its input and its matmul/attention outputs"
+        case _:
+            assert_never(ac)
+    if not all(s.modelled for s in stages):
+        return (
+            f"; activation_checkpointing {what}: op-level values not modelled for this family (not counted)"
+        )
+    layers = sum(s.checkpointed for s in stages)
+    return (
+        f"; activation_checkpointing {what}: each of the {layers} checkpointed layer(s) here keeps {keeps}, "
+        "plus one layer's recompute (its full activations, one microbatch)"
+    )
+
+
 def _activation_bytes(
     config: TrainConfig,
     mesh: DeviceMeshParameters,
@@ -191,21 +258,29 @@ def _activation_bytes(
         return None, "activations: not estimated (no sequence length: data.options.dataset.max_length)"
     tokens = config.batching.microbatch_size * seq
     dtype_bytes = next(p for m in modules for p in m.parameters()).element_size()
-    values = 0
+    stages: list[_StageValues] = []
     logits = 0
     for footprint in footprints:
         assert footprint is not None
-        values += footprint.activation_values_per_token
+        stages.append(_stage_values(config, footprint))
         if footprint.loss_chunk is not None:
             chunk, vocab = footprint.loss_chunk
             logits = min(chunk, tokens) * vocab * 4
+    values = sum(s.kept for s in stages)
+    # one recomputation at a time per rank: the largest over its stages, for one microbatch
+    peak = max(s.recompute_peak for s in stages)
     split = mesh.tensor_parallel * mesh.context_parallel
     per_microbatch = tokens * values * dtype_bytes // split
+    recompute = tokens * peak * dtype_bytes // split
+    checkpointing = _checkpointing_note(config, stages)
     note = (
         f"activations: {in_flight} microbatch(es) in flight × {tokens} tokens × Σ(8·hidden + 3·ffn) per "
-        f"layer × {dtype_bytes} B / (tp·cp = {split})" + (" + one fp32 loss chunk" if logits else "")
+        f"layer × {dtype_bytes} B / (tp·cp = {split})"
+        + (" + one layer's recompute" if recompute else "")
+        + (" + one fp32 loss chunk" if logits else "")
+        + checkpointing
     )
-    return in_flight * per_microbatch + logits // mesh.tensor_parallel, note
+    return in_flight * per_microbatch + recompute + logits // mesh.tensor_parallel, note
 
 
 def _local(numel: int, parts: int) -> int:

@@ -53,6 +53,8 @@ def _as_written(loc: tuple[int | str, ...], data: Any) -> list[str]:
         rest = loc[i + 1 :]
         if str(part).startswith(UNION_TAG_PREFIX) or (rest and isinstance(node, Mapping) and rest[0] in node):
             continue
+        if isinstance(node, Mapping) and part in {v for v in node.values() if isinstance(v, str)}:
+            continue  # the tag of a discriminated union (`mode: selective`) that a model validator refused
         parts.append(str(part))
         node = None
     return parts

@@ -15,7 +15,9 @@ from d9d.engine.components import (
     TextData,
 )
 from d9d.engine.registry import PeftModel
-from d9d.models.family import families
+from d9d.models.family import check_checkpointing_family, families
+from d9d.modules.checkpointing import ActivationCheckpointingConfig, NoActivationCheckpointing
+from d9d.parallel.compile import CompileConfig
 from d9d.pipeline.api import PipelineStageInfo, balance_layers
 
 _CP_KEYS = "mesh.context_parallel_shard × mesh.context_parallel_replicate"
@@ -102,4 +104,35 @@ def check_context_parallel(
         raise ValueError(
             f"{where}: data.options.pad_to_multiple_of={data.options.pad_to_multiple_of} must be a "
             f"multiple of 2·cp = {2 * cp}, so every batch's sequence length splits into 2·cp equal chunks"
+        )
+
+
+def check_activation_checkpointing(
+    mesh: DeviceMeshParameters,
+    model: ModelChoice,
+    checkpointing: ActivationCheckpointingConfig,
+    compile_config: CompileConfig,
+) -> None:
+    """Checkpointing needs a family with a decoder stack (a plug-in is checked when its stages are built);
+    op-level selective with compiled blocks refuses expert parallelism (`check_op_checkpointing_compiled`)."""
+    if isinstance(checkpointing, NoActivationCheckpointing):
+        return
+    base, field = _base(model)
+    if isinstance(base, BuiltinModel):
+        check_checkpointing_family(base.options.family, f"{field}.provider", checkpointing.mode)
+    if compile_config.enabled:  # on CUDA by default too: checked again when the stages are built
+        check_op_checkpointing_compiled(mesh, checkpointing)
+
+
+def check_op_checkpointing_compiled(
+    mesh: DeviceMeshParameters, checkpointing: ActivationCheckpointingConfig
+) -> None:
+    """Op-level selective checkpointing of compiled blocks traces the checkpoint with the block in one graph,
+    which expert parallelism's all-to-all (data-dependent splits, run outside the graph) breaks."""
+    if getattr(checkpointing, "ops", None) is not None and mesh.expert_parallel > 1:
+        raise ValueError(
+            f"activation_checkpointing.ops with mesh.expert_parallel = {mesh.expert_parallel} and compiled "
+            "blocks (compile.enabled, or on CUDA by default): the experts' all-to-all breaks the compiled "
+            "block's graph, so the op-level policy cannot be traced with it; use activation_checkpointing "
+            "`every: k` or mode full, or compile.enabled: false"
         )

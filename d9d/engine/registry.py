@@ -28,7 +28,8 @@ from d9d.engine.components import (
 )
 from d9d.engine.errors import ConfigError
 from d9d.engine.plugins import PluginSpec
-from d9d.engine.providers import ModelProvider
+from d9d.engine.providers import ModelArchitecture, ModelProvider
+from d9d.models.family import check_checkpointing_family
 from d9d.models.hf.config import hf_export_gap
 
 if TYPE_CHECKING:
@@ -96,6 +97,17 @@ def validate_components(config: TrainConfig) -> None:
             build_lr_scheduler(config.lr_scheduler).check_run(config.trainer.total_steps)
         except ValueError as e:
             raise ConfigError(f"lr_scheduler.options: {e}") from None
+    if config.activation_checkpointing.mode != "none":
+        # a plug-in family's provider (the built-ins are checked with the config tree)
+        provider = build_model(config.model)
+        base = provider.base if isinstance(provider, PeftModelProvider) else provider
+        if isinstance(base, ModelArchitecture):
+            try:
+                check_checkpointing_family(
+                    base.family, "model.provider", config.activation_checkpointing.mode
+                )
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     checkpointing = config.checkpointing
     if checkpointing.export_hf_dir is not None and not checkpointing.export_inexact:
         gap = export_gap(build_model(config.model))

@@ -3,7 +3,8 @@
 Every stage goes through the same steps: built on the meta device (nothing allocated), parallelized by the
 model provider (parameters become DTensors, still on meta), materialized on the device (`to_empty`),
 initialized under the stage's parameter seed (identical on every rank of the stage, so replicas agree),
-switched to train or eval mode, and finally compiled (regional `torch.compile`, d9d.parallel.compile).
+switched to train or eval mode, set to the job's activation checkpointing (training only,
+d9d.modules.checkpointing), and finally compiled (regional `torch.compile`, d9d.parallel.compile).
 """
 
 from __future__ import annotations
@@ -18,8 +19,20 @@ from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.determinism import parameter_init_rng
 from d9d.engine.errors import ConfigError
+from d9d.engine.parallel_checks import check_op_checkpointing_compiled
 from d9d.engine.providers import ModelProvider
-from d9d.parallel.compile import CompileConfig, CompileReport, check_compile_available, compile_stage
+from d9d.modules.checkpointing import (
+    ActivationCheckpointingConfig,
+    NoActivationCheckpointing,
+    apply_activation_checkpointing,
+)
+from d9d.parallel.compile import (
+    CompileConfig,
+    CompileReport,
+    check_compile_available,
+    compile_enabled,
+    compile_stage,
+)
 from d9d.parallel.grad_sync import unsynced_params
 from d9d.pipeline.api import PipelineStageInfo
 
@@ -61,11 +74,17 @@ def build_stages(
     compile_config: CompileConfig,
     training: bool,
     split_backward: bool = False,
+    activation_checkpointing: ActivationCheckpointingConfig | None = None,
 ) -> Stages:
     """`split_backward`: the pipeline schedule runs input and weight passes separately (compiled regions
-    must then keep their saved activations through the first, see `compile_stage`)."""
+    must then keep their saved activations through the first, see `compile_stage`).
+    `activation_checkpointing`: applied to every training stage's decoder stacks, layers chosen by their
+    global index (`plan_layers`); a stage without a decoder stack is refused unless the mode is none."""
+    checkpointing = activation_checkpointing or NoActivationCheckpointing()
     try:  # before anything is built: a config that cannot compile here fails with its reason
         check_compile_available(compile_config, ctx.device)
+        if training and compile_enabled(compile_config, ctx.device):
+            check_op_checkpointing_compiled(ctx.params, checkpointing)
     except ValueError as error:
         raise ConfigError(str(error)) from error
     modules = []
@@ -80,10 +99,27 @@ def build_stages(
         with torch.no_grad(), parameter_init_rng(parameter_seed, stage_mesh(ctx)):
             provider.initialize(module, ctx)
         module.train(training)
+        if training:
+            apply_stage_checkpointing(module, checkpointing, info)
         reports.append(compile_stage(module, compile_config, ctx.device, split_backward=split_backward))
         modules.append(module)
     _log_compile(ctx, reports)
     return Stages(tuple(infos), tuple(modules), tuple(reports))
+
+
+def apply_stage_checkpointing(
+    module: nn.Module, config: ActivationCheckpointingConfig, info: PipelineStageInfo
+) -> None:
+    """The job's checkpointing on one stage's decoder stacks; a stage without one is refused unless the mode
+    is none. Before compilation, which reads nothing of it (a block's compiled region applies an op-level
+    policy handed to each call, `d9d.parallel.compile`), so the order is only for the reader."""
+    stacks = apply_activation_checkpointing(module, config)
+    if stacks == 0 and not isinstance(config, NoActivationCheckpointing):
+        raise ConfigError(
+            f"activation_checkpointing.mode={config.mode}: stage {info.current_stage} of the model "
+            f"({type(module).__name__}) has no decoder stack to checkpoint (a module with decoder_layers() "
+            "and set_activation_checkpointing(), e.g. d9d.models.decoder.DecoderBackbone); set mode: none"
+        )
 
 
 def check_gradient_sync(module: nn.Module, ctx: DistributedContext, info: PipelineStageInfo) -> None:

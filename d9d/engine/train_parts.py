@@ -103,6 +103,7 @@ def build_train_parts(
         compile_config=c.compile,
         training=True,
         split_backward=pipeline is not None and pipeline.program.splits_backward,
+        activation_checkpointing=c.activation_checkpointing,
     )
     seed_everything(seeds.activations)
     step_metrics: dict[str, float] = {}

@@ -117,14 +117,25 @@ class StageFootprint:
 
     - `tensor_parallel`: the parameters the family's plan splits over `tensor_parallel` (expert weights
       are always split over `expert_parallel` instead and need not be listed).
-    - `activation_values_per_token`: values kept for backward per token, summed over the stage's layers
+    - `layer_values`: per decoder layer (global index), the values it keeps for backward per token
       (stored in the parameter dtype, split over tp × cp).
     - `loss_chunk`: `(tokens, vocab)` of the float32 logits chunk the last stage's loss holds, or None.
+    - `layer_input_values`: values per token of a layer's input (`hidden_size`): all that a checkpointed
+      layer keeps (0: not modelled, activation checkpointing is then not estimated).
+    - `layer_op_values`: per layer, the values per token of the outputs op-level selective checkpointing
+      keeps (matmuls and attention), None when not modelled.
     """
 
     tensor_parallel: frozenset[nn.Parameter]
-    activation_values_per_token: int
+    layer_values: Mapping[int, int]
     loss_chunk: tuple[int, int] | None = None
+    layer_input_values: int = 0
+    layer_op_values: Mapping[int, int] | None = None
+
+    @property
+    def activation_values_per_token(self) -> int:
+        """Values kept for backward per token, summed over the stage's layers (without checkpointing)."""
+        return sum(self.layer_values.values())
 
 
 ParallelizeFn = Callable[[nn.Module, DistributedContext, ParallelPlanConfig, "torch.dtype | None"], None]
@@ -144,6 +155,9 @@ class ModelFamily(Generic[C]):
     - `footprint(config, stage_module)`: the dry run's view of a stage (None: not modelled).
     - `mesh_splits(config)`: the sizes tensor / expert parallelism split (preflight checks divisibility).
     - `context_parallel`: whether `parallelize` installs context-parallel attention.
+    - `activation_checkpointing`: whether its stages hold a decoder stack the job's `activation_checkpointing`
+      section applies to (`d9d.modules.checkpointing.CheckpointableStack`, e.g. `DecoderBackbone`); a family
+      without one is refused at config validation when the section asks for checkpointing.
     - `hf`: the Hugging Face format, or None when the family has none.
     """
 
@@ -156,6 +170,7 @@ class ModelFamily(Generic[C]):
     mesh_splits: Callable[[C], list[MeshSplit]]
     hf: HuggingFaceFormat[C] | None = None
     context_parallel: bool = True
+    activation_checkpointing: bool = True
     description: str = ""
 
 
@@ -203,6 +218,17 @@ def family_of(config: BaseModel) -> ModelFamily[Any]:
             if family.config_class is cls:
                 return family
     raise TypeError(f"{type(config).__name__} is not the config of a registered model family")
+
+
+def check_checkpointing_family(family: ModelFamily[Any], field: str, mode: str) -> None:
+    """Raises ValueError naming the family when its stages have no decoder stack for the job's
+    `activation_checkpointing` (mode `mode`, the model chosen at `field`)."""
+    if not family.activation_checkpointing:
+        capable = ", ".join(f"'{f.name}'" for f in families() if f.activation_checkpointing)
+        raise ValueError(
+            f"activation_checkpointing.mode={mode}: {field} is the {family.name!r} family, whose stages have "
+            f"no decoder stack to checkpoint (families that do: {capable}); set mode: none"
+        )
 
 
 def family_for_model_type(model_type: object) -> ModelFamily[Any]:

@@ -13,7 +13,13 @@ removed at the source: the attention mask is prepared (dense or block masks per 
 outside the layers and only read inside them; the rotary tables are plain tensors; per-layer Python state
 is limited to the sliding window (one graph per distinct window). Module hooks (FSDP2's all-gather /
 reduce-scatter, TP's redistributions on the block itself) stay outside the compiled function because only
-`forward` is compiled, and activation checkpointing wraps the whole (compiled) block call.
+`forward` is compiled. Whole-layer activation checkpointing wraps the whole (compiled) block call, hooks
+included, and replays it in backward; an op-level policy (`activation_checkpointing.ops`) is instead traced
+inside the block's compiled function, where AOTAutograd's partitioner keeps the policy's op outputs and
+recomputes the rest in the compiled backward (around the compiled call, torch's selective modes would only
+see opaque kernels). That function is compiled with `fullgraph`: a checkpoint dynamo cannot trace whole would
+run eagerly with Python side effects replayed, so a graph break there sends the stage to the eager fallback,
+where the backbone applies the same policy eagerly around the block call.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch._dynamo.exc import TorchDynamoException
 from torch._dynamo.utils import counters
 
 from d9d.kernels.backend import has_triton
+from d9d.modules.checkpointing import take_delegated_policy, traced_checkpoint, traced_context_fn
 from d9d.modules.heads import CausalLMHead
 
 CompileRegion = Literal["decoder_blocks", "loss_head"]
@@ -163,6 +170,14 @@ def _loss_head(head: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(head).forward(head, *args, **kwargs)
 
 
+def _checkpointed_decoder_block(
+    block: nn.Module, context_fn: Callable[[], Any], *args: Any, **kwargs: Any
+) -> Any:
+    """A decoder block under an op-level checkpoint policy, the checkpoint traced with it (its own code
+    object: its graphs have their own cache entries and recompile limit)."""
+    return traced_checkpoint(type(block).forward, context_fn, block, *args, **kwargs)
+
+
 _REGION_FUNCTIONS: dict[CompileRegion, Callable[..., Any]] = {
     "decoder_blocks": _decoder_block,
     "loss_head": _loss_head,
@@ -175,13 +190,29 @@ def _eager_backward_lowering() -> bool:
     return "force_non_lazy_backward_lowering" in torch._functorch.config.get_config_copy()
 
 
+# Dynamo refuses a checkpointed body that mutates outer state (it would be replayed eagerly); under this flag
+# it traces the mutation in the forward only, which is what a d9d layer's statistics want.
+_SIDE_EFFECTS_UNDER_CHECKPOINT = {
+    key: True
+    for key in ("skip_fwd_side_effects_in_bwd_under_checkpoint",)
+    if hasattr(torch._dynamo.config, key)
+}
+
+
 def _graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
 class _RegionRunner:
     """The callable installed as a region's `forward`: the compiled function, or — after a compile failure
-    anywhere in the stage — the eager forward, with one warning for the whole stage."""
+    anywhere in the stage — the eager forward, with one warning for the whole stage.
+
+    A decoder block's runner also applies an op-level checkpoint policy delegated to its call
+    (`d9d.modules.checkpointing.delegate_policy`), through `selective` (the block with the checkpoint traced
+    in). After a failure it takes no more policies (`applies_checkpoint_policy` turns false), so the owner
+    checkpoints the whole block call eagerly, hooks included: a checkpoint inside the hooks would replay the
+    forward with FSDP's parameters resharded. The call that failed runs its block eagerly without
+    checkpointing (its hooks have run; it only keeps more activations, once)."""
 
     def __init__(
         self,
@@ -189,20 +220,37 @@ class _RegionRunner:
         compiled: Callable[..., Any],
         stats: CompileStats,
         aot_config: dict[str, bool],
+        selective: Callable[..., Any] | None = None,
     ) -> None:
         self.module = module
         self.compiled = compiled
         self.stats = stats
         self.aot_config = aot_config
+        self.selective = selective
+
+    @property
+    def applies_checkpoint_policy(self) -> bool:
+        return self.selective is not None and self.stats.failure is None
+
+    def _eager(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        policy = take_delegated_policy() if self.selective is not None else None
         if self.stats.failure is not None:
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return self._eager(*args, **kwargs)
         before, start = _graph_count(), time.perf_counter()
         try:
             # AOTAutograd reads these when it compiles, which happens inside the first calls.
             with torch._functorch.config.patch(dict(self.aot_config)):
-                out = self.compiled(self.module, *args, **kwargs)
+                if policy is None:
+                    out = self.compiled(self.module, *args, **kwargs)
+                else:
+                    assert self.selective is not None
+                    # MoE load statistics are forward side effects; the compiled backward recomputes
+                    # tensors only, so they are counted once, as `is_recomputing` ensures eagerly.
+                    with torch._dynamo.config.patch(_SIDE_EFFECTS_UNDER_CHECKPOINT):
+                        out = self.selective(self.module, traced_context_fn(policy), *args, **kwargs)
         except TorchDynamoException as error:
             reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             self.stats.failure = reason
@@ -211,7 +259,7 @@ class _RegionRunner:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return self._eager(*args, **kwargs)
         new_graphs = _graph_count() - before
         if new_graphs > 0:
             self.stats.graphs += new_graphs
@@ -265,11 +313,24 @@ def compile_stage(
         )
         for region in config.regions
     }
+    selective = (
+        torch.compile(
+            _checkpointed_decoder_block,
+            backend=config.backend,
+            mode=config.mode if config.backend == "inductor" else None,
+            fullgraph=True,
+            dynamic=config.dynamic,
+        )
+        if "decoder_blocks" in config.regions
+        else None
+    )
     regions: set[str] = set()
     count = 0
     for region, module in _regions(stage, config):
         # an instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks
-        module.forward = _RegionRunner(module, compiled[region], stats, aot_config)
+        module.forward = _RegionRunner(
+            module, compiled[region], stats, aot_config, selective if region == "decoder_blocks" else None
+        )
         regions.add(region)
         count += 1
     found = tuple(r for r in config.regions if r in regions)

@@ -12,7 +12,7 @@ from torch import nn
 from d9d.kernels.backend import KernelBackend
 from d9d.modules.attention import AttentionMask, PaddingSide, SdpaBackend, SdpaBackendName, build_sdpa_backend
 from d9d.modules.base import ModuleLateInit
-from d9d.modules.checkpointing import checkpointed
+from d9d.modules.checkpointing import SaveOps, checkpointed, delegate_policy
 from d9d.modules.embedding import TokenEmbedding
 from d9d.modules.norm import RMSNorm
 from d9d.pipeline.api import PipelineStageInfo, balance_layers
@@ -79,7 +79,8 @@ class DecoderBackbone(nn.Module):
             else None
         )
         self.rotary = self.make_rotary()
-        self.checkpointed_layers: set[int] = set()
+        # global layer index -> its op-level policy (None: the whole layer is recomputed)
+        self.checkpointed_layers: dict[int, SaveOps | None] = {}
 
     def make_layer(self, index: int, backend: SdpaBackend) -> nn.Module:
         raise NotImplementedError
@@ -103,15 +104,37 @@ class DecoderBackbone(nn.Module):
         """This stage's layers by global index."""
         return {int(name): layer for name, layer in self.layers.items()}
 
-    def set_activation_checkpointing(self, enabled: bool = True, layers: Iterable[int] | None = None) -> None:
-        """Recompute the given layers (default: all of this stage's) in backward instead of storing them."""
+    def set_activation_checkpointing(
+        self, enabled: bool = True, layers: Iterable[int] | None = None, *, policy: SaveOps | None = None
+    ) -> None:
+        """Recompute the given layers (default: all of this stage's) in backward instead of storing them; with
+        `policy`, keep the outputs of the ops it names and recompute the rest (op-level selective). The job's
+        `activation_checkpointing` section sets this through `apply_activation_checkpointing`."""
         chosen = set(self.layer_range if layers is None else layers)
         outside = sorted(chosen - set(self.layer_range))
         if outside:
             raise ValueError(f"layers {outside} are not on this stage (it holds {list(self.layer_range)})")
-        self.checkpointed_layers = (
-            self.checkpointed_layers | chosen if enabled else self.checkpointed_layers - chosen
-        )
+        for index in sorted(chosen):
+            if enabled:
+                self.checkpointed_layers[index] = policy
+            else:
+                self.checkpointed_layers.pop(index, None)
+
+    def _run_layer(
+        self, index: int, layer: nn.Module, hidden: torch.Tensor, rotary: object, mask: AttentionMask
+    ) -> torch.Tensor:
+        if index not in self.checkpointed_layers or not torch.is_grad_enabled():
+            out: torch.Tensor = layer(hidden, rotary, mask)  # nothing is kept without autograd
+            return out
+        policy = self.checkpointed_layers[index]
+        if policy is not None and getattr(layer.forward, "applies_checkpoint_policy", False):
+            # a compiled block traces the checkpoint itself, so the compiler applies the policy (around the
+            # compiled call, torch's selective modes would only see the compiled code's opaque kernels)
+            with delegate_policy(policy):
+                out = layer(hidden, rotary, mask)
+            return out
+        # whole-layer: around the block call (its hooks and, when compiled, the compiled forward)
+        return checkpointed(layer, hidden, rotary, mask, policy=policy)
 
     def forward(
         self,
@@ -141,10 +164,7 @@ class DecoderBackbone(nn.Module):
             device=hidden.device,
         )
         for index, layer in self.decoder_layers().items():
-            if index in self.checkpointed_layers:
-                hidden = checkpointed(layer, hidden, rotary, mask)
-            else:
-                hidden = layer(hidden, rotary, mask)
+            hidden = self._run_layer(index, layer, hidden, rotary, mask)
         if self.norm is not None:
             hidden = self.norm(hidden)
         out: torch.Tensor = hidden

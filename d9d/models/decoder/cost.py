@@ -58,14 +58,19 @@ def decoder_footprint(
     *,
     loss_chunk_size: int,
     vocab_size: int,
+    op_values: Callable[[int, nn.Module], int] | None = None,
 ) -> StageFootprint | None:
     """The dry run's view of a decoder stage: the plan of `parallelize_decoder` splits every matrix but the
     experts' and the routers' over tp; `activation_values(index, layer)` is what a layer keeps per token;
-    the last stage holds one float32 loss chunk."""
+    `op_values(index, layer)` what it keeps under op-level selective checkpointing (its matmul and attention
+    outputs; None: not modelled); a checkpointed layer keeps its input (`hidden_size` values); the last stage
+    holds one float32 loss chunk."""
     if not isinstance(module, DecoderStageModel):
         return None
     kept = {p for m in module.modules() if isinstance(m, GroupedExperts | TopKRouter) for p in m.parameters()}
     tensor_parallel = frozenset(p for p in module.parameters() if p.dim() >= 2 and p not in kept)
-    values = sum(activation_values(i, layer) for i, layer in module.model.decoder_layers().items())
+    layers = module.model.decoder_layers()
+    values = {i: activation_values(i, layer) for i, layer in layers.items()}
+    ops = None if op_values is None else {i: op_values(i, layer) for i, layer in layers.items()}
     chunk = (loss_chunk_size, vocab_size) if module.stage.is_last else None
-    return StageFootprint(tensor_parallel, values, chunk)
+    return StageFootprint(tensor_parallel, values, chunk, module.model.config.hidden_size, ops)

@@ -148,9 +148,24 @@ def flops_per_token(config: DeepSeekV3Config, seq_len: int) -> float:
     return decoder_flops_per_token(c.vocab_size, h, layers, seq_len)
 
 
+def _op_values(c: DeepSeekV3Config, layer: int) -> int:
+    """Per token, what op-level selective checkpointing keeps: the query path's projections (low-rank or
+    full), the key/value latent and its expansion, the attention output, o_proj, and the SwiGLU projections
+    (routed top-k plus shared experts and the router in MoE layers)."""
+    h, heads = c.hidden_size, c.num_attention_heads
+    query = heads * c.qk_head_dim + (c.q_lora_rank or 0)
+    keys_values = c.kv_lora_rank + c.qk_rope_head_dim + heads * (c.qk_nope_head_dim + c.v_head_dim)
+    attention = query + keys_values + heads * c.v_head_dim + h
+    if c.is_moe_layer(layer):
+        copies = c.num_experts_per_tok + (1 if c.num_shared_experts else 0)
+        return attention + 2 * _ffn_width(c, layer) + copies * h + c.num_experts
+    return attention + 2 * c.intermediate_size + h
+
+
 def footprint(config: DeepSeekV3Config, module: nn.Module) -> StageFootprint | None:
     """Per layer and token about `8 × hidden + 3 × ffn` values (ffn: routed top-k plus shared width in MoE
-    layers) plus the expanded queries, keys and values (`heads × (2 · qk_head_dim + v_head_dim)`)."""
+    layers) plus the expanded queries, keys and values (`heads × (2 · qk_head_dim + v_head_dim)`); under
+    op-level selective checkpointing `_op_values`."""
     c = config
     attention = c.num_attention_heads * (2 * c.qk_head_dim + c.v_head_dim)
     return decoder_footprint(
@@ -158,6 +173,7 @@ def footprint(config: DeepSeekV3Config, module: nn.Module) -> StageFootprint | N
         lambda i, _layer: 8 * c.hidden_size + 3 * _ffn_width(c, i) + attention,
         loss_chunk_size=c.loss_chunk_size,
         vocab_size=c.vocab_size,
+        op_values=lambda i, _layer: _op_values(c, i),
     )
 
 

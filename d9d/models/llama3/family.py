@@ -53,13 +53,18 @@ def flops_per_token(config: Llama3Config, seq_len: int) -> float:
 
 
 def footprint(config: Llama3Config, module: nn.Module) -> StageFootprint | None:
-    """Per layer and token about `8 × hidden + 3 × intermediate` values kept for backward."""
-    values = 8 * config.hidden_size + 3 * config.intermediate_size
+    """Per layer and token about `8 × hidden + 3 × intermediate` values kept for backward; under op-level
+    selective checkpointing the projections' and the attention's outputs."""
+    h = config.hidden_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    values = 8 * h + 3 * config.intermediate_size
+    ops = (q + 2 * kv) + q + h + 2 * config.intermediate_size + h
     return decoder_footprint(
         module,
         lambda _i, _layer: values,
         loss_chunk_size=config.loss_chunk_size,
         vocab_size=config.vocab_size,
+        op_values=lambda _i, _layer: ops,
     )
 
 

@@ -66,15 +66,31 @@ def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
     return decoder_flops_per_token(config.vocab_size, config.hidden_size, layer_costs(config, ffn), seq_len)
 
 
+def attention_op_values(config: Qwen3Config) -> int:
+    """Per token, the attention's matmul and kernel outputs that op-level selective checkpointing keeps: the
+    q, k, v projections, the attention output and o_proj."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return (q + 2 * kv) + q + config.hidden_size
+
+
+def swiglu_op_values(hidden_size: int, width: int, copies: int = 1) -> int:
+    """Per token, the gate, up and down projection outputs of `copies` SwiGLUs of `width` (the top-k experts a
+    token is routed to are `copies`, with `width` their sum)."""
+    return 2 * width + copies * hidden_size
+
+
 def footprint(config: Qwen3Config, module: nn.Module) -> StageFootprint | None:
     """Per decoder layer and token about `8 × hidden + 3 × intermediate` values kept for backward (norm,
-    attention and MLP inputs and outputs)."""
+    attention and MLP inputs and outputs); under op-level selective checkpointing the projections' and the
+    attention's outputs."""
     values = 8 * config.hidden_size + 3 * config.intermediate_size
+    ops = attention_op_values(config) + swiglu_op_values(config.hidden_size, config.intermediate_size)
     return decoder_footprint(
         module,
         lambda _i, _layer: values,
         loss_chunk_size=config.loss_chunk_size,
         vocab_size=config.vocab_size,
+        op_values=lambda _i, _layer: ops,
     )
 
 

@@ -6,7 +6,13 @@ from torch import nn
 
 from d9d.models.decoder import decoder_flops_per_token, decoder_footprint
 from d9d.models.family import MeshSplit, ModelFamily, StageFootprint
-from d9d.models.qwen3.family import attention_splits, family_parallelize, layer_costs
+from d9d.models.qwen3.family import (
+    attention_op_values,
+    attention_splits,
+    family_parallelize,
+    layer_costs,
+    swiglu_op_values,
+)
 from d9d.models.qwen3_moe.config import Qwen3MoEConfig
 from d9d.models.qwen3_moe.hf import QWEN3_MOE_HF
 from d9d.models.qwen3_moe.tasks import Qwen3MoEForCausalLM
@@ -28,17 +34,30 @@ def flops_per_token(config: Qwen3MoEConfig, seq_len: int) -> float:
 
 def footprint(config: Qwen3MoEConfig, module: nn.Module) -> StageFootprint | None:
     """Per layer and token `8 × hidden + 3 × ffn` values, `ffn` being `num_experts_per_tok ×
-    moe_intermediate_size` in MoE layers and `intermediate_size` in dense ones."""
+    moe_intermediate_size` in MoE layers and `intermediate_size` in dense ones; under op-level selective
+    checkpointing the projections', the experts', the router's and the attention's outputs."""
+
+    def moe(layer: nn.Module) -> bool:
+        return isinstance(getattr(layer, "mlp", None), MoELayer)
 
     def values(_index: int, layer: nn.Module) -> int:
-        if isinstance(getattr(layer, "mlp", None), MoELayer):
+        if moe(layer):
             ffn = config.num_experts_per_tok * config.moe_intermediate_size
         else:
             ffn = config.intermediate_size
         return 8 * config.hidden_size + 3 * ffn
 
+    def ops(_index: int, layer: nn.Module) -> int:
+        h = config.hidden_size
+        if moe(layer):
+            k = config.num_experts_per_tok
+            mlp = swiglu_op_values(h, k * config.moe_intermediate_size, k) + config.num_experts
+        else:
+            mlp = swiglu_op_values(h, config.intermediate_size)
+        return attention_op_values(config) + mlp
+
     return decoder_footprint(
-        module, values, loss_chunk_size=config.loss_chunk_size, vocab_size=config.vocab_size
+        module, values, loss_chunk_size=config.loss_chunk_size, vocab_size=config.vocab_size, op_values=ops
     )
 
 

@@ -1,0 +1,110 @@
+"""CPU smoke of `benchmarks/train_throughput.py`'s plumbing (its rows need CUDA): the activation-checkpointing
+rows (`--d9d-ac`, `--titan-ac`) are planned, labelled, parsed back in the row's subprocess and compared with
+their no-checkpointing rows; the d9d rows' job configs validate for every mode; `--batch` / `--seq` reach the
+row's subprocess."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import train_throughput
+
+        yield train_throughput
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_ac_rows_are_planned_and_labelled(bench: ModuleType) -> None:
+    args = bench.build_parser().parse_args(
+        [
+            "--model", "dense", "--peers", "d9d,torchtitan", "--d9d-variants", "compiled",
+            "--d9d-batches", "random", "--d9d-ac", "none,full,selective,selective-op",
+            "--titan-variants", "compile", "--titan-ac", "none,full,selective",
+        ]
+    )  # fmt: skip
+    rows = bench.plan(args)
+    assert [(r.peer, r.ac) for r in rows] == [
+        ("d9d", "none"), ("d9d", "full"), ("d9d", "selective"), ("d9d", "selective-op"),
+        ("torchtitan", "none"), ("torchtitan", "full"), ("torchtitan", "selective"),
+    ]  # fmt: skip
+    assert rows[1].label == "d9d compiled, random, AC full"
+    assert rows[0].label == "d9d compiled, random"
+    assert rows[5].label == "torchtitan 0.2.2 + per-block compile, AC full"
+    assert all(bench.Row.parse(r.spec()) == r for r in rows)
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--d9d-ac", "sometimes"])
+
+
+def test_ratios_compare_with_the_same_mode_and_without_checkpointing(bench: ModuleType) -> None:
+    def result(peer: str, variant: str, ac: str, tps: float, peak: float) -> dict[str, object]:
+        row = bench.Row("dense", peer, variant, "random", ac)
+        return {**row.__dict__, "label": row.label, "tokens_per_s": tps, "peak_gib": peak, "mfu": 0.4}
+
+    results = [
+        result("d9d", "compiled", "none", 100.0, 20.0),
+        result("d9d", "compiled", "full", 75.0, 8.0),
+        result("torchtitan", "compile", "none", 90.0, 30.0),
+        result("torchtitan", "compile", "full", 60.0, 10.0),
+    ]
+    bench.add_ratios(results)
+    assert results[1]["x_no_ac"] == 0.75 and results[1]["mem_x_no_ac"] == 0.4
+    assert results[1]["x_titan_compile"] == 75.0 / 60.0  # against torchtitan with full AC too
+    assert "x_no_ac" not in results[0]
+    assert "| d9d compiled, random, AC full | 75 |" in bench.table(results)
+    assert "| 0.75x / 0.40x |" in bench.table(results)
+
+
+def test_d9d_jobs_validate_for_every_mode(bench: ModuleType) -> None:
+    from throughput import common, d9d_peer
+
+    from d9d.engine.config import parse_config
+
+    modes = {}
+    for ac in common.AC_MODES:
+        config = parse_config(d9d_peer.job("dense", "compiled", "random", 5, ac))
+        modes[ac] = config.activation_checkpointing.model_dump(exclude_none=True)
+    assert modes == {
+        "none": {"mode": "none"},
+        "full": {"mode": "full"},
+        "selective": {"mode": "selective", "every": 2},
+        "selective-op": {"mode": "selective", "ops": ("matmul", "attention")},
+    }
+
+
+def test_a_row_subprocess_gets_the_shape_and_the_mode(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row runs in its own process, which parses the row back (here it stops at the CUDA check);
+    `--batch` / `--seq` travel to it in the environment `throughput.common` reads on import."""
+    args = bench.build_parser().parse_args(["--batch", "1", "--seq", "65536"])
+    row = bench.Row("dense", "d9d", "compiled", "random", "full")
+    result = bench.spawn(row, args, timeout=120)
+    assert result["error"] == "RuntimeError: this benchmark needs CUDA", result
+
+    seen: dict[str, object] = {}
+
+    class Popen:
+        def __init__(self, cmd: list[str], **kwargs: object) -> None:
+            seen.update(cmd=cmd, **kwargs)
+            self.pid = 0
+
+        def wait(self, timeout: float) -> int:
+            return 1
+
+    monkeypatch.setattr(bench.subprocess, "Popen", Popen)
+    bench.spawn(row, args, timeout=120)
+    env = seen["env"]
+    assert isinstance(env, dict) and env["D9D_BENCH_BATCH"] == "1" and env["D9D_BENCH_SEQ"] == "65536"
+    assert row.spec() in seen["cmd"]  # type: ignore[operator]
