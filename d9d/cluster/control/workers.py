@@ -9,6 +9,7 @@ rank bundle pinned to its node (`Reservation.hold`) and the standby drives the G
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -49,6 +50,7 @@ from d9d.cluster.placement import (
 from d9d.cluster.rank import STACKS_SIGNAL, RankActor, RankLaunch, RankNode, rank_stacks_path
 from d9d.cluster.reporter import CoordinatorTransfer
 from d9d.cluster.spec import JobSpec
+from d9d.core import flight_recorder
 from d9d.engine.runtime import RankRuntime
 
 _log = logging.getLogger(__name__)
@@ -78,11 +80,37 @@ def _bundle_gpus() -> tuple[str, ...]:
 _STACKS_TIMEOUT_S = 3.0
 
 
+@dataclass(frozen=True)
+class RankDump:
+    """What a hung rank gave: its threads' stacks (None: none within the timeout) and its flight
+    recorder's snapshot as `Snapshot.to_json` text (one saying why, when it gave none)."""
+
+    stacks: str | None
+    collectives: str
+
+
+def _fetch_collectives(pid: int, timeout_s: float) -> str:
+    try:
+        return flight_recorder.fetch(pid, timeout_s).to_json()
+    except TimeoutError:
+        why = f"it did not answer within {timeout_s:.0f}s (frozen, or a thread holds the GIL)"
+    except (OSError, ValueError) as e:
+        why = f"it could not be read: {e}"
+    return flight_recorder.Snapshot(missing=why).to_json()
+
+
 @ray.remote(num_cpus=0)
-def _dump_stacks(pid: int, path: str, timeout_s: float) -> str | None:
-    """Run on a rank's node: have process `pid` dump its stacks into `path` (its faulthandler) and return
-    what it wrote; with py-spy on the node, also its dump (native frames included)."""
-    stacks = Path(path)
+def _dump_rank(pid: int, path: str, timeout_s: float) -> RankDump:
+    """Run on a rank's node: have process `pid` dump its stacks into `path` (its faulthandler) and read
+    them, with py-spy on the node also its dump (native frames included); meanwhile read its last
+    collectives from its flight-recorder socket."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        collectives = pool.submit(_fetch_collectives, pid, timeout_s)
+        stacks = _dump_stacks(pid, Path(path), timeout_s)
+        return RankDump(stacks, collectives.result())
+
+
+def _dump_stacks(pid: int, stacks: Path, timeout_s: float) -> str | None:
     start = stacks.stat().st_size if stacks.exists() else 0
     try:
         os.kill(pid, STACKS_SIGNAL)
@@ -360,23 +388,25 @@ class WorkerGroup:
             storage_stall_s=c.storage_stall_s,
         )
 
-    async def dump_stacks(self, at: Attempt, timeout_s: float = _STACKS_TIMEOUT_S) -> dict[int, str | None]:
+    async def dump_ranks(self, at: Attempt, timeout_s: float = _STACKS_TIMEOUT_S) -> dict[int, RankDump]:
         """Every rank's threads' stacks, dumped by the rank process itself (`faulthandler` on
-        STACKS_SIGNAL), read back on its node; with py-spy installed there, its dump is added. None for a
-        rank that gave none within `timeout_s` (a frozen process)."""
+        STACKS_SIGNAL) and read back on its node, with py-spy's dump where installed, and its flight
+        recorder's last collectives. Stacks None for a rank that gave none within `timeout_s` (a frozen
+        process)."""
         run_dir = self._spec.run_dir
 
-        async def one(rank: int, node: RankNode) -> str | None:
+        async def one(rank: int, node: RankNode) -> RankDump:
             strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-            ref = _dump_stacks.options(scheduling_strategy=strategy).remote(
+            ref = _dump_rank.options(scheduling_strategy=strategy).remote(
                 node.pid, str(rank_stacks_path(run_dir, rank)), timeout_s
             )
             try:
-                text: str | None = await asyncio.wait_for(ref, timeout_s + 5.0)
+                dump: RankDump = await asyncio.wait_for(ref, timeout_s + 5.0)
             except Exception as e:  # the node is gone, the task could not run
                 _log.warning("run %s: no stacks from rank %d: %s", self._spec.run_name, rank, e)
-                return None
-            return text
+                why = f"the dump on its node failed: {e}"
+                return RankDump(None, flight_recorder.Snapshot(missing=why).to_json())
+            return dump
 
         found = await asyncio.gather(*[one(r, n) for r, n in enumerate(at.nodes) if n.pid])
         ranks = [r for r, n in enumerate(at.nodes) if n.pid]
