@@ -45,8 +45,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
+# torch is imported where a snapshot is taken, in the rank: the reading side (`fetch`, `Snapshot.from_json`,
+# `lagging`) runs in a fresh Ray worker on the node, where a cold torch import would delay the hang report.
 _log = logging.getLogger(__name__)
 
 BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch reads them in this order
@@ -225,6 +225,8 @@ def _python_groups() -> dict[str, Group]:
     """Every process group of this process with its global ranks, from torch.distributed's registry: the
     gloo recorder does not record them. `_world` is private; without it the groups are told by who
     recorded in them."""
+    import torch.distributed as dist
+
     groups: dict[str, Group] = {}
     if not dist.is_available() or not dist.is_initialized():
         return groups

@@ -9,17 +9,12 @@ rank bundle pinned to its node (`Reservation.hold`) and the standby drives the G
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
-import shutil
-import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -33,6 +28,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from d9d.cluster.config import CoordinatorStorage
+from d9d.cluster.control.dump import STACKS_TIMEOUT_S, RankDump, dump_rank, missing
 from d9d.cluster.control.health import Liveness
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.scaling import ScalingPolicy
@@ -50,7 +46,6 @@ from d9d.cluster.placement import (
 from d9d.cluster.rank import STACKS_SIGNAL, RankActor, RankLaunch, RankNode, rank_stacks_path
 from d9d.cluster.reporter import CoordinatorTransfer
 from d9d.cluster.spec import JobSpec
-from d9d.core import flight_recorder
 from d9d.engine.runtime import RankRuntime
 
 _log = logging.getLogger(__name__)
@@ -75,70 +70,6 @@ class Reservation:
 def _bundle_gpus() -> tuple[str, ...]:
     """Run in a hold bundle: which GPUs Ray gave it (a bundle's GPUs are fixed when it is reserved)."""
     return tuple(str(g) for g in ray.get_gpu_ids())
-
-
-_STACKS_TIMEOUT_S = 3.0
-
-
-@dataclass(frozen=True)
-class RankDump:
-    """What a hung rank gave: its threads' stacks (None: none within the timeout) and its flight
-    recorder's snapshot as `Snapshot.to_json` text (one saying why, when it gave none)."""
-
-    stacks: str | None
-    collectives: str
-
-
-def _fetch_collectives(pid: int, timeout_s: float) -> str:
-    try:
-        return flight_recorder.fetch(pid, timeout_s).to_json()
-    except TimeoutError:
-        why = f"it did not answer within {timeout_s:.0f}s (frozen, or a thread holds the GIL)"
-    except (OSError, ValueError) as e:
-        why = f"it could not be read: {e}"
-    return flight_recorder.Snapshot(missing=why).to_json()
-
-
-@ray.remote(num_cpus=0)
-def _dump_rank(pid: int, path: str, timeout_s: float) -> RankDump:
-    """Run on a rank's node: have process `pid` dump its stacks into `path` (its faulthandler) and read
-    them, with py-spy on the node also its dump (native frames included); meanwhile read its last
-    collectives from its flight-recorder socket."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        collectives = pool.submit(_fetch_collectives, pid, timeout_s)
-        stacks = _dump_stacks(pid, Path(path), timeout_s)
-        return RankDump(stacks, collectives.result())
-
-
-def _dump_stacks(pid: int, stacks: Path, timeout_s: float) -> str | None:
-    start = stacks.stat().st_size if stacks.exists() else 0
-    try:
-        os.kill(pid, STACKS_SIGNAL)
-    except ProcessLookupError:
-        return None
-    deadline = time.monotonic() + timeout_s
-    size, stable_since = start, time.monotonic()
-    while time.monotonic() < deadline:  # faulthandler writes in pieces: wait until the file stops growing
-        time.sleep(0.05)
-        now_size = stacks.stat().st_size if stacks.exists() else 0
-        if now_size != size:
-            size, stable_since = now_size, time.monotonic()
-        elif size > start and time.monotonic() - stable_since > 0.3:
-            break
-    text = None
-    if size > start:
-        with stacks.open("rb") as f:
-            f.seek(start)
-            text = f.read(size - start).decode(errors="replace")
-    spy = shutil.which("py-spy")
-    if spy is not None:
-        with contextlib.suppress(Exception):
-            dump = subprocess.run(
-                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s
-            )
-            if dump.returncode == 0:
-                text = f"{text or ''}\n---- py-spy dump ----\n{dump.stdout}"
-    return text
 
 
 @dataclass
@@ -388,7 +319,7 @@ class WorkerGroup:
             storage_stall_s=c.storage_stall_s,
         )
 
-    async def dump_ranks(self, at: Attempt, timeout_s: float = _STACKS_TIMEOUT_S) -> dict[int, RankDump]:
+    async def dump_ranks(self, at: Attempt, timeout_s: float = STACKS_TIMEOUT_S) -> dict[int, RankDump]:
         """Every rank's threads' stacks, dumped by the rank process itself (`faulthandler` on
         STACKS_SIGNAL) and read back on its node, with py-spy's dump where installed, and its flight
         recorder's last collectives. Stacks None for a rank that gave none within `timeout_s` (a frozen
@@ -397,15 +328,14 @@ class WorkerGroup:
 
         async def one(rank: int, node: RankNode) -> RankDump:
             strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-            ref = _dump_rank.options(scheduling_strategy=strategy).remote(
-                node.pid, str(rank_stacks_path(run_dir, rank)), timeout_s
+            ref = dump_rank.options(scheduling_strategy=strategy).remote(
+                node.pid, str(rank_stacks_path(run_dir, rank)), STACKS_SIGNAL, timeout_s
             )
             try:
                 dump: RankDump = await asyncio.wait_for(ref, timeout_s + 5.0)
             except Exception as e:  # the node is gone, the task could not run
                 _log.warning("run %s: no stacks from rank %d: %s", self._spec.run_name, rank, e)
-                why = f"the dump on its node failed: {e}"
-                return RankDump(None, flight_recorder.Snapshot(missing=why).to_json())
+                return RankDump(None, missing(f"the dump on its node failed: {type(e).__name__} {e}".strip()))
             return dump
 
         found = await asyncio.gather(*[one(r, n) for r, n in enumerate(at.nodes) if n.pid])
