@@ -5,6 +5,7 @@ in run_summary.json and in `<run dir>/hang-attempt<N>.txt`."""
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -86,11 +87,32 @@ def test_a_hung_rank_is_named_with_where_it_is_before_the_teardown(tmp_path: Pat
     if kind == "hang":
         assert "rank 1 is behind, not in a collective, at " in failure and "cluster_fixtures.py" in failure
         assert "in train_step; ranks [0] wait for it in all_reduce called at " in failure
+        # The flight recorders: rank 1 never issued the all-reduce rank 0 waits in.
+        lag = re.search(
+            r"flight recorder: group 0 \(default_pg, gloo\): rank 1 is behind, its last collective is "
+            r"#(\d+) broadcast \(completed\); rank 0 issued up to #(\d+) and waits in #\2 all_reduce Float",
+            failure,
+        )
+        assert lag is not None and int(lag[2]) == int(lag[1]) + 1, failure
     else:
         assert "ranks wait in different collectives (a rank skipped or added one)" in failure
         assert "rank 0 in all_reduce called at" in failure and "in train_step" in failure
         assert "rank 1 in broadcast_object_list called at" in failure and "in _commands" in failure
+        # The same number on both, a different op: rank 1's numbers are one ahead of where they belong.
+        lag = re.search(
+            r"flight recorder: group 0 \(default_pg, gloo\): the ranks disagree on collective #(\d+) "
+            r"\(rank 0 all_reduce Float\[\d+\] \(pending\); rank 1 broadcast Long\[1\] \(pending\)\)",
+            failure,
+        )
+        assert lag is not None, failure
     assert summary.error is not None and failure in summary.error  # run_summary.json
     assert f"attempt failed: {failure}" in console.getvalue()  # the console
     text = hang_file.read_text()  # the file: the attribution, then every rank's whole dump
     assert "==== rank 0 ====" in text and "==== rank 1 ====" in text and "d9d/cluster/reporter.py" in text
+    # ... each rank's last completed and pending collective, and its recorded ones.
+    assert "collectives (flight recorder):\nrank 0: last completed #" in text
+    assert f"rank 0: last completed #{int(lag[1]) - (kind == 'skip_collective')} broadcast" in text
+    assert (
+        "==== rank 1: last collectives, oldest first ====\n  gloo group 0: #1 broadcast Long[1] completed"
+        in text
+    )

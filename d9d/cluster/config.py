@@ -85,10 +85,11 @@ class ClusterConfig(_Section):
     # A storage operation (a checkpoint file written, on a rank or the coordinator) in flight this long is
     # named on the console (which file, which store, how long), and again every this long while it lasts.
     storage_stall_s: float = Field(10.0, gt=0)
-    # SIGTERM/SIGINT to `d9d train` (a preemption, `ray job stop`): the ranks stop at the next step boundary
-    # and save it; if they have not within this long, they are killed (the steps since the last commit are
-    # then lost). Keep it below the scheduler's kill delay (Kubernetes' terminationGracePeriodSeconds,
-    # SLURM's KillWait), both 30 s by default.
+    # SIGTERM/SIGINT to `d9d train` (a preemption, `ray job stop`), or Ray draining the node of a rank or of
+    # the coordinator (a preemption notice, `d9d.cluster.drain`): the ranks stop at the next step boundary
+    # and save it; if they have not within this long (or by the drain's deadline, if sooner), they are killed
+    # (the steps since the last commit are then lost). Keep it below the scheduler's kill delay (Kubernetes'
+    # terminationGracePeriodSeconds, SLURM's KillWait), both 30 s by default.
     preemption_grace_s: float = Field(25.0, gt=0)
     # Detach the coordinator from the driver: closing `d9d train` or the notebook does not stop training.
     detach: bool = False

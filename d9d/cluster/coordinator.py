@@ -39,6 +39,7 @@ from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.metrics import MetricsHub, loss_step, reports_pause
 from d9d.cluster.control.signal import Changes
 from d9d.cluster.control.workers import Attempt
+from d9d.cluster.drain import DrainNotice, draining_nodes, notice
 from d9d.cluster.lease import RENEW_S as LEASE_RENEW_S
 from d9d.cluster.lease import Lease, LeaseLost, read_lease, renew
 from d9d.cluster.lease import release as release_lease
@@ -52,6 +53,8 @@ from d9d.engine.runtime import Command, CommandKind, MetricPoint, RankCheckpoint
 
 _COMMAND_POLL_S = 10.0
 _JOURNAL_POLL_S = 60.0  # the journal is written on changes; this only bounds a missed wake-up
+# Ray's draining nodes are asked this often (one GCS call); preemption notices give 30 s or more.
+_DRAIN_POLL_S = 1.0
 _UPLOAD_POLL_S = 0.02  # a commit waiting for uploads asks the node store this often (a metadata call)
 _log = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ class Coordinator:
         self._lease: Lease | None = None  # this launch's lease on the run (`d9d.cluster.lease`)
         self._lease_task: asyncio.Task[None] | None = None
         self._storage_task: asyncio.Task[None] | None = None
+        self._drain_task: asyncio.Task[None] | None = None
         self._done = False  # terminal, summary written, tracker closed
         self._journal = self._open_journal(launch_id)
         self._journaled: tuple[object, ...] = ()
@@ -169,6 +173,7 @@ class Coordinator:
                 self._lease_task = loop.create_task(self._keep_lease())
             self._journal_task = loop.create_task(self._keep_journal())
             self._storage_task = loop.create_task(self._watch_storage())
+            self._drain_task = loop.create_task(self._watch_drain())
             self._main = loop.create_task(self._run_job())
 
     async def spec(self) -> JobSpec:
@@ -284,6 +289,43 @@ class Coordinator:
             await self._changes.wait_until(lambda: self._done, 1.0)
             for text in storage_stalls(self._stalled, self._spec.cluster.storage_stall_s, time.monotonic()):
                 await self._notice(f"coordinator: {text}")
+
+    async def _watch_drain(self) -> None:
+        """A rank's node (or this actor's) that Ray drains is a preemption (`d9d.cluster.drain`): once."""
+        unknown = False
+        while not self._done:
+            await self._changes.wait_until(lambda: self._done, _DRAIN_POLL_S)
+            if self._done:
+                return
+            draining = await asyncio.to_thread(draining_nodes)
+            if draining is None:
+                if not unknown:
+                    _log.warning(
+                        "run %s: this Ray does not say which nodes drain; a preemption notice of a rank's "
+                        "node is not seen (SIGTERM to the driver still is)",
+                        self._spec.run_name,
+                    )
+                unknown = True
+                continue
+            at = self._control.attempt
+            found = notice(draining, [n.node_id for n in at.nodes] if at else [], self._journal.node_id)
+            if found is not None and not self._control.machine.state.terminal:
+                await self._preempted(found)
+                return
+
+    async def _preempted(self, drain: DrainNotice) -> None:
+        """Stop at the next step boundary, which the ranks commit, as the driver does on SIGTERM; kill the
+        ranks if they have not stopped within `cluster.preemption_grace_s` or by the node's deadline."""
+        reason = drain.reason()
+        grace = max(0.0, min(self._spec.cluster.preemption_grace_s, drain.remaining_s()))
+        await self._notice(f"{reason}: stopping at the next step boundary, which is saved (<= {grace:.0f}s)")
+        try:
+            await self.send(Command(CommandKind.STOP, {"reason": reason}))
+        except RuntimeError:  # it ended meanwhile
+            return
+        await self._changes.wait_until(lambda: self._done, grace)
+        if not self._done:
+            await self.kill(reason=f"{reason}: not stopped within {grace:.0f}s, killed")
 
     async def boundary(self, attempt: int, step: int, points: list[MetricPoint]) -> None:
         """Rank 0 reached a step boundary (sent once per step, with the points reported since the last

@@ -45,6 +45,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported
 
 from d9d.cluster.control.failure import RankError
 from d9d.cluster.reporter import CoordinatorTransfer, RayRunReporter
+from d9d.core import flight_recorder
 from d9d.core.context import init_process_group
 from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime, failed_step
 
@@ -307,6 +308,7 @@ class RankActor:
         run_at = time.time()
         rt = launch.runtime
         self._dump_stacks_on_signal(rank_stacks_path(rt.run_dir, rt.rank))
+        self._serve_collectives()
         os.environ.update(
             RANK=str(rt.rank),
             WORLD_SIZE=str(rt.world_size),
@@ -352,6 +354,15 @@ class RankActor:
             if self._stacks_file is None or self._stacks_file.name != str(path):
                 self._stacks_file = path.open("a")
             faulthandler.register(STACKS_SIGNAL, file=self._stacks_file, all_threads=True, chain=False)
+
+    def _serve_collectives(self) -> None:
+        """Answer the node's hang dump with this rank's last collectives (`d9d.core.flight_recorder.serve`:
+        a daemon thread on a local socket, which answers while the training thread waits in a collective).
+        A rank that cannot serve them still trains; its hang report says it gave no flight record."""
+        try:
+            flight_recorder.serve()
+        except OSError as e:
+            _log.warning("cannot serve the flight recorder's collectives: %s", e)
 
     def _report_failure(self, launch: RankLaunch, error: Exception) -> None:
         """Tell the coordinator this rank's own exception (and write it to the rank's log), waiting briefly

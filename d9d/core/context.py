@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import Store
 
+from d9d.core import flight_recorder
 from d9d.core.domains import DomainLayout, MeshDomain, compute_layout
 from d9d.core.logging import RankLoggerAdapter, build_rank_logger
 from d9d.core.mesh_params import DeviceMeshParameters
@@ -49,7 +50,11 @@ def init_process_group(
 
     Without `store`, torch reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment, as
     torchrun sets them; with it, `rank` and `world_size` say who this process is.
+
+    The collective flight recorder is kept on (`d9d.core.flight_recorder`): torch reads its size when the
+    first group is created, and a hang report reads each rank's last collectives from it.
     """
+    flight_recorder.enable()
     kwargs: dict[str, Any] = {}
     if store is not None:
         kwargs.update(store=store, rank=rank, world_size=world_size)

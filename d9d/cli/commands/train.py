@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from d9d.cluster.client import TrainingJob
     from d9d.cluster.runtime_env import RuntimeEnvConfig
     from d9d.cluster.spec import JobSpec
+    from d9d.cluster.state import RunSummary
 
 
 class Preempted(Exception):
@@ -46,7 +47,10 @@ def follow_preemptible(job: TrainingJob, command: str) -> int:
             summary = follow(job)
         except Preempted as e:
             return _preempted(job, command, e)
-        return exit_codes.of_run(job, summary)
+        code = exit_codes.of_run(job, summary)
+        if code == exit_codes.PREEMPTED:  # the coordinator stopped it: Ray drained a rank's node
+            _say_resume(job, command, summary)
+        return code
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -77,13 +81,17 @@ def _preempted(job: TrainingJob, command: str, signal_: Preempted) -> int:
         return exit_codes.FAILED
     if summary.status == "finished":
         return exit_codes.FINISHED
+    _say_resume(job, command, summary)
+    return exit_codes.PREEMPTED
+
+
+def _say_resume(job: TrainingJob, command: str, summary: RunSummary) -> None:
     print(
         f"d9d {command}: run {job.run_name} {summary.status} at step {summary.steps} "
         f"({summary.stop_reason}); `d9d resume {job.spec.run_dir}` continues it",
         file=sys.stderr,
         flush=True,
     )
-    return exit_codes.PREEMPTED
 
 
 def resolved_config(spec: JobSpec) -> dict[str, Any]:

@@ -10,13 +10,23 @@ torn down. `attribute` reads the training thread of each rank (the one running `
 - ranks that all wait in collectives, but not in the same one at the same line, disagree: a rank skipped
   (or added) a collective, and the odd ones out are named;
 - a rank that gave no stacks (its process is frozen, e.g. SIGSTOP, or stuck in the kernel) is behind.
+
+With each rank's flight-recorder snapshot (`d9d.core.flight_recorder`: its last collectives, gloo's and
+NCCL's, read from a socket the rank serves) the report also names each rank's last completed and oldest
+pending collective, and the rank whose collective sequence number lags in a group, or the collective number
+at which the ranks recorded different ops. On NCCL this is what tells a hang apart: the training thread
+only enqueues the collectives, so its stack shows where it blocked later, not which collective never
+completed.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from d9d.core.flight_recorder import Collective, Lag, Snapshot, lagging
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -98,13 +108,17 @@ class HangReport:
     behind: tuple[int, ...]  # the ranks the others wait for (empty: it cannot tell)
     summary: str  # one line: who is behind and where
     positions: dict[int, str]  # rank -> where it is, one line each
+    collectives: Lag | None = field(default=None)  # from the flight records, when there were any
 
 
 def attribute(
-    stacks: dict[int, str | None], world_size: int, returned: frozenset[int] = frozenset()
+    stacks: dict[int, str | None],
+    world_size: int,
+    returned: frozenset[int] = frozenset(),
+    collectives: Mapping[int, Snapshot | None] | None = None,
 ) -> HangReport:
-    """Who is behind, from each rank's dump (None: the rank gave none); `returned` ranks finished their run
-    and are left out."""
+    """Who is behind, from each rank's dump (None: the rank gave none) and, with `collectives`, each rank's
+    flight-recorder snapshot; `returned` ranks finished their run and are left out."""
     positions: dict[int, Position | None] = {}
     for rank in range(world_size):
         if rank in returned:
@@ -152,13 +166,41 @@ def attribute(
         parts.append(f"every rank waits {lines[r0]}: a collective that does not complete (network, device)")
     else:
         parts.append("no rank gave stacks")
-    return HangReport(tuple(sorted(behind)), "; ".join(parts), lines)
+    lag = None
+    if collectives is not None:
+        lag = lagging(collectives, [r for r in range(world_size) if r not in returned])
+        if lag.findings:
+            parts.append("flight recorder: " + "; ".join(lag.findings))
+        elif any(s is not None and s.missing is None for s in collectives.values()):
+            parts.append("flight recorder: no group with a collective pending")
+    return HangReport(tuple(sorted(behind)), "; ".join(parts), lines, lag)
 
 
-def render(report: HangReport, stacks: dict[int, str | None], reason: str) -> str:
-    """The hang file's text: the failure, the attribution, each rank's position and its whole dump."""
+_SHOWN = 24  # recorded collectives per rank in the hang file
+
+
+def _recorded(c: Collective) -> str:
+    return f"  {c.backend} group {c.group}: {c.describe()} {c.state}"
+
+
+def render(
+    report: HangReport,
+    stacks: dict[int, str | None],
+    reason: str,
+    collectives: Mapping[int, Snapshot | None] | None = None,
+) -> str:
+    """The hang file's text: the failure, the attribution, each rank's position, its last collectives
+    and its whole dump."""
     out = [reason, report.summary, ""]
     out += [f"rank {r}: {line}" for r, line in sorted(report.positions.items())]
+    if report.collectives is not None:
+        out += ["", "collectives (flight recorder):"]
+        out += [f"rank {r}: {line}" for r, line in sorted(report.collectives.ranks.items())]
+        for rank in sorted(report.collectives.ranks):
+            snap = (collectives or {}).get(rank)
+            if snap is not None and snap.collectives:
+                out += ["", f"==== rank {rank}: last collectives, oldest first ===="]
+                out += [_recorded(c) for c in snap.collectives[-_SHOWN:]]
     for rank in sorted(report.positions):
         out += ["", f"==== rank {rank} ====", (stacks.get(rank) or "(no stacks)").rstrip()]
     return "\n".join(out) + "\n"

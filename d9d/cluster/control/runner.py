@@ -32,6 +32,7 @@ from d9d.cluster.control.workers import Attempt, WorkerGroup
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, StateMachine
 from d9d.core.files import atomic_write_text
+from d9d.core.flight_recorder import Snapshot
 from d9d.engine.runtime import Command, CommandKind, RankResult, failed_step
 
 _POLL_S = 0.1
@@ -178,20 +179,28 @@ class AttemptRunner:
                 return outcome
 
     async def _explain_hang(self, at: Attempt, failure: Failed) -> Failed:
-        """Before the hung ranks are torn down: every rank's stacks, who is behind and where — in the
-        failure's reason (the console, `d9d status`, the summary) and in `<run dir>/hang-attempt<N>.txt`."""
+        """Before the hung ranks are torn down: every rank's stacks and last collectives, who is behind and
+        where — in the failure's reason (the console, `d9d status`, the summary) and in
+        `<run dir>/hang-attempt<N>.txt`."""
         try:
-            stacks = await self.workers.dump_stacks(at)
+            dumps = await self.workers.dump_ranks(at)
         except Exception as e:  # no explanation is no reason to keep the hung ranks
             _log.warning("run %s: could not collect the ranks' stacks: %s", self.spec.run_name, e)
             return failure
-        report = attribute(stacks, at.plan.world_size, at.live.returned)
+        stacks = {r: d.stacks for r, d in dumps.items()}
+        collectives = {r: _snapshot(d.collectives) for r, d in dumps.items()}
+        report = attribute(stacks, at.plan.world_size, at.live.returned, collectives)
         path = self.spec.run_dir / f"hang-attempt{at.index}.txt"
+        text = render(report, stacks, failure.reason, collectives)
         try:
-            await asyncio.to_thread(atomic_write_text, path, render(report, stacks, failure.reason))
+            await asyncio.to_thread(atomic_write_text, path, text)
         except OSError as e:
             _log.warning("run %s: cannot write %s: %s", self.spec.run_name, path, e)
         detail = "\n".join(f"rank {r}: {line}" for r, line in sorted(report.positions.items()))
+        if report.collectives is not None:
+            detail += "\n" + "\n".join(
+                f"rank {r} collectives: {line}" for r, line in sorted(report.collectives.ranks.items())
+            )
         return dataclasses.replace(
             failure,
             reason=f"{failure.reason}; {report.summary} (all stacks: {path})",
@@ -212,3 +221,12 @@ class AttemptRunner:
             return failure
         workers = self.mailbox.take_resize()
         return Resize(workers) if workers is not None and workers != at.plan.world_size else None
+
+
+def _snapshot(text: str) -> Snapshot | None:
+    """A rank's flight-recorder snapshot (JSON text from its node's dump task); None when unreadable."""
+    try:
+        return Snapshot.from_json(text)
+    except (ValueError, KeyError, TypeError) as e:
+        _log.warning("unreadable flight-recorder snapshot: %s", e)
+        return None

@@ -12,13 +12,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-import shutil
-import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -32,6 +28,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from d9d.cluster.config import CoordinatorStorage
+from d9d.cluster.control.dump import STACKS_TIMEOUT_S, RankDump, dump_rank, missing
 from d9d.cluster.control.health import Liveness
 from d9d.cluster.control.mailbox import CommandMailbox
 from d9d.cluster.control.scaling import ScalingPolicy
@@ -73,44 +70,6 @@ class Reservation:
 def _bundle_gpus() -> tuple[str, ...]:
     """Run in a hold bundle: which GPUs Ray gave it (a bundle's GPUs are fixed when it is reserved)."""
     return tuple(str(g) for g in ray.get_gpu_ids())
-
-
-_STACKS_TIMEOUT_S = 3.0
-
-
-@ray.remote(num_cpus=0)
-def _dump_stacks(pid: int, path: str, timeout_s: float) -> str | None:
-    """Run on a rank's node: have process `pid` dump its stacks into `path` (its faulthandler) and return
-    what it wrote; with py-spy on the node, also its dump (native frames included)."""
-    stacks = Path(path)
-    start = stacks.stat().st_size if stacks.exists() else 0
-    try:
-        os.kill(pid, STACKS_SIGNAL)
-    except ProcessLookupError:
-        return None
-    deadline = time.monotonic() + timeout_s
-    size, stable_since = start, time.monotonic()
-    while time.monotonic() < deadline:  # faulthandler writes in pieces: wait until the file stops growing
-        time.sleep(0.05)
-        now_size = stacks.stat().st_size if stacks.exists() else 0
-        if now_size != size:
-            size, stable_since = now_size, time.monotonic()
-        elif size > start and time.monotonic() - stable_since > 0.3:
-            break
-    text = None
-    if size > start:
-        with stacks.open("rb") as f:
-            f.seek(start)
-            text = f.read(size - start).decode(errors="replace")
-    spy = shutil.which("py-spy")
-    if spy is not None:
-        with contextlib.suppress(Exception):
-            dump = subprocess.run(
-                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s
-            )
-            if dump.returncode == 0:
-                text = f"{text or ''}\n---- py-spy dump ----\n{dump.stdout}"
-    return text
 
 
 @dataclass
@@ -360,23 +319,24 @@ class WorkerGroup:
             storage_stall_s=c.storage_stall_s,
         )
 
-    async def dump_stacks(self, at: Attempt, timeout_s: float = _STACKS_TIMEOUT_S) -> dict[int, str | None]:
+    async def dump_ranks(self, at: Attempt, timeout_s: float = STACKS_TIMEOUT_S) -> dict[int, RankDump]:
         """Every rank's threads' stacks, dumped by the rank process itself (`faulthandler` on
-        STACKS_SIGNAL), read back on its node; with py-spy installed there, its dump is added. None for a
-        rank that gave none within `timeout_s` (a frozen process)."""
+        STACKS_SIGNAL) and read back on its node, with py-spy's dump where installed, and its flight
+        recorder's last collectives. Stacks None for a rank that gave none within `timeout_s` (a frozen
+        process)."""
         run_dir = self._spec.run_dir
 
-        async def one(rank: int, node: RankNode) -> str | None:
+        async def one(rank: int, node: RankNode) -> RankDump:
             strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-            ref = _dump_stacks.options(scheduling_strategy=strategy).remote(
-                node.pid, str(rank_stacks_path(run_dir, rank)), timeout_s
+            ref = dump_rank.options(scheduling_strategy=strategy).remote(
+                node.pid, str(rank_stacks_path(run_dir, rank)), STACKS_SIGNAL, timeout_s
             )
             try:
-                text: str | None = await asyncio.wait_for(ref, timeout_s + 5.0)
+                dump: RankDump = await asyncio.wait_for(ref, timeout_s + 5.0)
             except Exception as e:  # the node is gone, the task could not run
                 _log.warning("run %s: no stacks from rank %d: %s", self._spec.run_name, rank, e)
-                return None
-            return text
+                return RankDump(None, missing(f"the dump on its node failed: {type(e).__name__} {e}".strip()))
+            return dump
 
         found = await asyncio.gather(*[one(r, n) for r, n in enumerate(at.nodes) if n.pid])
         ranks = [r for r, n in enumerate(at.nodes) if n.pid]
