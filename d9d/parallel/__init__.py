@@ -6,7 +6,7 @@ whole recipe of a model family (`d9d.models.<family>`, e.g. `parallelize_qwen3`)
 `build_gradient_synchronizer` and, each step, `wait(loss_weight)` and `clip_grad_norm_`.
 """
 
-from d9d.parallel.fsdp import parallelize_fsdp, parallelize_hsdp
+from d9d.parallel.fsdp import FSDPConfig, parallelize_fsdp, parallelize_hsdp, reshard_fsdp
 from d9d.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from d9d.parallel.grad_sync import (
     GradientSynchronizer,
@@ -25,6 +25,7 @@ from d9d.parallel.local_params import compute_with_local_parameters, sum_gradien
 from d9d.parallel.replicate import parallelize_replicate
 
 __all__ = [
+    "FSDPConfig",
     "GradSyncConfig",
     "GradientSynchronizer",
     "SyncedParam",
@@ -42,5 +43,6 @@ __all__ = [
     "parallelize_hsdp",
     "parallelize_replicate",
     "pipeline_group",
+    "reshard_fsdp",
     "sum_gradients_over",
 ]

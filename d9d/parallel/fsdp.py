@@ -31,6 +31,12 @@ passed to FSDP as ignored: they live on the expert mesh, which FSDP cannot combi
   turn (FSDP2's `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`). 0 / 1 leave FSDP2's
   implicit behaviour: a unit is gathered in forward when its own forward begins, and backward prefetches the
   next unit in reverse forward order.
+
+A unit kept gathered after forward stays gathered until its backward, and the module then holds the
+gathered parameters in place of the sharded ones. A forward that no backward follows (evaluation,
+inference: run without grad) therefore reshards every unit when the root's forward ends, so memory and the
+parameters that `module.parameters()` returns are those of a sharded model again. After a forward *with*
+grad that is not followed by backward (a probe), call `reshard_fsdp(module)` before building an optimizer.
 """
 
 from __future__ import annotations
@@ -86,7 +92,9 @@ def _decided_params(module: nn.Module) -> set[nn.Parameter]:
     }
 
 
-def _mixed_precision(mp_policy: MixedPrecisionPolicy | None, reduce_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+def _mixed_precision(
+    mp_policy: MixedPrecisionPolicy | None, reduce_dtype: torch.dtype | None
+) -> MixedPrecisionPolicy:
     policy = mp_policy or MixedPrecisionPolicy()
     if reduce_dtype is None:
         return policy
@@ -120,6 +128,18 @@ def _set_prefetch(root: FSDPModule, units: list[FSDPModule], forward: int, backw
         chain = [root, *reversed(units)]
         for i, module in enumerate(chain[:-1]):
             module.set_modules_to_backward_prefetch(chain[i + 1 : i + 1 + backward])
+
+
+def reshard_fsdp(module: nn.Module) -> None:
+    """Free every gathered FSDP unit of `module`: the sharded parameters are registered again."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+def _reshard_without_grad(module: nn.Module, _args: object, _output: object) -> None:
+    if not torch.is_grad_enabled():
+        reshard_fsdp(module)
 
 
 def parallelize_fsdp(
@@ -159,6 +179,9 @@ def parallelize_fsdp(
         fsdp_module.set_force_sum_reduction_for_comms(True)
         sharded.append(fsdp_module)
     _set_prefetch(sharded[-1], sharded[:-1], config.forward_prefetch, config.backward_prefetch)
+    if not all([*unit_reshard, root_reshard]):
+        # Registered after FSDP's own hooks: runs once the root's post-forward is done.
+        module.register_forward_hook(_reshard_without_grad)
     for sub in module.modules():
         for name, _ in sub.named_parameters(recurse=False):
             if not is_grad_reduce_marked(sub, name):
