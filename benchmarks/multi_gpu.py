@@ -1,4 +1,4 @@
-"""Training throughput on the GPUs of one host: d9d's parallel layouts against its own 1-GPU row and against
+r"""Training throughput on the GPUs of one host: d9d's parallel layouts against its own 1-GPU row and against
 torchtitan 0.2.2, one row per process, in one command.
 
     python benchmarks/multi_gpu.py [--gpus N] [--rows GLOB,...] [--launchers torchrun,ray]

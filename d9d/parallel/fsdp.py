@@ -26,7 +26,8 @@ passed to FSDP as ignored: they live on the expert mesh, which FSDP cannot combi
   reduce-scatter (FSDP2 `MixedPrecisionPolicy(reduce_dtype=...)`; parameters stay as they are) and casts
   the sum back to the parameter dtype for the optimizer. The sharded parameters are recorded with that
   dtype (`mark_grad_reduce_dtype`), so the synchronizer accumulates microbatches and all-reduces HSDP's
-  replicas in it as well.
+  replicas in it as well. Experts under expert parallelism are not FSDP's (passed as ignored): their
+  gradients keep the synchronizer's own dtype.
 - `forward_prefetch` / `backward_prefetch`: how many next units a unit's all-gather starts ahead of their
   turn (FSDP2's `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`). 0 / 1 leave FSDP2's
   implicit behaviour: a unit is gathered in forward when its own forward begins, and backward prefetches the
