@@ -1,9 +1,10 @@
-"""Training throughput on the GPUs of one host: d9d's parallel layouts against its own 1-GPU row and against
+r"""Training throughput on the GPUs of one host: d9d's parallel layouts against its own 1-GPU row and against
 torchtitan 0.2.2, one row per process, in one command.
 
     python benchmarks/multi_gpu.py [--gpus N] [--rows GLOB,...] [--launchers torchrun,ray]
         [--ray-rows GLOB,...] [--steps 10] [--warmup 3] [--timeout-per-row 420] [--budget-s S]
-        [--pp-microbatch 2] [--cp-seq 8192] [--set KEY=VALUE ...] [--out FILE] [--list]
+        [--pp-microbatch 2] [--cp-seq 8192] [--set KEY=VALUE ...] [--variant NAME:KEY=VALUE[;KEY=VALUE] ...]
+        [--out FILE] [--list]
     python benchmarks/multi_gpu.py --merge a.json b.json [--out FILE]     # one table from several runs
     python benchmarks/multi_gpu.py --smoke                                # CPU, gloo, 2 ranks, tiny shapes
 
@@ -38,6 +39,21 @@ that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
   keeps 16,384 tokens per GPU at `--cp-seq` (4 sequences of 8192 per replica, each split over its 2 ranks);
   the pipeline rows cut each replica's 16 sequences into microbatches of `--pp-microbatch` (default 2:
   8 microbatches). `--set KEY=VALUE` is passed to every d9d row's launcher (`--set`).
+- Variants (`--variant NAME:KEY=VALUE[;KEY=VALUE...]`, repeatable): every selected multi-GPU d9d row runs once
+  more per variant with those overrides added to its `--set`s, as row `<id>+NAME` (`dense-fsdp+f32`,
+  `dense-fsdp+f32@ray`), right after its base row in run order; `--rows` globs see the variant ids too. A
+  variant row is scaled against the 1-GPU row and torchtitan like its base, and also gets `x_base`: its tok/s
+  over the base row's of this run (shown beside the launcher). One command thus sweeps settings on one warm
+  machine, e.g. the FSDP settings of `model.options.parallel.fsdp` (docs/parallelism.md, "FSDP settings"):
+
+      F=model.options.parallel.fsdp
+      python benchmarks/multi_gpu.py --gpus 4 --rows 'dense-1gpu,titan-dense-*,dense-fsdp' \
+          --launchers torchrun --variant "f32:$F.reduce_dtype=float32" \
+          --variant "always:$F.reshard_after_forward=always" \
+          --variant "never:$F.reshard_after_forward=never" \
+          --variant "pf2:$F.forward_prefetch=2;$F.backward_prefetch=2"
+
+  (`--set model.options.parallel.fsdp.reduce_dtype=float32` instead changes every d9d row of the command.)
 - torchtitan: its own trainer (`torchtitan.train.Trainer` and `main`, under torchrun) through
   `throughput/titan_train.py`, which registers a train spec of torchtitan's own Qwen3 pieces with our shapes,
   a random-token loader and a metrics processor that records; configured by its own flags:
@@ -113,7 +129,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +156,13 @@ class Row:
     schedule: str | None = None  # pipelining.kind
     seq: int = SEQ
     microbatch: int = BATCH  # sequences per microbatch (d9d) / local batch (torchtitan)
+    variant: str | None = None  # `--variant` NAME: this row is `base_id` with `sets` added
+    sets: tuple[str, ...] = ()
+
+    @property
+    def base_id(self) -> str:
+        """The id without the variant (`dense-fsdp+f32@ray` -> `dense-fsdp@ray`)."""
+        return base_id(self.id)
 
     @property
     def pp(self) -> int:
@@ -217,6 +240,43 @@ def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
                         f"{row_id}@ray", model, framework, "ray", gpus, layout, mesh, schedule, row_seq, micro
                     )
                 )
+    return with_variants(out, args.variant)
+
+
+def base_id(row_id: str) -> str:
+    name, _, launcher = row_id.partition("@")
+    return name.partition("+")[0] + (f"@{launcher}" if launcher else "")
+
+
+def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
+    """`NAME:KEY=VALUE[;KEY=VALUE...]` -> (NAME, overrides)."""
+    name, sep, body = text.partition(":")
+    sets = tuple(item.strip() for item in body.split(";") if item.strip())
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not sets:
+        raise ValueError(
+            f"--variant {text!r}: expected NAME:KEY=VALUE[;KEY=VALUE...] (NAME of [A-Za-z0-9_.-])"
+        )
+    for item in sets:
+        if "=" not in item:
+            raise ValueError(f"--variant {text!r}: {item!r} is not KEY=VALUE")
+    return name, sets
+
+
+def with_variants(rows: list[Row], variants: list[str]) -> list[Row]:
+    """Each multi-GPU d9d row followed by one row per variant (1-GPU rows shard nothing to vary)."""
+    parsed = [parse_variant(v) for v in variants]
+    names = [name for name, _ in parsed]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--variant names repeat: {names}")
+    out: list[Row] = []
+    for row in rows:
+        out.append(row)
+        if row.framework != "d9d" or row.gpus < 2:
+            continue
+        for name, sets in parsed:
+            stem, _, launcher = row.id.partition("@")
+            variant_id = f"{stem}+{name}" + (f"@{launcher}" if launcher else "")
+            out.append(replace(row, id=variant_id, layout=f"{row.layout} [{name}]", variant=name, sets=sets))
     return out
 
 
@@ -256,7 +316,8 @@ def select(rows: list[Row], args: argparse.Namespace) -> list[Row]:
     chosen = [r for r in rows if any(fnmatch.fnmatchcase(r.id, g) for g in globs)]
     chosen = [r for r in chosen if r.framework != "d9d" or r.launcher in launchers]
     rank = {row_id: i for i, row_id in enumerate(RUN_ORDER)}
-    return sorted(chosen, key=lambda r: rank.get(r.id, len(RUN_ORDER)))  # stable: the rest in table order
+    # stable: the rest in table order, and a variant right after its base row
+    return sorted(chosen, key=lambda r: rank.get(r.base_id, len(RUN_ORDER)))
 
 
 # ---- what each row runs ----
@@ -323,7 +384,7 @@ def row_command(
     row: Row, args: argparse.Namespace, row_dir: Path
 ) -> tuple[list[str], dict[str, Any] | list[str]]:
     """The command line of the row and what configured it (the d9d job, or torchtitan's flags)."""
-    sets = [item for s in args.set for item in ("--set", s)]
+    sets = [item for s in (*args.set, *row.sets) for item in ("--set", s)]
     if row.framework == "d9d":
         job = d9d_job(row, args, row_dir)
         path = row_dir / "job.yaml"
@@ -559,12 +620,14 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         return float(row["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"])
 
     for r in results:
-        for key in ("scaling", "x_titan", "x_torchrun"):
+        for key in ("scaling", "x_titan", "x_torchrun", "x_base"):
             r.pop(key, None)
         if "tokens_per_s" not in r:
             continue
         if r["launcher"] == "ray" and (x_torchrun := ratio(r, r["id"].removesuffix("@ray"))) is not None:
             r["x_torchrun"] = x_torchrun
+        if base_id(r["id"]) != r["id"] and (x_base := ratio(r, base_id(r["id"]))) is not None:
+            r["x_base"] = x_base
         model = r["model"]
         titan_n = f"titan-{model}-fsdp-ep" if model == "moe" else f"titan-{model}-fsdp"
         scaling = ratio(r, f"titan-{model}-1gpu" if r["framework"] == "torchtitan" else f"{model}-1gpu")
@@ -593,6 +656,8 @@ def table(results: list[dict[str, Any]]) -> str:
         launcher = r["launcher"] if r["framework"] == "d9d" else "torchrun (torchtitan)"
         if "x_torchrun" in r:
             launcher += f" ({r['x_torchrun']:.2f}x torchrun)"
+        if "x_base" in r:
+            launcher += f" ({r['x_base']:.2f}x base)"
         head = f"| {r['id']} | {MODEL_NAMES[r['model']]} | {r['layout']} | {r['gpus']} | {launcher} |"
         if "tokens_per_s" not in r:
             reason = r.get("error", "not run").replace("|", "/")[:200]
@@ -766,6 +831,13 @@ def main() -> int:
     parser.add_argument("--cpus-per-rank", type=int, default=4, help="Ray CPUs (and OMP threads) per rank")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="d9d job override")
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[;KEY=VALUE]",
+        help="also run every multi-GPU d9d row with these overrides, as row <id>+NAME (repeatable)",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="CPU ranks on gloo, tiny shapes: checks the script"
     )
     parser.add_argument("--work-dir", default=None, help="rows' jobs, logs and records (default: a temp dir)")
@@ -779,6 +851,10 @@ def main() -> int:
         return main_merge(args)
     if args.warmup < 1:
         parser.error("--warmup must be >= 1 (the first step compiles; torchtitan's first interval is step 2)")
+    try:
+        with_variants([], args.variant)  # malformed or repeated variants fail here, before any row runs
+    except ValueError as e:
+        parser.error(str(e))
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 2), 1
         args.cpus_per_rank = 1

@@ -40,6 +40,7 @@ def _args(**overrides):
         "steps": 10,
         "cpus_per_rank": 4,
         "set": [],
+        "variant": [],
     }
     return argparse.Namespace(**{**args, **overrides})
 
@@ -186,3 +187,63 @@ def test_bubble_from_records(bench) -> None:
     uneven = pipeline_bubble([rank(0, 20.0, 1.0, 2.0), rank(1, 20.0, 2.0, 3.0)], [1, 2], "1f1b", 2, 4)
     assert uneven["bubble_measured"] == pytest.approx(((1 - 12 / 20) + (1 - 20 / 20)) / 2)
     assert uneven["bubble_sim"] > 0.2 and uneven["bubble_sim_unit"] == pytest.approx(0.2)
+
+
+def test_variants_sweep_settings(bench, tmp_path: Path) -> None:
+    from d9d.engine.config import apply_overrides, parse_config
+
+    fsdp = "model.options.parallel.fsdp"
+    variants = [
+        f"f32:{fsdp}.reduce_dtype=float32",
+        f"pf:{fsdp}.forward_prefetch=2;{fsdp}.backward_prefetch=3",
+    ]
+    args = _args(variant=variants, rows="dense-1gpu,dense-fsdp*", ray_rows="dense-fsdp")
+    rows = bench.select(bench.all_rows(4, args), args)
+    ids = [r.id for r in rows]
+    assert ids == [
+        "dense-1gpu",  # nothing to shard on one GPU: no variants
+        "dense-fsdp",
+        "dense-fsdp+f32",
+        "dense-fsdp+pf",
+        "dense-fsdp@ray",
+        "dense-fsdp+f32@ray",
+        "dense-fsdp+pf@ray",
+    ], ids
+    by_id = {r.id: r for r in rows}
+    for row_id, want in [
+        ("dense-fsdp", {}),
+        ("dense-fsdp+f32", {"reduce_dtype": "float32"}),
+        ("dense-fsdp+pf@ray", {"forward_prefetch": 2, "backward_prefetch": 3}),
+    ]:
+        row = by_id[row_id]
+        (row_dir := tmp_path / row.id.replace("@", "_")).mkdir()
+        cmd, job = bench.row_command(row, _args(set=["trainer.total_steps=7"]), row_dir)
+        sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
+        assert sets[0] == "trainer.total_steps=7" and len(sets) == 1 + len(row.sets), (row_id, sets)
+        if row.launcher == "torchrun":
+            config = parse_config(apply_overrides(job, sets))
+            got = config.model.options.parallel.fsdp.model_dump(exclude_defaults=True)
+            assert got == want, (row_id, got)
+    for bad in ("noname", "x:", "x:novalue", "a b:k=v"):
+        with pytest.raises(ValueError, match="--variant"):
+            bench.parse_variant(bad)
+    with pytest.raises(ValueError, match="repeat"):
+        bench.with_variants([], ["a:k=v", "a:k=w"])
+
+    def measured(row_id, tps):
+        return {
+            "id": row_id,
+            "model": "dense",
+            "framework": "d9d",
+            "launcher": "torchrun",
+            "gpus": 4,
+            "layout": "FSDP 4",
+            "seq": 2048,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_gpu": tps / 4,
+        }
+
+    results = [measured("dense-fsdp", 400.0), measured("dense-fsdp+f32", 380.0)]
+    bench.add_ratios(results)
+    assert results[1]["x_base"] == pytest.approx(0.95) and "x_base" not in results[0]
+    assert "0.95x base" in bench.table(results)

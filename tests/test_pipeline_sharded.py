@@ -17,6 +17,7 @@ schedule on one pipeline rank):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -88,11 +89,15 @@ def _executors(ctx: DistributedContext, reference: TinyStage, programs: list[Pip
 
 
 def _train_and_compare(
-    ctx: DistributedContext, executor: PipelineExecutor, reference: TinyStage, what: str
+    ctx: DistributedContext,
+    executor: PipelineExecutor,
+    reference: TinyStage,
+    what: str,
+    parallelize: Callable[[DistributedContext, TinyStage], None] = _parallelize,
 ) -> None:
     modules = list(executor.stages.values())
     for module in modules:
-        _parallelize(ctx, module)
+        parallelize(ctx, module)
     once = executor.reduced_once_per_step()
     assert once, f"{what}: FSDP shards nothing"
     sync = GradientSynchronizer(

@@ -6,7 +6,7 @@ whole recipe of a model family (`d9d.models.<family>`, e.g. `parallelize_qwen3`)
 `build_gradient_synchronizer` and, each step, `wait(loss_weight)` and `clip_grad_norm_`.
 """
 
-from d9d.parallel.fsdp import parallelize_fsdp, parallelize_hsdp
+from d9d.parallel.fsdp import FSDPConfig, parallelize_fsdp, parallelize_hsdp, reshard_fsdp
 from d9d.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from d9d.parallel.grad_sync import (
     GradientSynchronizer,
@@ -14,8 +14,10 @@ from d9d.parallel.grad_sync import (
     SyncedParam,
     build_gradient_synchronizer,
     collect_synced_params,
+    grad_reduce_dtype,
     grad_reduce_mesh,
     is_grad_reduce_marked,
+    mark_grad_reduce_dtype,
     mark_grad_reduce_mesh,
     pipeline_group,
 )
@@ -23,6 +25,7 @@ from d9d.parallel.local_params import compute_with_local_parameters, sum_gradien
 from d9d.parallel.replicate import parallelize_replicate
 
 __all__ = [
+    "FSDPConfig",
     "GradSyncConfig",
     "GradientSynchronizer",
     "SyncedParam",
@@ -31,12 +34,15 @@ __all__ = [
     "collect_synced_params",
     "compute_with_local_parameters",
     "global_grad_norm",
+    "grad_reduce_dtype",
     "grad_reduce_mesh",
     "is_grad_reduce_marked",
+    "mark_grad_reduce_dtype",
     "mark_grad_reduce_mesh",
     "parallelize_fsdp",
     "parallelize_hsdp",
     "parallelize_replicate",
     "pipeline_group",
+    "reshard_fsdp",
     "sum_gradients_over",
 ]

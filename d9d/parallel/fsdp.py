@@ -13,17 +13,75 @@ replicated parameters.
 
 Parameters whose gradient reduction is already decided (experts sharded by expert parallelism) are
 passed to FSDP as ignored: they live on the expert mesh, which FSDP cannot combine with the dense one.
+
+`FSDPConfig` tunes the collectives (docs/parallelism.md, "FSDP settings"):
+
+- `reshard_after_forward` (`auto`): `always` frees every gathered unit after its forward and gathers it
+  again in backward; `never` keeps all of them gathered from forward to backward; `auto` keeps the root
+  (gathered first, reduced last) and the last unit (backward starts with it, so a re-gather could overlap
+  nothing) and reshards the others, whose backward all-gather is prefetched behind the backward of the unit
+  after them. Pipeline steps keep every unit gathered regardless (`d9d.pipeline.runtime.sharding`); the
+  policy then governs forward-only programs.
+- `reduce_dtype` (None: the parameters' dtype): `float32` makes FSDP cast bf16 gradients up before its
+  reduce-scatter (FSDP2 `MixedPrecisionPolicy(reduce_dtype=...)`; parameters stay as they are) and casts
+  the sum back to the parameter dtype for the optimizer. The sharded parameters are recorded with that
+  dtype (`mark_grad_reduce_dtype`), so the synchronizer accumulates microbatches and all-reduces HSDP's
+  replicas in it as well. Experts under expert parallelism are not FSDP's (passed as ignored): their
+  gradients keep the synchronizer's own dtype.
+- `forward_prefetch` / `backward_prefetch`: how many next units a unit's all-gather starts ahead of their
+  turn (FSDP2's `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`). 0 / 1 leave FSDP2's
+  implicit behaviour: a unit is gathered in forward when its own forward begins, and backward prefetches the
+  next unit in reverse forward order.
+
+A unit kept gathered after forward stays gathered until its backward, and the module then holds the
+gathered parameters in place of the sharded ones. A forward that no backward follows (evaluation,
+inference: run without grad) therefore reshards every unit when the root's forward ends, so memory and the
+parameters that `module.parameters()` returns are those of a sharded model again. After a forward *with*
+grad that is not followed by backward (a probe), call `reshard_fsdp(module)` before building an optimizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
+from typing import Literal
 
+import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_mesh
+from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_dtype, mark_grad_reduce_mesh
+
+ReshardPolicy = Literal["auto", "always", "never"]
+
+
+class FSDPConfig(BaseModel):
+    """How FSDP gathers parameters and reduces gradients (a job config's `model.options.parallel.fsdp`).
+
+    - `reshard_after_forward`: `auto` (default) keeps the root and the last unit (the head, or a
+      stage's last layer) gathered from forward to backward and frees the other units after their forward;
+      `always` frees every unit, root included (the least memory, one more all-gather per unit); `never`
+      keeps every unit gathered until its backward (no re-gather, the most memory).
+    - `reduce_dtype`: the dtype of the gradient reduce-scatter (and of HSDP's replica all-reduce);
+      null (default) is the parameters' dtype. `float32` sums bf16 gradients in float32 (one rounding to
+      bf16 instead of one per summand) at twice the bytes on the wire.
+    - `forward_prefetch`: how many next units each unit's forward starts gathering (0: FSDP2's implicit
+      gather at each unit's own forward).
+    - `backward_prefetch`: how many next units (in backward order) each unit's backward starts gathering
+      (1: FSDP2's implicit prefetch of the next one).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    reshard_after_forward: ReshardPolicy = "auto"
+    reduce_dtype: Literal["bfloat16", "float32"] | None = None
+    forward_prefetch: int = Field(0, ge=0)
+    backward_prefetch: int = Field(1, ge=1)
+
+    def resolve_reduce_dtype(self) -> torch.dtype | None:
+        return None if self.reduce_dtype is None else getattr(torch, self.reduce_dtype)  # type: ignore[no-any-return]
 
 
 def _decided_params(module: nn.Module) -> set[nn.Parameter]:
@@ -35,37 +93,102 @@ def _decided_params(module: nn.Module) -> set[nn.Parameter]:
     }
 
 
+def _mixed_precision(
+    mp_policy: MixedPrecisionPolicy | None, reduce_dtype: torch.dtype | None
+) -> MixedPrecisionPolicy:
+    policy = mp_policy or MixedPrecisionPolicy()
+    if reduce_dtype is None:
+        return policy
+    if policy.reduce_dtype is not None and policy.reduce_dtype != reduce_dtype:
+        raise ValueError(
+            f"fsdp.reduce_dtype={reduce_dtype} contradicts the mixed-precision policy's reduce_dtype="
+            f"{policy.reduce_dtype}; set one of them"
+        )
+    return dataclasses.replace(policy, reduce_dtype=reduce_dtype)
+
+
+def _reshard_units(policy: ReshardPolicy, count: int) -> tuple[list[bool], bool]:
+    """(reshard after forward, per unit in forward order; for the root)."""
+    if policy == "always":
+        return [True] * count, True
+    if policy == "never":
+        return [False] * count, False
+    # auto: backward begins with the last unit; re-gathering it there could overlap nothing. The root is
+    # gathered before the first unit and reduced after it, so freeing it in between saves nothing.
+    return [i < count - 1 for i in range(count)], False
+
+
+def _set_prefetch(root: FSDPModule, units: list[FSDPModule], forward: int, backward: int) -> None:
+    """Each module of the forward chain (root, units in order) prefetches the next `forward`; each of the
+    backward chain (root, units reversed: the root's pre-backward fires first) the next `backward`."""
+    if forward > 0:
+        chain = [root, *units]
+        for i, module in enumerate(chain[:-1]):
+            module.set_modules_to_forward_prefetch(chain[i + 1 : i + 1 + forward])
+    if backward > 1:
+        chain = [root, *reversed(units)]
+        for i, module in enumerate(chain[:-1]):
+            module.set_modules_to_backward_prefetch(chain[i + 1 : i + 1 + backward])
+
+
+def reshard_fsdp(module: nn.Module) -> None:
+    """Free every gathered FSDP unit of `module`: the sharded parameters are registered again."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+def _reshard_without_grad(module: nn.Module, _args: object, _output: object) -> None:
+    if not torch.is_grad_enabled():
+        reshard_fsdp(module)
+
+
 def parallelize_fsdp(
     module: nn.Module,
     mesh: DeviceMesh,
     *,
     units: Iterable[nn.Module] = (),
     replicate_mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    config: FSDPConfig | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> None:
     """Shard `module`'s parameters over the 1-D `mesh` (e.g. the dense domain's `dp_cp_shard`).
 
-    `units` (e.g. the decoder layers) each become one FSDP group, gathered just for their own compute;
-    whatever they do not cover belongs to the root group. With `replicate_mesh`, shards are replicated over
-    it and their gradients summed by the synchronizer (that is HSDP; see `parallelize_hsdp`).
+    `units` (e.g. the embedding, the decoder layers and the head), in the order forward runs them, each
+    become one FSDP group, gathered just for their own compute; whatever they do not cover belongs to the
+    root group. The order is what `config`'s reshard policy (`auto`: the last unit stays gathered) and
+    prefetching follow. With `replicate_mesh`, shards are replicated over it and their gradients summed by
+    the synchronizer (that is HSDP; see `parallelize_hsdp`). `mp_policy` is FSDP2's; `config.reduce_dtype`
+    fills its `reduce_dtype` (a contradicting pair is refused).
     """
     if mesh.ndim != 1:
         raise ValueError(f"parallelize_fsdp needs a 1-D shard mesh, got dims {mesh.mesh_dim_names}")
-    for unit in [*units, module]:
+    config = config or FSDPConfig()
+    units = list(units)
+    policy = _mixed_precision(mp_policy, config.resolve_reduce_dtype())
+    unit_reshard, root_reshard = _reshard_units(config.reshard_after_forward, len(units))
+    sharded: list[FSDPModule] = []
+    for unit, reshard in [*zip(units, unit_reshard, strict=True), (module, root_reshard)]:
         fsdp_module: FSDPModule = fully_shard(
             unit,
             mesh=mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy or MixedPrecisionPolicy(),
+            reshard_after_forward=reshard,
+            mp_policy=policy,
             ignored_params=_decided_params(unit) or None,
         )
         fsdp_module.set_gradient_divide_factor(1.0)
         fsdp_module.set_force_sum_reduction_for_comms(True)
+        sharded.append(fsdp_module)
+    _set_prefetch(sharded[-1], sharded[:-1], config.forward_prefetch, config.backward_prefetch)
+    if not all([*unit_reshard, root_reshard]):
+        # Registered after FSDP's own hooks: runs once the root's post-forward is done.
+        module.register_forward_hook(_reshard_without_grad)
     for sub in module.modules():
         for name, _ in sub.named_parameters(recurse=False):
             if not is_grad_reduce_marked(sub, name):
                 mark_grad_reduce_mesh(sub, name, replicate_mesh)
+                if policy.reduce_dtype is not None:
+                    mark_grad_reduce_dtype(sub, name, policy.reduce_dtype)
 
 
 def parallelize_hsdp(
@@ -73,7 +196,7 @@ def parallelize_hsdp(
     mesh: DeviceMesh,
     *,
     units: Iterable[nn.Module] = (),
-    reshard_after_forward: bool = True,
+    config: FSDPConfig | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> None:
     """Hybrid sharding over a 2-D `(replicate, shard)` mesh, e.g. the dense domain's
@@ -86,6 +209,6 @@ def parallelize_hsdp(
         mesh[names[1]],
         units=units,
         replicate_mesh=mesh[names[0]],
-        reshard_after_forward=reshard_after_forward,
+        config=config,
         mp_policy=mp_policy,
     )

@@ -6,7 +6,11 @@ Order matters and is fixed here:
 1. expert parallelism (experts → `Shard(0)` on `ep_shard`, reduced over `ep_replicate`),
 2. tensor parallelism on the `tp` dim of the dense domain (heads, SwiGLU, vocabulary, token-split MoE),
 3. data parallelism of everything else over the dense domain: FSDP on `dp_cp_shard` when it is larger than
-   one (HSDP with the synchronizer reducing over `dp_cp_replicate`), plain replication otherwise.
+   one (HSDP with the synchronizer reducing over `dp_cp_replicate`), plain replication otherwise. FSDP's
+   units, in forward order: the embedding, each decoder layer, the head (embedding and head stay in the
+   root group when they share weights); the root keeps the rest (the final norm). A separate head is
+   reduce-scattered as soon as its backward ends, overlapping the layers' backward, instead of with the
+   root after the whole backward; `config.fsdp` sets resharding, reduce dtype and prefetching.
 After that, `build_gradient_synchronizer(model, ctx)` finds every parameter's reduce mesh.
 """
 
@@ -105,7 +109,6 @@ def parallelize_decoder(
     """
     config = config or ParallelPlanConfig()
     sequence_parallel = config.sequence_parallel
-    reshard_after_forward = config.fsdp_reshard_after_forward
     layers = list(model.model.decoder_layers().values())
     if ctx.params.context_parallel > 1:
         # Batches arrive split by `d9d.parallel.context.shard_microbatch`; attention spans the whole sequence.
@@ -136,25 +139,37 @@ def parallelize_decoder(
     if dense["tp"].size() > 1:
         _tensor_parallel(model, layers, ctx, sequence_parallel, layer_tp)
     if dense["dp_cp_shard"].size() > 1:
-        units: list[nn.Module] = list(layers)
+        units = fsdp_units(model, layers)
         if dense["dp_cp_replicate"].size() > 1:
             parallelize_hsdp(
                 model,
                 dense["dp_cp_replicate", "dp_cp_shard"],
                 units=units,
-                reshard_after_forward=reshard_after_forward,
+                config=config.fsdp,
                 mp_policy=mp_policy,
             )
         else:
             parallelize_fsdp(
-                model,
-                dense["dp_cp_shard"],
-                units=units,
-                reshard_after_forward=reshard_after_forward,
-                mp_policy=mp_policy,
+                model, dense["dp_cp_shard"], units=units, config=config.fsdp, mp_policy=mp_policy
             )
     else:
         parallelize_replicate(model, dense["dp_cp_replicate"], units=layers)
+
+
+def fsdp_units(model: DecoderStageModel, layers: list[nn.Module]) -> list[nn.Module]:
+    """FSDP units of a stage in forward order: embedding (first stage), layers, head (last stage); an
+    embedding and head that share weights stay in the root group (FSDP refuses one parameter in two)."""
+    embedding: nn.Module | None = model.model.embed_tokens
+    task_head = model.head()
+    head = task_head if isinstance(task_head, nn.Module) else None
+    if embedding is not None and head is not None and _shares_parameters(embedding, head):
+        embedding = head = None
+    return [m for m in (embedding, *layers, head) if m is not None and any(True for _ in m.parameters())]
+
+
+def _shares_parameters(a: nn.Module, b: nn.Module) -> bool:
+    ids = {id(p) for p in a.parameters()}
+    return any(id(p) in ids for p in b.parameters())
 
 
 def _compute_dtype(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> torch.dtype:

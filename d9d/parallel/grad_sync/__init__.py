@@ -6,8 +6,10 @@ from d9d.parallel.grad_sync.from_context import build_gradient_synchronizer, pip
 from d9d.parallel.grad_sync.reduce_mesh import (
     SyncedParam,
     collect_synced_params,
+    grad_reduce_dtype,
     grad_reduce_mesh,
     is_grad_reduce_marked,
+    mark_grad_reduce_dtype,
     mark_grad_reduce_mesh,
     unsynced_params,
 )
@@ -20,8 +22,10 @@ __all__ = [
     "SyncedParam",
     "build_gradient_synchronizer",
     "collect_synced_params",
+    "grad_reduce_dtype",
     "grad_reduce_mesh",
     "is_grad_reduce_marked",
+    "mark_grad_reduce_dtype",
     "mark_grad_reduce_mesh",
     "mesh_group",
     "pipeline_group",

@@ -15,8 +15,9 @@ class GradSyncConfig(BaseModel):
     earlier in backward, larger ones make fewer, more efficient collectives.
 
     `grad_dtype`: the dtype gradients are accumulated over microbatches and all-reduced in (e.g. float32
-    for bf16 parameters); None keeps each parameter's dtype. The optimizer always sees gradients in the
-    parameter's dtype.
+    for bf16 parameters); None keeps each parameter's dtype. A parameter whose strategy reduces it wider
+    (FSDP with `reduce_dtype: float32`, recorded by `mark_grad_reduce_dtype`) gets at least that dtype. The
+    optimizer always sees gradients in the parameter's dtype.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

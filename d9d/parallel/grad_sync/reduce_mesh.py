@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 _ATTR = "_d9d_grad_reduce_meshes"
+_DTYPE_ATTR = "_d9d_grad_reduce_dtypes"
 
 
 def mark_grad_reduce_mesh(module: nn.Module, name: str, mesh: DeviceMesh | None) -> None:
@@ -36,6 +37,20 @@ def mark_grad_reduce_mesh(module: nn.Module, name: str, mesh: DeviceMesh | None)
     records[name] = mesh
 
 
+def mark_grad_reduce_dtype(module: nn.Module, name: str, dtype: torch.dtype) -> None:
+    """Record that the gradient of `module.<name>` is reduced in at least `dtype` (e.g. float32 for bf16
+    parameters whose FSDP reduce-scatter runs in float32): the synchronizer accumulates and all-reduces it
+    in `dtype` or wider, so the replicate reduction of HSDP is not narrower than the shard reduction."""
+    if name not in module._parameters:
+        raise KeyError(f"{type(module).__name__} has no direct parameter {name!r}")
+    module.__dict__.setdefault(_DTYPE_ATTR, {})[name] = dtype
+
+
+def grad_reduce_dtype(module: nn.Module, name: str) -> torch.dtype | None:
+    records: dict[str, torch.dtype] = module.__dict__.get(_DTYPE_ATTR, {})
+    return records.get(name)
+
+
 def _describe(mesh: DeviceMesh | None) -> str:
     return "no mesh" if mesh is None else f"mesh {mesh.mesh_dim_names}"
 
@@ -51,12 +66,14 @@ def grad_reduce_mesh(module: nn.Module, name: str) -> DeviceMesh | None:
 
 @dataclass(frozen=True)
 class SyncedParam:
-    """A parameter the synchronizer owns: its replicate mesh (None: nothing to reduce) and optimizer group."""
+    """A parameter the synchronizer owns: its replicate mesh (None: nothing to reduce), optimizer group, and
+    the narrowest dtype its gradient may be reduced in (None: whatever the synchronizer's config says)."""
 
     name: str
     param: nn.Parameter
     reduce_mesh: DeviceMesh | None
     group: int = 0
+    reduce_dtype: torch.dtype | None = None
 
 
 def collect_synced_params(
@@ -81,7 +98,11 @@ def collect_synced_params(
                 continue
             full_name = f"{module_name}.{name}" if module_name else name
             group = group_of[id(param)] if group_of is not None else 0
-            out.append(SyncedParam(full_name, param, grad_reduce_mesh(module, name), group))
+            out.append(
+                SyncedParam(
+                    full_name, param, grad_reduce_mesh(module, name), group, grad_reduce_dtype(module, name)
+                )
+            )
     return out
 
 

@@ -95,6 +95,10 @@ class GradientSynchronizer:
         for sp in reversed(params):
             local = local_tensor(sp.param)
             dtype = self.config.resolve_grad_dtype(sp.param.dtype)
+            if sp.reduce_dtype is not None:
+                # A strategy reduces this gradient in a wider dtype (FSDP's float32 reduce-scatter):
+                # accumulating or all-reducing it narrower here would undo that.
+                dtype = torch.promote_types(dtype, sp.reduce_dtype)
             key: _BucketKey = (sp.reduce_mesh, dtype, local.device, sp.group)
             nbytes = local.numel() * dtype.itemsize
             current = open_buckets.get(key)

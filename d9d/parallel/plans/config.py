@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Self
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from d9d.parallel.context.config import ContextAttention
 from d9d.parallel.expert import AutoBackendConfig, ExpertCommunicationConfig
+from d9d.parallel.fsdp import FSDPConfig
 
 
 class ParallelPlanConfig(BaseModel):
     """- `sequence_parallel`: shard the residual stream along the sequence between tensor-parallel blocks.
     - `expert_backend`: token exchange of expert parallelism (`auto`: DeepEP where it can run).
-    - `fsdp_reshard_after_forward`: free gathered FSDP weights after forward (re-gather in backward).
+    - `fsdp`: how FSDP gathers and reduces when the mesh shards (`reshard_after_forward`, `reduce_dtype`,
+      `forward_prefetch`, `backward_prefetch`; see `FSDPConfig` and docs/parallelism.md).
     - `context_attention`: how attention spans a sequence split over the cp ranks (`allgather`; `ring` is
       reserved and rejected until it is implemented, see docs/parallelism.md).
     """
@@ -22,8 +24,18 @@ class ParallelPlanConfig(BaseModel):
 
     sequence_parallel: bool = False
     expert_backend: ExpertCommunicationConfig = Field(default_factory=AutoBackendConfig)
-    fsdp_reshard_after_forward: bool = True
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     context_attention: ContextAttention = "allgather"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "fsdp_reshard_after_forward" in data:
+            raise ValueError(
+                "fsdp_reshard_after_forward was replaced by fsdp.reshard_after_forward: 'always' (was true), "
+                "'never' (was false) or 'auto' (the default; see docs/parallelism.md)"
+            )
+        return data
 
     @model_validator(mode="after")
     def _check_context_attention(self) -> Self:
