@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from d9d.cluster import TrainingJob, build_job
-from d9d.cluster.control.hang import attribute, position, training_thread
+from d9d.cluster.control.hang import attribute, position, render, training_thread
 from d9d.cluster.follow import follow
+from d9d.core.flight_recorder import Collective, Group, Snapshot
 from tests.cluster_fixtures import toy_job
 
 _RUN = '  File "/x/d9d/cluster/rank.py", line 300 in _run\n'
@@ -59,6 +60,45 @@ def test_the_rank_outside_the_collective_or_at_another_one_is_named() -> None:
     assert frozen.behind == (1,) and "rank 1 gave no stacks (frozen" in frozen.summary
     stuck = attribute({r: _waiting("all_reduce", 280, "train_step") for r in (0, 1)}, 2)
     assert stuck.behind == () and stuck.summary.startswith("every rank waits in all_reduce")
+
+
+def _blocked_in_item(line: int) -> str:
+    """A rank blocked in a CUDA sync after enqueuing its NCCL collectives: no torch.distributed frame."""
+    return (
+        "Current thread 0x00007f02 (most recent call first):\n"
+        f'  File "/x/d9d/engine/step.py", line {line} in global_loss\n' + _RUN
+    )
+
+
+def test_when_no_stack_singles_a_rank_out_the_lagging_sequence_number_does() -> None:
+    def snap(ops: list[tuple[int, str]]) -> Snapshot:
+        return Snapshot(
+            tuple(
+                Collective("nccl", "0", s, False, "all_reduce", st, ((9,),), ("Float",), s) for s, st in ops
+            ),
+            {"0": Group("default_pg", (0, 1))},
+        )
+
+    stacks: dict[int, str | None] = {0: _blocked_in_item(120), 1: _SLEEPING}
+    collectives = {0: snap([(11, "completed"), (12, "scheduled")]), 1: snap([(11, "completed")])}
+
+    without = attribute(stacks, 2)
+    assert without.behind == (0, 1)  # both outside a collective: the stacks cannot tell
+    report = attribute(stacks, 2, collectives=collectives)
+    assert report.behind == (1,)
+    assert report.summary.endswith(
+        "flight recorder: group 0 (default_pg, nccl): rank 1 is behind, its last collective is #11 "
+        "all_reduce (completed); rank 0 issued up to #12 and waits in #12 all_reduce Float[9]"
+    )
+    assert report.collectives is not None and report.collectives.ranks[1] == (
+        "last completed #11 all_reduce Float[9] in group 0 (default_pg, nccl); nothing pending"
+    )
+    text = render(report, stacks, "hang: no step completed for 3.0s", collectives)
+    assert (
+        "==== rank 0: last collectives, oldest first ====\n"
+        "  nccl group 0: #11 all_reduce Float[9] completed\n"
+        "  nccl group 0: #12 all_reduce Float[9] scheduled\n"
+    ) in text
 
 
 @pytest.mark.ray

@@ -168,11 +168,15 @@ def attribute(
         parts.append("no rank gave stacks")
     lag = None
     if collectives is not None:
-        lag = lagging(collectives, [r for r in range(world_size) if r not in returned])
+        lag = lagging(collectives, list(positions))
         if lag.findings:
             parts.append("flight recorder: " + "; ".join(lag.findings))
         elif any(s is not None and s.missing is None for s in collectives.values()):
             parts.append("flight recorder: no group with a collective pending")
+        if lag.behind and (not behind or set(behind) >= set(positions)):
+            # The stacks single out nobody (every rank outside a collective: on NCCL, blocked in a CUDA
+            # sync after enqueuing its collectives); the sequence numbers do.
+            behind = list(lag.behind)
     return HangReport(tuple(sorted(behind)), "; ".join(parts), lines, lag)
 
 
