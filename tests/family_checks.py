@@ -1,5 +1,5 @@
-"""Checks every model family's tests share: its batches split for context parallelism, and two pipeline
-stages against the whole model (loss and every gradient)."""
+"""Checks every model family's tests share: its batches split for context parallelism, a matrix of meshes
+against one process, and two pipeline stages against the whole model (loss and every gradient)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,19 @@ from pydantic import TypeAdapter
 from torch import nn
 
 from d9d.core import DeviceMeshParameters, DistributedContext
+from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
 from d9d.parallel.context import ContextParallelGroup, shard_microbatch
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.schedule.config import ScheduleConfig
 from d9d.pipeline.setup import PipelineSetup
 from tests.harness import RankEnv
-from tests.test_parallel_reference import Batch
+from tests.test_parallel_reference import (
+    Batch,
+    assert_runs_close,
+    distributed_run,
+    load_full_state,
+    reference_run,
+)
 
 
 def cp_shard(batch: Batch, cp: ContextParallelGroup) -> Batch:
@@ -34,6 +41,44 @@ class _Loss:
     def __init__(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
         self.loss_sum = outputs["loss"].sum()
         self.weight = (labels != -100).sum()
+
+
+Parallelize = Callable[[nn.Module, DistributedContext, bool], None]
+"""Applies a family's plan to a model (`model, ctx, sequence_parallel`)."""
+
+
+def matrix_matches_one_process(
+    build: Callable[[], nn.Module],
+    parallelize: Parallelize,
+    data: list[Batch],
+    loss: Callable[..., torch.Tensor],
+    matrix: list[tuple[dict[str, int], bool, bool]],
+    label: str,
+    max_norm: float,
+) -> None:
+    """Every `(mesh, sequence parallel, built on meta)` case trains `data` like one process (losses and
+    every gradient); a meta-built model is materialized after parallelization with the reference weights."""
+    want = reference_run(build(), data, loss, max_norm=max_norm)
+    initial = {k: v.clone() for k, v in build().state_dict().items()}
+    for mesh, sp, meta in matrix:
+        params = DeviceMeshParameters(**mesh)
+        ctx = DistributedContext.create(params, backend="gloo")
+        with torch.device("meta" if meta else "cpu"):
+            model = build()
+        parallelize(model, ctx, sp)
+        if meta:
+            model.to_empty(device="cpu")
+            model.reset_parameters()
+            load_full_state(model, initial)
+        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
+        dp = ctx.coordinates("batch")["dp"]
+        local = [b.shard(params.data_parallel, dp).split(2) for b in data]
+        if params.context_parallel > 1:
+            cp = ContextParallelGroup.from_context(ctx)
+            local = [[cp_shard(mb, cp) for mb in step] for step in local]
+        got = distributed_run(model, sync, local, loss, max_norm=max_norm)
+        assert_runs_close(got, want, f"{label} {mesh} sp={sp} meta={meta}")
+        sync.close()
 
 
 def pipeline_matches_whole_model(env: RankEnv, factory: str, vocab: int, seq: int) -> None:

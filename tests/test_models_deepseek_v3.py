@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import d9d.models as dm
-from d9d.core import DeviceMeshParameters, DistributedContext
+from d9d.core import DistributedContext
 from d9d.engine.config import parse_config
 from d9d.engine.dry_run import dry_run
 from d9d.engine.errors import ConfigError
@@ -26,20 +26,14 @@ from d9d.engine.preflight import preflight
 from d9d.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3ForCausalLM, parallelize_deepseek_v3
 from d9d.models.hf import config_from_hf, config_to_hf, d9d_to_hf_mapper
 from d9d.modules.moe import TopKRouter
-from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
-from d9d.parallel.context import ContextParallelGroup
 from d9d.parallel.expert import AllToAllBackendConfig
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import apply_group
-from tests.family_checks import cp_shard, pipeline_matches_whole_model
+from tests.family_checks import matrix_matches_one_process, pipeline_matches_whole_model
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_reference import (
     Batch,
-    assert_runs_close,
-    distributed_run,
-    load_full_state,
-    reference_run,
 )
 
 VOCAB = 96
@@ -383,29 +377,11 @@ MATRIX = [  # (mesh, sequence parallel, built on meta and materialized after par
 
 
 def _matrix(env: RankEnv) -> None:
-    data = _batches(3, 4)
-    want = reference_run(_model(), data, _loss, max_norm=MAX_NORM)
-    initial = {k: v.clone() for k, v in _model().state_dict().items()}
-    for mesh, sp, meta in MATRIX:
-        params = DeviceMeshParameters(**mesh)
-        ctx = DistributedContext.create(params, backend="gloo")
-        with torch.device("meta" if meta else "cpu"):
-            model = _model()
+    def parallelize(model: nn.Module, ctx: DistributedContext, sp: bool) -> None:
         plan = ParallelPlanConfig(sequence_parallel=sp, expert_backend=AllToAllBackendConfig())
         parallelize_deepseek_v3(model, ctx, plan)
-        if meta:
-            model.to_empty(device="cpu")
-            model.reset_parameters()
-            load_full_state(model, initial)
-        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
-        dp = ctx.coordinates("batch")["dp"]
-        local = [b.shard(params.data_parallel, dp).split(2) for b in data]
-        if params.context_parallel > 1:
-            cp = ContextParallelGroup.from_context(ctx)
-            local = [[cp_shard(mb, cp) for mb in step] for step in local]
-        got = distributed_run(model, sync, local, _loss, max_norm=MAX_NORM)
-        assert_runs_close(got, want, f"deepseek_v3 {mesh} sp={sp} meta={meta}")
-        sync.close()
+
+    matrix_matches_one_process(_model, parallelize, _batches(3, 4), _loss, MATRIX, "deepseek_v3", MAX_NORM)
 
 
 @pytest.mark.distributed

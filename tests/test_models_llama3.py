@@ -16,7 +16,6 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import d9d.models as dm
-from d9d.core import DeviceMeshParameters, DistributedContext
 from d9d.engine.config import parse_config
 from d9d.engine.dry_run import dry_run
 from d9d.engine.errors import ConfigError
@@ -29,14 +28,12 @@ from d9d.models.llama3 import (
     llama3_inv_freq,
     parallelize_llama3,
 )
-from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
-from d9d.parallel.context import ContextParallelGroup
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import apply_group
-from tests.family_checks import cp_shard, pipeline_matches_whole_model
+from tests.family_checks import matrix_matches_one_process, pipeline_matches_whole_model
 from tests.harness import RankEnv, run_distributed
-from tests.test_parallel_reference import Batch, assert_runs_close, distributed_run, reference_run
+from tests.test_parallel_reference import Batch
 
 VOCAB = 96
 HF_COMMON: dict[str, Any] = {
@@ -317,30 +314,15 @@ MATRIX = [  # (mesh, sequence parallel, built on meta and materialized after par
 
 
 def _matrix(env: RankEnv) -> None:
-    data = _batches(3, 4)
-    want = reference_run(_model(), data, _loss, max_norm=MAX_NORM)
-    initial = {k: v.clone() for k, v in _model().state_dict().items()}
-    for mesh, sp, meta in MATRIX:
-        params = DeviceMeshParameters(**mesh)
-        ctx = DistributedContext.create(params, backend="gloo")
-        with torch.device("meta" if meta else "cpu"):
-            model = _model()
-        parallelize_llama3(model, ctx, ParallelPlanConfig(sequence_parallel=sp))
-        if meta:
-            model.to_empty(device="cpu")
-            model.reset_parameters()
-            from tests.test_parallel_reference import load_full_state
-
-            load_full_state(model, initial)
-        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
-        dp = ctx.coordinates("batch")["dp"]
-        local = [b.shard(params.data_parallel, dp).split(2) for b in data]
-        if params.context_parallel > 1:
-            cp = ContextParallelGroup.from_context(ctx)
-            local = [[cp_shard(mb, cp) for mb in step] for step in local]
-        got = distributed_run(model, sync, local, _loss, max_norm=MAX_NORM)
-        assert_runs_close(got, want, f"llama3 {mesh} sp={sp} meta={meta}")
-        sync.close()
+    matrix_matches_one_process(
+        _model,
+        lambda model, ctx, sp: parallelize_llama3(model, ctx, ParallelPlanConfig(sequence_parallel=sp)),
+        _batches(3, 4),
+        _loss,
+        MATRIX,
+        "llama3",
+        MAX_NORM,
+    )
 
 
 @pytest.mark.distributed
