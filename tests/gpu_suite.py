@@ -3,10 +3,10 @@
     python -m tests.gpu_suite [--out DIR] [--groups 1,2,4,ray] [extra pytest args]
 
 Tests are grouped by the GPUs they need (`gpu`: 1, `gpu` + `gpus(n)`: n). Each group runs as `N // n` pytest
-processes at once, each seeing its own block of n GPUs (`CUDA_VISIBLE_DEVICES`), test files dealt to the
-processes whole; groups run one after the other, smallest n first. Tests that start Ray (`ray`) run last,
-in one process that sees every GPU (their placement tests reserve GPUs themselves). A group that needs more
-GPUs than present still runs, once, so its tests report the skip with the count.
+processes at once, each seeing its own block of n GPUs (`CUDA_VISIBLE_DEVICES`), tests dealt to the
+processes round-robin; groups run one after the other, smallest n first. Tests that start Ray (`ray`) run
+last, in one process that sees every GPU (their placement tests reserve GPUs themselves). A group that needs
+more GPUs than present still runs, once, so its tests report the skip with the count.
 
 Each process's output goes to `DIR/gpu-suite-<n>gpu-<i>.log` (default: a temporary directory) and its last
 lines (pytest's summary, skip reasons included) are printed. Exits non-zero when any process fails.
@@ -43,13 +43,12 @@ class _Collector:
 
 
 def _deal(node_ids: list[str], bins: int) -> list[list[str]]:
-    """Whole files to the emptiest bin, largest files first (tests of a file share fixtures and compiles)."""
-    files: dict[str, list[str]] = {}
-    for node in node_ids:
-        files.setdefault(node.split("::")[0], []).append(node)
+    """Tests dealt round-robin in collection order, so a file's cases spread over the processes: one file
+    (the 2-GPU engine layouts, six minutes) would otherwise hold a whole group up while other GPUs idle.
+    Each case launches its own ranks, so nothing is shared within a file that dealing could lose."""
     out: list[list[str]] = [[] for _ in range(max(bins, 1))]
-    for nodes in sorted(files.values(), key=len, reverse=True):
-        min(out, key=len).extend(nodes)
+    for i, node in enumerate(node_ids):
+        out[i % len(out)].append(node)
     return [b for b in out if b]
 
 
