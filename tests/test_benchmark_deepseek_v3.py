@@ -225,8 +225,6 @@ def _copy_into_titan(ours: nn.Module, theirs: nn.Module) -> None:
         "mlp.shared_expert.gate_proj": "moe.shared_experts.w1",
         "mlp.shared_expert.up_proj": "moe.shared_experts.w3",
         "mlp.shared_expert.down_proj": "moe.shared_experts.w2",
-        "mlp.experts.gate_proj": "moe.experts.w1",
-        "mlp.experts.up_proj": "moe.experts.w3",
         "mlp.experts.down_proj": "moe.experts.w2",
     }
     state: dict[str, torch.Tensor] = {}
@@ -241,7 +239,12 @@ def _copy_into_titan(ours: nn.Module, theirs: nn.Module) -> None:
             local = name.removeprefix("model.")
             for old, new in renames.items():
                 local = local.replace(f".{old}", f".{new}")
-            state[local] = p.transpose(1, 2) if ".moe.experts." in local else p
+            if local.endswith(".mlp.experts.gate_up_proj"):  # d9d fuses gate (first half) and up
+                prefix = local.removesuffix("mlp.experts.gate_up_proj")
+                gate, up = p.transpose(1, 2).chunk(2, dim=1)
+                state[f"{prefix}moe.experts.w1"], state[f"{prefix}moe.experts.w3"] = gate, up
+            else:
+                state[local] = p.transpose(1, 2) if ".moe.experts." in local else p
     missing, unexpected = theirs.load_state_dict(state, strict=False)
     assert not unexpected and all("freqs_cis" in k or "tokens_per_expert" in k for k in missing), missing
 

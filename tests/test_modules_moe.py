@@ -177,7 +177,8 @@ def _reference_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         weights = top.values / top.values.sum()
         for w, i in zip(weights, top.indices, strict=True):
             h = flat[t]
-            act = torch.nn.functional.silu(h @ e.gate_proj[i].double()) * (h @ e.up_proj[i].double())
+            gate, up = e.gate_up_proj[i].double().chunk(2, dim=-1)
+            act = torch.nn.functional.silu(h @ gate) * (h @ up)
             out[t] += w * (act @ e.down_proj[i].double())
     return out.view(x.shape)
 
@@ -191,6 +192,45 @@ def test_moe_layer_matches_token_by_token_reference_and_counts_exactly() -> None
     expected_counts = torch.bincount(torch.topk(probs, 2).indices.flatten(), minlength=4)
     assert torch.equal(layer.gate.expert_load, expected_counts)
     assert layer.gate.expert_load.sum().item() == 20
+
+
+def test_fused_gate_up_experts_match_separate_projections_in_float64() -> None:
+    """`gate_up_proj` is gate (first `intermediate` output columns) then up: the module computes SwiGLU
+    experts with separate gate / up / down weights, and its weight gradient splits into theirs."""
+    num_experts, hidden, inter = 3, 8, 6
+    torch.manual_seed(0)
+    experts = GroupedExperts(num_experts, hidden, inter, grouped_mm=EagerGroupedMM(), init_std=0.3).double()
+    assert experts.gate_up_proj.shape == (num_experts, hidden, 2 * inter)
+    assert experts.down_proj.shape == (num_experts, inter, hidden)
+    assert experts.extra_repr() == "experts=3, hidden=8, intermediate=6"
+    weights = {
+        "gate": experts.gate_up_proj[..., :inter],
+        "up": experts.gate_up_proj[..., inter:],
+        "down": experts.down_proj,
+    }
+    ref = {k: w.detach().clone().requires_grad_() for k, w in weights.items()}
+    counts = torch.tensor([3, 0, 4])  # an expert without tokens too
+    x = torch.randn(7, hidden, dtype=torch.float64)
+    dy = torch.randn(7, hidden, dtype=torch.float64)
+    x_ref, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+
+    rows = [
+        (torch.nn.functional.silu(chunk @ ref["gate"][e]) * (chunk @ ref["up"][e])) @ ref["down"][e]
+        for e, chunk in enumerate(x_ref.split(counts.tolist()))
+    ]
+    expected = torch.cat(rows)
+    (expected * dy).sum().backward()
+    out = experts(x_fused, counts)
+    (out * dy).sum().backward()
+
+    tight = {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(out, expected, **tight)
+    torch.testing.assert_close(x_fused.grad, x_ref.grad, **tight)
+    grad = experts.gate_up_proj.grad
+    assert grad is not None and experts.down_proj.grad is not None
+    torch.testing.assert_close(grad[..., :inter], ref["gate"].grad, **tight)
+    torch.testing.assert_close(grad[..., inter:], ref["up"].grad, **tight)
+    torch.testing.assert_close(experts.down_proj.grad, ref["down"].grad, **tight)
 
 
 @pytest.mark.parametrize("align", [1, 4])

@@ -365,7 +365,7 @@ def _layer_against_single_process(env: RankEnv) -> None:
         dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(90 + r), dtype=torch.float64)
         (out * dy).sum().backward()
         ref_grads[r] = {"out": out.detach(), "x": xr.grad, "router": ref.gate.weight.grad.clone()}
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in ("gate_up_proj", "down_proj"):
             ref_grads[r][name] = getattr(ref.experts, name).grad.clone()
     for ep in (2, env.world_size):  # ep 2 runs with ep_replicate 2
         ctx = DistributedContext.create(
@@ -398,7 +398,7 @@ def _layer_against_single_process(env: RankEnv) -> None:
             torch.testing.assert_close(layer.gate.weight.grad, mine["router"], **tight)
             local_n = num_experts // ep
             shard = ctx.mesh_for(MeshDomain.EXPERT)["ep_shard"].get_local_rank()
-            for name in ("gate_proj", "up_proj", "down_proj"):
+            for name in ("gate_up_proj", "down_proj"):
                 grad = getattr(layer.experts, name).grad.to_local().clone()
                 # this ep group's tokens only: add the other replicas' to compare with every rank's tokens
                 dist.all_reduce(grad, group=expert_mesh["ep_replicate"].get_group())
@@ -462,7 +462,7 @@ def _ep_training(env: RankEnv) -> None:
         )
         parallelize_replicate(model, ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"])
         assert isinstance(model.moe.communication, AllToAllMoECommunication)
-        assert model.moe.experts.gate_proj.to_local().shape[0] == 8 // ep, case
+        assert model.moe.experts.gate_up_proj.to_local().shape[0] == 8 // ep, case
         load_full_state(model, init)
         sync = GradientSynchronizer(
             collect_synced_params(model), loss_weight_mesh=ctx.mesh_for(MeshDomain.BATCH)["dp"]

@@ -49,41 +49,60 @@ def _ids(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
 
 
-def test_grouped_lora_matches_a_per_expert_float64_reference() -> None:
+@pytest.mark.parametrize("projections", [("up_proj", "down_proj"), ("gate_proj",), EXPERT_PROJECTIONS])
+def test_grouped_lora_matches_a_per_expert_float64_reference(projections: tuple[str, ...]) -> None:
+    """Gate and up are the two halves of the fused `gate_up_proj`: each adapter updates its own half only,
+    in forward and when merged."""
     torch.manual_seed(0)
     base = GroupedExperts(3, 8, 6, grouped_mm=EagerGroupedMM()).to(torch.float64)
-    weights = {p: getattr(base, p).detach().clone() for p in ("gate_proj", "up_proj", "down_proj")}
-    lora = LoRAGroupedExperts(base, ["up_proj", "down_proj"], rank=2, alpha=5.0)
-    assert lora.gate_proj is base.gate_proj
-    assert list(lora.state_dict()) == [
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-        "up_proj_lora_A",
-        "up_proj_lora_B",
-        "down_proj_lora_A",
-        "down_proj_lora_B",
-    ]
-    assert lora.up_proj_lora_A.shape == (3, 8, 2) and lora.down_proj_lora_B.shape == (3, 2, 8)
+    gate, up = base.gate_up_proj.detach().clone().chunk(2, dim=-1)
+    weights = {"gate_proj": gate, "up_proj": up, "down_proj": base.down_proj.detach().clone()}
+    lora = LoRAGroupedExperts(base, list(projections), rank=2, alpha=5.0)
+    assert lora.gate_up_proj is base.gate_up_proj and lora.down_proj is base.down_proj
+    adapters = [f"{p}_lora_{f}" for p in projections for f in "AB"]
+    assert list(lora.state_dict()) == ["gate_up_proj", "down_proj", *adapters]
+    shapes = {"gate_proj": (8, 6), "up_proj": (8, 6), "down_proj": (6, 8)}
+    for p in projections:
+        d_in, d_out = shapes[p]
+        assert getattr(lora, f"{p}_lora_A").shape == (3, d_in, 2)
+        assert getattr(lora, f"{p}_lora_B").shape == (3, 2, d_out)
     with torch.no_grad():
-        lora.up_proj_lora_B.normal_()
-        lora.down_proj_lora_B.normal_()
+        for p in projections:
+            getattr(lora, f"{p}_lora_B").normal_()
     counts = torch.tensor([2, 0, 3])
     x = torch.randn(5, 8, dtype=torch.float64)
+    dy = torch.randn(5, 8, dtype=torch.float64)
+    ref_factors = {n: getattr(lora, n).detach().clone().requires_grad_() for n in adapters}
+    x_ref, x_lora = x.clone().requires_grad_(), x.clone().requires_grad_()
 
     def factor(p: str, e: int) -> torch.Tensor:
-        a, b = getattr(lora, f"{p}_lora_A")[e].detach(), getattr(lora, f"{p}_lora_B")[e].detach()
-        return weights[p][e] + 2.5 * a @ b
+        if p not in projections:
+            return weights[p][e]
+        return weights[p][e] + 2.5 * ref_factors[f"{p}_lora_A"][e] @ ref_factors[f"{p}_lora_B"][e]
 
     rows = []
-    for e, chunk in enumerate(x.split(counts.tolist())):
-        hidden = F.silu(chunk @ weights["gate_proj"][e]) * (chunk @ factor("up_proj", e))
+    for e, chunk in enumerate(x_ref.split(counts.tolist())):
+        hidden = F.silu(chunk @ factor("gate_proj", e)) * (chunk @ factor("up_proj", e))
         rows.append(hidden @ factor("down_proj", e))
     expected = torch.cat(rows)
-    torch.testing.assert_close(lora(x, counts), expected, rtol=1e-12, atol=1e-12)
+    (expected * dy).sum().backward()
+    out = lora(x_lora, counts)
+    (out * dy).sum().backward()
+    tight = {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(out, expected, **tight)
+    torch.testing.assert_close(x_lora.grad, x_ref.grad, **tight)
+    for name, ref in ref_factors.items():
+        torch.testing.assert_close(getattr(lora, name).grad, ref.grad, **tight, msg=name)
+    expected = expected.detach()
     folded = lora.merged_module()
     assert type(folded) is GroupedExperts and folded is base
     torch.testing.assert_close(folded(x, counts), expected, rtol=1e-12, atol=1e-12)
+    assert isinstance(folded, GroupedExperts)
+    merged_weights = dict(zip(("gate_proj", "up_proj"), folded.gate_up_proj.chunk(2, dim=-1), strict=True))
+    merged_weights["down_proj"] = folded.down_proj
+    for p, w in merged_weights.items():
+        if p not in projections:  # an untargeted projection merges to exactly its base weight
+            assert torch.equal(w, weights[p]), p
 
 
 def test_expert_lora_trains_only_adapters_and_merges() -> None:

@@ -319,7 +319,7 @@ def _hybrid_body(env: RankEnv, expert_parallel: int) -> None:
                     dtype=torch.float32,
                     backend=AllToAllBackendConfig(),
                 )
-                assert module.moe.experts.gate_proj.to_local().shape[0] == 4 // expert_parallel
+                assert module.moe.experts.gate_up_proj.to_local().shape[0] == 4 // expert_parallel
             parallelize_replicate(module, ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"])
         sync = GradientSynchronizer(
             [p for module in modules for p in collect_synced_params(module)],

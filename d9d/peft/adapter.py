@@ -1,7 +1,7 @@
 """Adapted modules and the model-wide operations on them: base view, merge, adapter (re)initialization.
 
 An adapted module replaces a module of the model (an `nn.Linear`, the grouped experts) and keeps the
-replaced module's parameter names (`weight`, `gate_proj`, ...) next to its adapter parameters, so a base
+replaced module's parameter names (`weight`, `gate_up_proj`, ...) next to its adapter parameters, so a base
 checkpoint's keys stay valid for the adapted model: no state-mapper renames are ever needed. What
 differs from the base model is only *extra* keys, which `base_view` hides while a base checkpoint loads.
 """

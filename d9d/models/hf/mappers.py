@@ -2,8 +2,8 @@
 
 Differences handled here: vocabulary splits (HF has one table), tied heads, expert weights (HF stores either
 one module per expert — transformers v4 and what v5 writes — or fused `[E, 2I, H]` / `[E, H, I]` tensors in
-memory, d9d stores `[E, in, out]`), and the expert bias (`model.layers.<i>.mlp.gate.e_score_correction_bias`,
-DeepSeek-V3's name).
+memory, d9d stores `[E, in, out]` with gate and up fused as `gate_up_proj` [E, H, 2I]), and the expert bias
+(`model.layers.<i>.mlp.gate.e_score_correction_bias`, DeepSeek-V3's name).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from d9d.models.family import EXPERT_BIAS_HF_NAME, CheckpointTraits, ExpertLayout
 from d9d.state.mapper import (
+    Concat,
     Drop,
     Duplicate,
     Function,
@@ -38,34 +39,28 @@ def vocab_mapper(hf_key: str, d9d_prefix: str, splits: Mapping[str, int]) -> Sta
 
 
 def experts_mapper(num_experts: int, intermediate_size: int, layout: ExpertLayout) -> StateMapper:
-    """Per layer, HF expert tensors (unprefixed) → `mlp.experts.{gate,up,down}_proj` as [E, in, out]."""
-    ours = [f"mlp.experts.{p}" for p in EXPERT_PROJECTIONS]
+    """Per layer, HF expert tensors (unprefixed) → `mlp.experts.gate_up_proj` [E, H, 2I] (gate in the first
+    I output columns, up in the last) and `mlp.experts.down_proj` [E, I, H]."""
+    gate_up, down = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
     if layout == "fused":
-        return Parallel(
-            [
-                Sequential(
-                    [
-                        Split(
-                            "mlp.experts.gate_up_proj",
-                            ours[:2],
-                            dim=1,
-                            sizes=[intermediate_size, intermediate_size],
-                        ),
-                        Transpose(ours[:2]),
-                    ]
-                ),
-                Transpose([ours[2]]),  # HF [E, H, I] and ours [E, I, H] share the key name
-            ]
-        )
+        # HF's fused [E, 2I, H] (gate rows first) and [E, H, I] share the key names with ours
+        return Transpose([gate_up, down])
+
+    def stack(projection: str, target: str) -> StateMapper:
+        return Stack([f"mlp.experts.{e}.{projection}.weight" for e in range(num_experts)], target, dim=0)
+
+    gate, up = "mlp.experts.gate_proj", "mlp.experts.up_proj"  # [E, I, H] on the way to `gate_up`
     return Parallel(
         [
             Sequential(
                 [
-                    Stack([f"mlp.experts.{e}.{p}.weight" for e in range(num_experts)], target, dim=0),
-                    Transpose([target]),
+                    stack("gate_proj", gate),
+                    stack("up_proj", up),
+                    Concat([gate, up], gate_up, dim=1, sizes=[intermediate_size, intermediate_size]),
+                    Transpose([gate_up]),
                 ]
-            )
-            for p, target in zip(EXPERT_PROJECTIONS, ours, strict=True)
+            ),
+            Sequential([stack("down_proj", down), Transpose([down])]),
         ]
     )
 

@@ -20,7 +20,7 @@ API summary (all importable from `d9d.state.mapper` and `d9d.state`):
 Example: HF per-expert weights -> one stacked tensor, q/k/v -> qkv, everything else renamed::
 
     layer = Parallel([
-        Stack([f"mlp.experts.{e}.up_proj.weight" for e in range(E)], "mlp.experts.up", dim=0),
+        Stack([f"mlp.experts.{e}.down_proj.weight" for e in range(E)], "mlp.experts.down", dim=0),
         Concat(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
                "attn.qkv.weight", dim=0, sizes=[q, kv, kv]),
         Rename({"input_layernorm.weight": "norm1.weight"}),
