@@ -30,12 +30,12 @@ ARCH = {
 }
 
 
-def _config(run_dir: Path, dp: int, ep: int = 1) -> dict[str, Any]:
+def _config(run_dir: Path, dp: int, ep: int = 1, steps: int = 30) -> dict[str, Any]:
     return {
         "run": {"name": "moe", "dir": str(run_dir)},
         "mesh": {"data_parallel_replicate": dp, "expert_parallel": ep},
         "batching": {"global_batch_size": 8, "microbatch_size": 2},
-        "trainer": {"total_steps": 30},
+        "trainer": {"total_steps": steps},
         "logging": {"progress_bar": "off", "period": 5},
         "checkpointing": {"save_at_end": False},
         "model": {"provider": "qwen3_moe", "options": {"architecture": ARCH}},
@@ -44,8 +44,8 @@ def _config(run_dir: Path, dp: int, ep: int = 1) -> dict[str, Any]:
     }
 
 
-def _train(env: RankEnv, dp: int, ep: int = 1) -> None:
-    config = parse_config(_config(env.tmp_dir / f"dp{dp}ep{ep}", dp, ep))
+def _train(env: RankEnv, dp: int, ep: int = 1, steps: int = 30) -> None:
+    config = parse_config(_config(env.tmp_dir / f"dp{dp}ep{ep}", dp, ep, steps))
     points: list[MetricPoint] = []
     reporter = LocalRunReporter(config.checkpoint_dir, 1, points.append)
     runtime = RankRuntime(
@@ -62,11 +62,11 @@ def _train(env: RankEnv, dp: int, ep: int = 1) -> None:
 
 @pytest.mark.distributed
 def test_qwen3_moe_pretraining_on_1_2_and_4_ranks(tmp_path: Path) -> None:
-    """30 steps on one rank, dp2, and 4 ranks with experts sharded 2-way (expert domain ep_replicate 2 x
-    ep_shard 2): the loss falls, and the layouts agree with each other."""
+    """30 steps on one rank, where the loss falls; dp2 and 4 ranks with experts sharded 2-way (expert domain
+    ep_replicate 2 x ep_shard 2) follow its first 10 steps."""
     run_distributed(_train, 1, 1, tmp_dir=tmp_path, timeout=300)
-    run_distributed(_train, 2, 2, tmp_dir=tmp_path, timeout=300)
-    run_distributed(_train, 4, 4, 2, tmp_dir=tmp_path, timeout=400)
+    run_distributed(_train, 2, 2, 1, 10, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_train, 4, 4, 2, 10, tmp_dir=tmp_path, timeout=400)
     one = torch.load(tmp_path / "dp1ep1.pt")
     losses = torch.tensor(one["losses"])
     assert len(losses) == 30
@@ -74,8 +74,8 @@ def test_qwen3_moe_pretraining_on_1_2_and_4_ranks(tmp_path: Path) -> None:
     for name in ("dp2ep1", "dp4ep2"):
         other = torch.tensor(torch.load(tmp_path / f"{name}.pt")["losses"])
         # float32 summation order differs across layouts; AdamW amplifies it slowly over 30 steps
-        torch.testing.assert_close(other[:10], losses[:10], rtol=1e-4, atol=1e-5, msg=name)
-        assert other[-5:].mean() < 0.75 * other[:5].mean(), (name, other)
+        assert len(other) == 10
+        torch.testing.assert_close(other, losses[:10], rtol=1e-4, atol=1e-5, msg=name)
     assert "moe/model.layers.0.mlp/max_load_ratio" in one["keys"]
     assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(one["keys"])
 
