@@ -706,7 +706,8 @@ def profile_sections(results: list[dict[str, Any]]) -> str:
         if "ranks" not in p:
             sections.append(f"profile {r['id']} ({steps}): {p.get('error', 'no profile')}")
             continue
-        head = f"profile {r['id']} ({steps}, {len(p['ranks'])} ranks, {p['ranks'][0]['source']})"
+        n = len(p["ranks"])
+        head = f"profile {r['id']} ({steps}, {n} rank{'s' * (n != 1)}, {p['ranks'][0]['source']})"
         if "error" in p:
             head += f" [{p['error']}]"
         if "trace" in p:
