@@ -4,7 +4,7 @@ torchtitan 0.2.2, one row per process, in one command.
     python benchmarks/multi_gpu.py [--gpus N] [--rows GLOB,...] [--launchers torchrun,ray]
         [--ray-rows GLOB,...] [--steps 10] [--warmup 3] [--timeout-per-row 420] [--budget-s S]
         [--pp-microbatch 2] [--cp-seq 8192] [--set KEY=VALUE ...] [--variant NAME:KEY=VALUE[;KEY=VALUE] ...]
-        [--out FILE] [--list]
+        [--profile GLOB,... [--profile-steps 3] [--profile-trace]] [--out FILE] [--list]
     python benchmarks/multi_gpu.py --merge a.json b.json [--out FILE]     # one table from several runs
     python benchmarks/multi_gpu.py --smoke                                # CPU, gloo, 2 ranks, tiny shapes
 
@@ -99,6 +99,34 @@ process, whichever launcher; torchtitan: the recording metrics processor):
   The probe costs two event records per pass and a small JSON write per step, which is left out of the
   step's time (every d9d row runs with it; rows without a pipeline record only step times and peaks).
 
+Profile (`--profile GLOB[,GLOB]`, d9d rows whose id matches, variant ids included: `moe-fsdp-ep*` takes
+`moe-fsdp-ep+copies`): where a step's time goes, on every rank. The probe of each rank (started by the data
+provider, whichever launcher) runs torch.profiler (CPU activity, and CUDA on GPUs) over `--profile-steps`
+steps (default 3) after the timed ones, after one more step for the profiler's own warm-up: with 3 + 10
+steps, step 14 warms it up and steps 15..17 are profiled; the job runs to step 18. The profiled steps are
+slower (host op recording) and are not in the timed median. The device is synchronized at the window's
+edges. Each rank writes `probe/rank<r>_profile.json` (`throughput/profile.py` computes it; its docstring
+has the details); the row's result gets `profile`: `ranks` (each rank's breakdown; the heaviest 15
+kernels of rank 0 only), `across_ranks` (per number: mean, max and the rank with the max) and
+`slowest_rank_per_step` (the rank with the longest wall time in each timed step). Numbers, in ms per step
+and as a share of the profiled step's wall time:
+- compute busy: time in which at least one non-communication kernel runs (the union of their intervals);
+- communication busy: the same for NCCL kernels; exposed communication: communication time in which no
+  compute kernel runs (what overlap would win back at most); idle: time with no kernel at all (launch gaps,
+  host syncs, host work, the profiler's overhead). compute + exposed communication + idle = the step.
+- by category: kernel time (a sum: overlapping kernels each count) per kind: all-to-all, send/recv (p2p or
+  all-to-all: NCCL runs `all_to_all_single`, the expert exchange, as `ncclDevKernel_SendRecv`), all-gather
+  and reduce-scatter (FSDP), all-reduce, broadcast, other communication; MoE token movement, optimizer,
+  attention, loss, matmul, dtype copies, elementwise/reduce; `idle gaps` (= idle).
+- host syncs: host time blocked on the GPU per step (`cudaStreamSynchronize` and the other blocking CUDA
+  calls, a blocking device→host copy such as `.tolist()` of token counts, `aten::item`) and their count per
+  step, and per rank the ops they happen in.
+Load imbalance: ranks end a step together (they meet in collectives), so the slow rank shows as the one
+with the most compute busy, the others as exposed all-to-all. `--profile-trace` also writes rank 0's Chrome
+trace (`probe/rank0_trace.json.gz` in the row's work dir; tens of MB). On CPU ranks (`--smoke`) the
+intervals are the leaf CPU ops, a gloo collective counted whole. The table printout has a section per
+profiled row below the table.
+
 Not measured: the first step (compile), start-up time, checkpointing. Every row is a fresh process tree on
 the same machine, one after another; torch.compile's on-disk cache is shared, so later rows compile faster
 (this changes start-up, not the timed steps). A row that fails, times out or is skipped by `--budget-s`
@@ -135,7 +163,8 @@ from typing import Any
 
 import yaml
 from throughput.common import ARCHS, BATCH, LR, MODEL_NAMES, PEAK_TFLOPS, SEQ, SMOKE_ARCHS, flops_per_token
-from throughput.probe import read_records
+from throughput.probe import read_profiles, read_records
+from throughput.profile import across_ranks, render_ranks
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -334,8 +363,7 @@ def d9d_job(row: Row, args: argparse.Namespace, row_dir: Path) -> dict[str, Any]
         "run": {"name": "bench-" + re.sub(r"[^A-Za-z0-9._-]", "-", row.id), "dir": str(row_dir / "run")},
         "mesh": dict(row.mesh),
         "batching": {"global_batch_size": global_batch(row, smoke), "microbatch_size": row.microbatch},
-        # the probe records a step when the next one starts: one more step than is timed
-        "trainer": {"total_steps": args.warmup + args.steps + 1},
+        "trainer": {"total_steps": total_steps(row, args)},
         "logging": {"progress_bar": "off", "period": 1000},
         "checkpointing": {"save_at_end": False, "period": None},
         "gradient_clipping": {"max_norm": None},
@@ -352,6 +380,7 @@ def d9d_job(row: Row, args: argparse.Namespace, row_dir: Path) -> dict[str, Any]
                 "vocab_size": arch["vocab_size"],
                 "seq_len": row.seq,
                 "probe_dir": str(row_dir / "probe"),
+                **profile_options(row, args),
             },
         },
         "optimizer": {"provider": "adamw", "options": {"lr": LR, "weight_decay": 0.0}},
@@ -366,6 +395,34 @@ def d9d_job(row: Row, args: argparse.Namespace, row_dir: Path) -> dict[str, Any]
             "max_failures": 0,  # a failing row fails once, it is not restarted
         }
     return job
+
+
+def profiled(row: Row, args: argparse.Namespace) -> bool:
+    """Whether `--profile` names this row (d9d rows only: the probe profiles, torchtitan has none)."""
+    globs = _globs(args.profile)
+    return row.framework == "d9d" and any(fnmatch.fnmatchcase(row.id, g) for g in globs)
+
+
+def profile_window(args: argparse.Namespace) -> tuple[int, int]:
+    """The profiled steps (first, last): after the timed steps and one profiler warm-up step."""
+    first = args.warmup + args.steps + 2
+    return first, first + args.profile_steps - 1
+
+
+def total_steps(row: Row, args: argparse.Namespace) -> int:
+    """The probe records a step when the next one starts (and writes the profile then): one step more than
+    the last timed (or profiled) one."""
+    if profiled(row, args):
+        return profile_window(args)[1] + 1
+    return args.warmup + args.steps + 1
+
+
+def profile_options(row: Row, args: argparse.Namespace) -> dict[str, Any]:
+    """The data provider's options that make the probe profile (`throughput.data:RandomTokens`)."""
+    if not profiled(row, args):
+        return {}
+    first, last = profile_window(args)
+    return {"profile_from": first, "profile_steps": last - first + 1, "profile_trace": args.profile_trace}
 
 
 def torchrun(nproc: int, *module_and_args: str) -> list[str]:
@@ -547,6 +604,8 @@ def run_row(row: Row, args: argparse.Namespace, work: Path, timeout: float) -> d
     except ValueError as e:
         result["error"] = str(e)
         result["log_tail"] = tail(log)
+    if profiled(row, args):
+        result["profile"] = profile_summary(row, records, read_profiles(row_dir / "probe"), args)
     return result
 
 
@@ -603,6 +662,58 @@ def summarize(
         microbatches = global_batch(row, args.smoke) // row.data_parallel // row.microbatch
         out["pipeline"] = pipeline_bubble(records, timed, row.schedule, row.pp, microbatches)
     return out
+
+
+def profile_summary(
+    row: Row, records: list[dict[str, Any]], profiles: list[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The row's `profile` entry: every rank's breakdown (the heaviest kernels of rank 0 only: a small JSON),
+    the spread over ranks, and the slowest rank of each timed step."""
+    first, last = profile_window(args)
+    out: dict[str, Any] = {"steps": [first, last]}
+    errors = [f"rank {p['rank']}: {p['error']}" for p in profiles if "error" in p]
+    if len(profiles) != row.gpus:
+        errors.append(f"{len(profiles)} of {row.gpus} ranks wrote a profile")
+    if errors:
+        out["error"] = "; ".join(errors)
+    reports = [{"rank": p["rank"], **p["report"]} for p in profiles if "report" in p]
+    if not reports:
+        return out
+    for report in reports[1:]:
+        report.pop("top_kernels_ms_per_step", None)
+    out["ranks"] = reports
+    out["across_ranks"] = across_ranks(reports)
+    timed = range(args.warmup + 1, args.warmup + args.steps + 1)
+    out["slowest_rank_per_step"] = [
+        max(records, key=lambda r: r["step_s"][step])["rank"]
+        for step in timed
+        if records and all(step in r["step_s"] for r in records)
+    ]
+    trace = next((p["trace"] for p in profiles if "trace" in p), None)
+    if trace:
+        out["trace"] = trace
+    return out
+
+
+def profile_sections(results: list[dict[str, Any]]) -> str:
+    """The profiled rows' breakdowns, one section each, for below the table ('' when none)."""
+    sections = []
+    for r in results:
+        p = r.get("profile")
+        if not p:
+            continue
+        steps = f"steps {p['steps'][0]}..{p['steps'][1]}"
+        if "ranks" not in p:
+            sections.append(f"profile {r['id']} ({steps}): {p.get('error', 'no profile')}")
+            continue
+        n = len(p["ranks"])
+        head = f"profile {r['id']} ({steps}, {n} rank{'s' * (n != 1)}, {p['ranks'][0]['source']})"
+        if "error" in p:
+            head += f" [{p['error']}]"
+        if "trace" in p:
+            head += f"; rank 0 trace: {p['trace']}"
+        sections.append(f"{head}\n{render_ranks(p)}")
+    return "\n\n".join(sections)
 
 
 # ---- the table ----
@@ -783,7 +894,7 @@ def main_run(args: argparse.Namespace) -> int:
         out = default_out(env)
     results.sort(key=lambda r: table_order[r["id"]])
     write_json(out, {**env, "args": vars(args), "results": results})
-    print(f"\n{json.dumps(env)}\n{table(results)}\nresults: {out}", flush=True)
+    print(f"\n{json.dumps(env)}\n{table(results)}\n{profile_sections(results)}\nresults: {out}", flush=True)
     return 0
 
 
@@ -801,6 +912,8 @@ def main_merge(args: argparse.Namespace) -> int:
     if args.out:
         write_json(Path(args.out), {"runs": envs, "merged_from": args.merge, "results": results})
     print("\n".join(json.dumps(e) for e in envs) + "\n" + table(results), flush=True)
+    if sections := profile_sections(results):
+        print(sections, flush=True)
     return 0
 
 
@@ -838,6 +951,16 @@ def main() -> int:
         help="also run every multi-GPU d9d row with these overrides, as row <id>+NAME (repeatable)",
     )
     parser.add_argument(
+        "--profile",
+        default="",
+        metavar="GLOB[,GLOB]",
+        help="d9d rows to profile on every rank after their timed steps (module docs)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps the profiler records (>= 1)")
+    parser.add_argument(
+        "--profile-trace", action="store_true", help="also write rank 0's Chrome trace (gzipped)"
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="CPU ranks on gloo, tiny shapes: checks the script"
     )
     parser.add_argument("--work-dir", default=None, help="rows' jobs, logs and records (default: a temp dir)")
@@ -849,6 +972,8 @@ def main() -> int:
         sys.path.insert(1, str(REPO))  # this checkout's d9d for the parent's own imports (the simulator)
     if args.merge:
         return main_merge(args)
+    if args.profile_steps < 1:
+        parser.error("--profile-steps must be >= 1")
     if args.warmup < 1:
         parser.error("--warmup must be >= 1 (the first step compiles; torchtitan's first interval is step 2)")
     try:

@@ -41,6 +41,9 @@ def _args(**overrides):
         "cpus_per_rank": 4,
         "set": [],
         "variant": [],
+        "profile": "",
+        "profile_steps": 3,
+        "profile_trace": False,
     }
     return argparse.Namespace(**{**args, **overrides})
 
@@ -53,7 +56,12 @@ def test_smoke_runs_rows_on_two_gloo_ranks(tmp_path: Path) -> None:
         str(BENCH / "multi_gpu.py"),
         "--smoke",
         "--rows",
-        "dense-1gpu,dense-fsdp,dense-pp-1f1b",
+        "dense-1gpu,moe-fsdp-ep,dense-pp-1f1b",
+        # two ranks' profiles of the expert-parallel row (all-to-all, FSDP's collectives) and one 1-rank one
+        "--profile",
+        "moe-fsdp-ep,dense-1gpu",
+        "--profile-steps",
+        "2",
     ]
     cmd += ["--launchers", "torchrun", "--out", str(out), "--work-dir", str(tmp_path / "work")]
     proc = subprocess.run(
@@ -63,14 +71,45 @@ def test_smoke_runs_rows_on_two_gloo_ranks(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["gpus"] == 2 and report["torch"]
     rows = {r["id"]: r for r in report["results"]}
-    assert list(rows) == ["dense-1gpu", "dense-fsdp", "dense-pp-1f1b"], rows.keys()
+    assert list(rows) == ["dense-1gpu", "dense-pp-1f1b", "moe-fsdp-ep"], rows.keys()
     for row in rows.values():
         assert "error" not in row, (row["id"], row.get("error"), row.get("log_tail"))
-        for key in ("tokens_per_s", "tokens_per_s_per_gpu", "median_step_s", "mfu", "peak_gib", "scaling"):
+        for key in ("tokens_per_s", "tokens_per_s_per_gpu", "median_step_s", "mfu", "peak_gib"):
             assert key in row, (row["id"], key)
         assert row["tokens_per_s"] > 0 and len(row["step_s"]) == 2  # --smoke: 2 timed steps
-    assert rows["dense-fsdp"]["tokens_per_s_per_gpu"] == pytest.approx(rows["dense-fsdp"]["tokens_per_s"] / 2)
+        assert ("scaling" in row) == (row["model"] == "dense")  # no moe-1gpu row ran
+    moe = rows["moe-fsdp-ep"]
+    assert moe["tokens_per_s_per_gpu"] == pytest.approx(moe["tokens_per_s"] / 2)
     assert rows["dense-1gpu"]["scaling"] == pytest.approx(1.0)
+    # --profile: after the 1 + 2 timed steps, a profiler warm-up step (4), then steps 5 and 6
+    assert "profile" not in rows["dense-pp-1f1b"]
+    for row_id, ranks in (("moe-fsdp-ep", 2), ("dense-1gpu", 1)):
+        p = rows[row_id]["profile"]
+        assert "error" not in p and p["steps"] == [5, 6] and len(p["ranks"]) == ranks, p
+        assert [r["rank"] for r in p["ranks"]] == list(range(ranks))
+        assert "top_kernels_ms_per_step" in p["ranks"][0] and all(
+            "top_kernels_ms_per_step" not in r for r in p["ranks"][1:]
+        )  # the heaviest ops of rank 0 only: a small result
+        for r in p["ranks"]:
+            assert r["source"] == "cpu ops" and r["steps"] == 2
+            busy, step = r["busy_ms_per_step"], r["step_ms"]
+            assert 0 < busy["compute"] <= step and busy["exposed communication"] >= 0
+            assert busy["exposed communication"] <= busy["communication"] + 1e-9 <= step + 1e-9
+            assert busy["compute"] + busy["exposed communication"] + busy["idle"] == pytest.approx(step)
+            assert r["ms_per_step"]["idle gaps"] == pytest.approx(busy["idle"])
+            # categories are sums of intervals: at least the union of what they cover
+            work = sum(ms for key, ms in r["ms_per_step"].items() if key != "idle gaps")
+            assert work >= busy["compute"] + busy["communication"] - 1e-6
+            assert r["host_syncs"]["per_step"] >= 0 and r["host_syncs"]["ms_per_step"] <= step
+        spread = p["across_ranks"]
+        assert spread["busy_ms_per_step"]["compute"]["max"] == max(
+            r["busy_ms_per_step"]["compute"] for r in p["ranks"]
+        )
+        assert len(p["slowest_rank_per_step"]) == 2 and set(p["slowest_rank_per_step"]) <= set(range(ranks))
+    moe_ranks = rows["moe-fsdp-ep"]["profile"]["ranks"]
+    for category in ("all-to-all", "all-gather", "reduce-scatter"):  # EP exchange and FSDP, on gloo
+        assert all(r["ms_per_step"][category] > 0 for r in moe_ranks), category
+    assert "profile moe-fsdp-ep (steps 5..6, 2 ranks, cpu ops)" in proc.stdout
     bubble = rows["dense-pp-1f1b"]["pipeline"]
     assert bubble["microbatches"] == 8
     assert 0.0 <= bubble["bubble_measured"] < 1.0
@@ -106,6 +145,46 @@ def test_every_gpu_row_is_a_valid_job(bench, tmp_path: Path) -> None:
                 * (config.mesh.data_parallel)
                 == config.batching.global_batch_size
             )
+
+
+def test_profiled_rows_and_the_copy_exchange_variant_are_valid_jobs(bench, tmp_path: Path) -> None:
+    """The next GPU session's command (docs/benchmarks.md): `--profile` rows and the variant that turns the
+    deduplicated expert exchange off."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from throughput.data import RandomTokens
+    finally:
+        sys.path.remove(str(BENCH))
+    from d9d.engine.config import apply_overrides, parse_config
+    from d9d.parallel.expert import AllToAllBackendConfig
+
+    backend = "model.options.parallel.expert_backend"
+    args = _args(
+        rows="moe-1gpu,moe-fsdp-ep*",  # `*`: the variant row's id is moe-fsdp-ep+copies
+        launchers="torchrun",
+        profile="moe-fsdp-ep*",
+        profile_steps=3,
+        variant=[f"copies:{backend}.kind=all_to_all;{backend}.dedup=false"],
+    )
+    rows = bench.select(bench.all_rows(4, args), args)
+    assert [r.id for r in rows] == ["moe-1gpu", "moe-fsdp-ep", "moe-fsdp-ep+copies"]
+    for row in rows:
+        assert bench.profiled(row, args) == (row.id != "moe-1gpu")  # the globs see variant ids
+        (row_dir := tmp_path / row.id).mkdir()
+        cmd, job = bench.row_command(row, args, row_dir)
+        sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
+        config = parse_config(apply_overrides(job, sets))
+        options = RandomTokens.Config(**job["data"]["options"])
+        if bench.profiled(row, args):
+            # 3 warm-up + 10 timed steps, the profiler's warm-up step 14, profiled 15..17, and step 18 to
+            # write them
+            assert (options.profile_from, options.profile_steps, options.profile_trace) == (15, 3, False)
+            assert config.trainer.total_steps == 18
+        else:
+            assert options.profile_from is None and config.trainer.total_steps == 14
+        want = AllToAllBackendConfig(dedup=False) if row.variant == "copies" else None
+        if want is not None:
+            assert config.model.options.parallel.expert_backend == want
 
 
 def test_rows_run_in_priority_order_and_select_by_glob(bench) -> None:
@@ -247,3 +326,145 @@ def test_variants_sweep_settings(bench, tmp_path: Path) -> None:
     bench.add_ratios(results)
     assert results[1]["x_base"] == pytest.approx(0.95) and "x_base" not in results[0]
     assert "0.95x base" in bench.table(results)
+
+
+@pytest.fixture(scope="module")
+def prof_mod():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from throughput import profile
+
+        yield profile
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_interval_arithmetic(prof_mod) -> None:
+    assert prof_mod.merge([(5, 7), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 7)]  # touching intervals join
+    assert prof_mod.union_length([(5, 7), (0, 2), (1, 3), (3, 4), (6, 6.5)]) == 6
+    assert prof_mod.union_length([]) == 0
+    assert prof_mod.overlap_length([(0, 10)], [(2, 3), (5, 12)]) == 6
+    # unsorted and self-overlapping on both sides: (∪a) = [0, 6], (∪b) = [1, 2] ∪ [5, 8]
+    assert prof_mod.overlap_length([(2, 6), (0, 4)], [(5, 8), (1, 2)]) == 2
+    assert prof_mod.overlap_length([(0, 1)], [(1, 2)]) == 0
+    assert prof_mod.overlap_length([], [(0, 1)]) == 0
+
+
+def test_categories_of_collectives(prof_mod) -> None:
+    cat = prof_mod.categorize
+    assert cat("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "send/recv (p2p or all-to-all)"
+    assert cat("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "all-gather"
+    assert cat("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(x)") == "reduce-scatter"
+    assert cat("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)") == "all-reduce"
+    assert cat("ncclDevKernel_Broadcast_RING_LL(x)") == "broadcast"
+    assert cat("c10d::alltoall_base_") == cat("gloo:all_to_all") == "all-to-all"
+    assert (
+        cat("c10d::_reduce_scatter_base_") == "reduce-scatter"
+        and cat("c10d::barrier") == "communication (other)"
+    )
+    assert cat("fsdp::all_gather_copy_in") == "dtype copies"  # a copy, not the collective
+    assert cat("_gather_sum_kernel") == "moe token movement" and cat("aten::addmm") == "matmul"
+    assert {"all-to-all", "all-gather", "send/recv (p2p or all-to-all)"} <= prof_mod.COMMUNICATION_CATEGORIES
+
+
+def test_breakdown_of_kernels_and_host_syncs(prof_mod) -> None:
+    ev = prof_mod.Event
+    kernels = [  # (name, start, end, stream): compute on stream 7, NCCL on stream 20; microseconds
+        ev("ampere_bf16_gemm", 0, 40, 7, True),
+        ev("elementwise_kernel", 50, 60, 7, True),
+        ev("ncclDevKernel_SendRecv", 30, 70, 20, True),
+        ev("ncclDevKernel_AllGather_RING_LL", 80, 90, 20, True),
+    ]
+    host = [  # thread 1: .item() (nested), .cpu() (copy then sync), an H2D copy, torch.cuda.synchronize()
+        ev("aten::item", 100, 130, 1),
+        ev("aten::_local_scalar_dense", 101, 129, 1),
+        ev("cudaMemcpyAsync", 102, 120, 1),
+        ev("cudaStreamSynchronize", 121, 128, 1),
+        ev("aten::copy_", 200, 230, 1),
+        ev("cudaMemcpyAsync", 201, 225, 1),
+        ev("cudaStreamSynchronize", 226, 229, 1),
+        ev("aten::copy_", 300, 305, 1),
+        ev("cudaMemcpyAsync", 301, 304, 1),  # not a sync: the next sync is not in its op
+        ev("cudaDeviceSynchronize", 400, 410, 1),
+        ev("aten::mm", 500, 600, 1),  # host ops are not work when there are kernels
+    ]
+    report = prof_mod.breakdown_events(kernels + host, wall_s=1e-3, steps=2)  # 0.5 ms per step
+    assert report["source"] == "cuda kernels" and report["step_ms"] == pytest.approx(0.5)
+    busy = report["busy_ms_per_step"]
+    # compute [0,40] ∪ [50,60] = 50 µs; communication [30,70] ∪ [80,90] = 50 µs, of which [30,40] and
+    # [50,60] run beside compute: 30 µs exposed; idle 1000 − 50 − 30 = 920 µs; per step: / 2 / 1000
+    assert busy == pytest.approx(
+        {"compute": 0.025, "communication": 0.025, "exposed communication": 0.015, "idle": 0.46}
+    )
+    assert sum(busy[k] for k in ("compute", "exposed communication", "idle")) == pytest.approx(0.5)
+    rows = report["ms_per_step"]
+    assert rows["matmul"] == pytest.approx(0.02) and rows["elementwise/reduce"] == pytest.approx(0.005)
+    assert rows["send/recv (p2p or all-to-all)"] == pytest.approx(0.02)
+    assert rows["all-gather"] == pytest.approx(0.005) and rows["idle gaps"] == pytest.approx(0.46)
+    syncs = report["host_syncs"]
+    # item: [100,130] 30 µs; .cpu(): copy + sync [201,229] 28 µs; device sync 10 µs -> 3 syncs, 68 µs
+    assert syncs["per_step"] == pytest.approx(1.5) and syncs["ms_per_step"] == pytest.approx(0.034)
+    assert syncs["by_site"] == {
+        "aten::item": pytest.approx([0.5, 0.015]),
+        "aten::copy_": pytest.approx([0.5, 0.014]),
+        "cudaDeviceSynchronize": pytest.approx([0.5, 0.005]),
+    }
+    assert report["top_kernels_ms_per_step"][0] == ("ampere_bf16_gemm", pytest.approx(0.02), 0)
+
+
+def test_breakdown_of_cpu_ops(prof_mod) -> None:
+    ev = prof_mod.Event
+    events = [
+        ev("aten::linear", 0, 50, 1),  # not a leaf: its addmm is the work
+        ev("aten::addmm", 5, 45, 1),
+        ev("c10d::allgather_", 60, 100, 1),  # a collective counts whole, its packing ops inside do not
+        ev("aten::empty", 61, 62, 1),
+        ev("gloo:all_gather", 70, 120, 2),  # gloo's thread
+        ev("aten::copy_", 80, 90, 2),
+        ev("aten::item", 130, 140, 1),
+    ]
+    report = prof_mod.breakdown_events(events, wall_s=200e-6, steps=1)
+    assert report["source"] == "cpu ops"
+    # compute [5,45] ∪ [130,140] = 50 µs; communication [60,120] = 60 µs, all exposed; idle 200 − 110
+    assert report["busy_ms_per_step"] == pytest.approx(
+        {"compute": 0.05, "communication": 0.06, "exposed communication": 0.06, "idle": 0.09}
+    )
+    assert report["ms_per_step"]["all-gather"] == pytest.approx(0.09)  # 40 + 50 µs: a sum, not a union
+    assert report["ms_per_step"]["matmul"] == pytest.approx(0.04)
+    assert report["ms_per_step"]["dtype copies"] == 0.0
+    assert report["host_syncs"]["per_step"] == 1 and report["host_syncs"]["ms_per_step"] == pytest.approx(
+        0.01
+    )
+
+
+def test_profile_across_ranks(prof_mod) -> None:
+    def report(rank, step, compute, exposed, a2a):
+        return {
+            "rank": rank,
+            "source": "cuda kernels",
+            "step_ms": step,
+            "ms_per_step": {"all-to-all": a2a, "matmul": compute},
+            "busy_ms_per_step": {
+                "compute": compute,
+                "communication": a2a,
+                "exposed communication": exposed,
+                "idle": step - compute - exposed,
+            },
+            "host_syncs": {"ms_per_step": 1.0, "per_step": 4.0, "by_site": {"aten::copy_": [4.0, 1.0]}},
+        }
+
+    # rank 1 computes the most; ranks 0 and 2 wait for it in the all-to-all
+    ranks = [
+        report(0, 100.0, 50.0, 30.0, 40.0),
+        report(1, 100.0, 70.0, 10.0, 20.0),
+        report(2, 101.0, 52, 29, 40),
+    ]
+    spread = prof_mod.across_ranks(ranks)
+    assert spread["busy_ms_per_step"]["compute"] == pytest.approx(
+        {"mean": 172 / 3, "max": 70.0, "max_rank": 1}
+    )
+    assert spread["busy_ms_per_step"]["exposed communication"]["max_rank"] == 0
+    assert spread["step_ms"]["max_rank"] == 2 and spread["host_syncs"]["per_step"]["mean"] == 4.0
+    text = prof_mod.render_ranks({"ranks": ranks, "across_ranks": spread, "slowest_rank_per_step": [1, 1]})
+    assert "exposed communication" in text and "slowest rank per timed step: 1 1" in text
+    assert "aten::copy_ 4.0x 1.00 ms" in text

@@ -14,7 +14,9 @@ class RandomTokens:
 
     Each data-parallel rank draws its own stream (seeded by its dp rank; ranks that share one, such as the
     tensor- or context-parallel ranks of a replica, draw the same batches). `probe_dir`: install the per-rank
-    timing probe of `throughput.probe` in this process, writing there.
+    timing probe of `throughput.probe` in this process, writing there; `profile_from` (with `probe_dir`):
+    the probe also profiles `profile_steps` steps from that step on (`probe.ProfileWindow`), and with
+    `profile_trace` rank 0 exports its Chrome trace.
     """
 
     class Config(BaseModel):
@@ -23,6 +25,9 @@ class RandomTokens:
         vocab_size: int = Field(ge=2)
         seq_len: int = Field(ge=1)
         probe_dir: str | None = None
+        profile_from: int | None = Field(None, ge=2)  # step 1 compiles; the step before is the warm-up
+        profile_steps: int = Field(3, ge=1)
+        profile_trace: bool = False
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -35,7 +40,11 @@ class RandomTokens:
         if self.config.probe_dir is not None:
             from throughput import probe
 
-            self.probe = probe.install(Path(self.config.probe_dir))
+            c = self.config
+            window = None
+            if c.profile_from is not None:
+                window = probe.ProfileWindow(c.profile_from, c.profile_steps, c.profile_trace)
+            self.probe = probe.install(Path(c.probe_dir), window)
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         if self.probe is not None:

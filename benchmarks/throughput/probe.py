@@ -16,6 +16,14 @@ It records, on its rank:
   outside every pass and inside the span. What this gives the benchmark is documented in
   `benchmarks/multi_gpu.py` (the bubble).
 
+- with `profile_from` set (`multi_gpu.py --profile`): torch.profiler over `profile_steps` steps from that
+  step on (CPU activity, and CUDA where the rank uses a GPU), after one profiler warm-up step before them
+  (the profiler's documented warm-up: its start-up cost stays out of the profiled steps). The device is
+  synchronized at the window's edges, so the window holds exactly the work of its steps; the per-rank
+  breakdown of `throughput/profile.py` goes to `rank<r>_profile.json` (with `profile_trace`, rank 0 also
+  exports its Chrome trace, gzipped, `rank0_trace.json.gz`). The profiler slows the steps it records:
+  `multi_gpu.py` puts the window after the timed steps.
+
 The file `rank<r>.json` is rewritten at every step (a few kilobytes; the write sits between two steps),
 because a Ray rank actor may be ended without running exit handlers.
 """
@@ -24,9 +32,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +74,11 @@ class RankProbe:
       kind F (forward), B (full backward), I (input-gradient backward), W (weight-gradient backward).
     """
 
-    def __init__(self, out_dir: Path, rank: int) -> None:
+    def __init__(self, out_dir: Path, rank: int, profiling: ProfileWindow | None = None) -> None:
         self.path = out_dir / f"rank{rank}.json"
+        self.profiling = profiling
+        self._prof: torch.profiler.profile | None = None
+        self._window_started = 0.0
         self.rank = rank
         self.clock: _Clock | None = None
         self.device = "cpu"
@@ -93,6 +106,8 @@ class RankProbe:
         if self.clock.cuda:
             torch.cuda.reset_peak_memory_stats()
         self.step += 1
+        if self.profiling is not None:
+            self._profile_edge()
         self.started = time.perf_counter()
 
     def timed(self, kind: str, stage: int, call: Callable[[], Any]) -> Any:
@@ -112,6 +127,52 @@ class RankProbe:
             return call()
         finally:
             self._span = (start, self.clock.mark())
+
+    # -- profiling ----------------------------------------------------------------------------------
+
+    def _profile_edge(self) -> None:
+        """At the start of step `self.step`: start the profiler's warm-up (the step before the window), start
+        recording (the window's first step), or stop and write the breakdown (the step after the window).
+        Runs before the step's clock starts, so none of it is in a recorded step time."""
+        window = self.profiling
+        assert window is not None and self.clock is not None
+        if self.step not in (window.start - 1, window.start, window.start + window.steps):
+            return
+        if self.clock.cuda:
+            torch.cuda.synchronize()  # the window's edges: all work of the steps before is done
+        if self.step == window.start - 1:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.clock.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            schedule = torch.profiler.schedule(wait=0, warmup=1, active=window.steps, repeat=1)
+            self._prof = torch.profiler.profile(activities=activities, schedule=schedule)
+            self._prof.start()
+        elif self.step == window.start and self._prof is not None:
+            self._prof.step()  # warm-up -> recording
+            self._window_started = time.perf_counter()
+        elif self._prof is not None:
+            wall_s = time.perf_counter() - self._window_started
+            prof, self._prof = self._prof, None
+            prof.stop()
+            self._write_profile(prof, wall_s, window)
+
+    def _write_profile(self, prof: torch.profiler.profile, wall_s: float, window: ProfileWindow) -> None:
+        from throughput import profile
+
+        record: dict[str, Any] = {
+            "rank": self.rank,
+            "steps": [window.start, window.start + window.steps - 1],
+            "wall_s": wall_s,
+        }
+        try:
+            record["report"] = profile.breakdown(prof, wall_s, window.steps)
+            if window.trace and self.rank == 0:
+                trace = self.path.parent / "rank0_trace.json.gz"
+                prof.export_chrome_trace(str(trace))
+                record["trace"] = str(trace)
+        except Exception as e:  # the row's numbers stand; the parent shows why it has no profile
+            record["error"] = f"{type(e).__name__}: {e}"
+        write_record(self.path.with_name(f"rank{self.rank}_profile.json"), record)
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
@@ -174,7 +235,17 @@ def _wrap_pipeline(probe: RankProbe) -> None:
     PipelineExecutor.train_step = timed_train_step  # type: ignore[method-assign]
 
 
-def install(out_dir: Path) -> RankProbe:
+@dataclass(frozen=True)
+class ProfileWindow:
+    """Profile steps `start` .. `start + steps - 1` (step `start - 1` is the profiler's warm-up; the breakdown
+    is written when step `start + steps` begins, so the job must reach it)."""
+
+    start: int
+    steps: int
+    trace: bool = False
+
+
+def install(out_dir: Path, profiling: ProfileWindow | None = None) -> RankProbe:
     """The probe of this process (installed once; a second data provider in the process shares it)."""
     global _installed
     if _installed is None:
@@ -182,7 +253,7 @@ def install(out_dir: Path) -> RankProbe:
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         out_dir.mkdir(parents=True, exist_ok=True)
-        _installed = RankProbe(out_dir, rank)
+        _installed = RankProbe(out_dir, rank, profiling)
         try:
             _wrap_pipeline(_installed)
         except (ImportError, AttributeError) as e:  # an engine without these: step times only
@@ -194,8 +265,16 @@ def read_records(out_dir: Path) -> list[dict[str, Any]]:
     """Every rank's record, by rank, with integer step keys."""
     records = []
     for path in out_dir.glob("rank*.json"):
+        if not re.fullmatch(r"rank\d+\.json", path.name):
+            continue  # rank<r>_profile.json
         record = json.loads(path.read_text())
         for key in ("step_s", "peak_gib", "pipeline"):
             record[key] = {int(step): value for step, value in record.get(key, {}).items()}
         records.append(record)
     return sorted(records, key=lambda r: int(r["rank"]))
+
+
+def read_profiles(out_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's `rank<r>_profile.json`, by rank."""
+    profiles = [json.loads(path.read_text()) for path in out_dir.glob("rank*_profile.json")]
+    return sorted(profiles, key=lambda r: int(r["rank"]))
