@@ -7,10 +7,6 @@ STAMP := $(VENV)/.d9d-installed
 # Machines without CUDA pin the CPU torch wheel; GPU machines take torch from their own index.
 CONSTRAINTS := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints/cpu.txt)
 EXTRAS ?= test,dev,hf
-# pytest-xdist workers: Ray tests share one worker (tests/conftest.py), the rest is dealt file by file.
-# Most of the suite waits (process starts, Ray, rendezvous), so two workers fit a 2-core machine;
-# PYTEST_WORKERS=0 runs everything in one process.
-PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test lint typecheck pytest format clean
 
@@ -34,7 +30,7 @@ typecheck: install
 	$(BIN)/mypy
 
 pytest: install
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
