@@ -100,3 +100,41 @@ def _vocab(env: RankEnv) -> None:
 
 def test_vocab_parallel_matches_single_process() -> None:
     run_distributed(_vocab, 4, timeout=120)
+
+
+def _summed_gradient_order(env: RankEnv) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    from d9d.parallel.local_params import sum_gradients_over
+
+    # Distinct sizes name each all-reduce; names and module addresses differ between ranks' sets.
+    names = ["router", "w_up", "a_bias", "norm", "w_down", "gate", "scale", "b"]
+    junk = [object() for _ in range(1000 * env.rank)]  # shift this rank's ids (set order hashes them)
+    module = nn.Module()
+    for i, name in enumerate(names):
+        module.register_parameter(name, nn.Parameter(torch.ones(i + 1)))
+    sum_gradients_over(module, set(names), dist.group.WORLD)  # type: ignore[arg-type]
+    module.forward = lambda x: sum((x * getattr(module, n)).sum() for n in names)  # type: ignore[method-assign]
+    issued: list[int] = []
+    original = dist.all_reduce
+
+    def recording(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+        issued.append(tensor.numel())
+        return original(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+    dist.all_reduce = recording  # type: ignore[assignment]
+    try:
+        module(torch.tensor(float(env.rank + 1))).backward()
+    finally:
+        dist.all_reduce = original
+    del junk
+    # Autograd runs the summing nodes in reverse order of creation, which is sorted-name order on every rank
+    # (a set's order here would pair one parameter's gradient with another's across ranks).
+    assert issued == [names.index(n) + 1 for n in sorted(names, reverse=True)], issued
+    for name in names:  # d/dp of Σ x·p summed over ranks x = 1, 2
+        torch.testing.assert_close(getattr(module, name).grad, torch.full((names.index(name) + 1,), 3.0))
+
+
+def test_summed_gradients_are_all_reduced_in_the_same_order_on_every_rank() -> None:
+    run_distributed(_summed_gradient_order, 2, timeout=60)

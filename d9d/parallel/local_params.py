@@ -15,6 +15,12 @@ While the module's forward runs, the parameters are swapped for these views and 
 even when forward raises. Parameter containers (`nn.ParameterDict` / `nn.ParameterList`) have no forward
 of their own: their parameters are swapped around the forward of the module that reads them (`trigger`).
 Limit: other code reading a parameter outside those forwards sees the stored parameter.
+
+Order matters: each summed gradient is an all-reduce issued from autograd, and once their inputs are ready
+autograd runs these nodes in reverse order of creation, so every rank must create them in the same order or
+it sums one parameter's gradient with another's (silently, where the sizes agree). Views are therefore
+created in registration order with names sorted, never in the order of a set (string hashes and `id()`s
+differ from process to process).
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ _Key = tuple[int, str]  # (id of the owning module, parameter name)
 @dataclass
 class _Views:
     owners: dict[int, nn.Module] = field(default_factory=dict)
-    local: set[_Key] = field(default_factory=set)
+    local: dict[_Key, None] = field(default_factory=dict)  # an ordered set: registration order
     grad_groups: dict[_Key, list[dist.ProcessGroup]] = field(default_factory=dict)
     stash: list[list[tuple[_Key, Any]]] = field(default_factory=list)  # a stack: modules may be re-entered
 
@@ -72,9 +78,8 @@ class _Views:
         return out
 
     def swap_in(self) -> None:
-        originals = [
-            (key, self.owners[key[0]]._parameters[key[1]]) for key in self.local | self.grad_groups.keys()
-        ]
+        keys = dict.fromkeys([*self.local, *self.grad_groups])  # registration order (module docstring)
+        originals = [(key, self.owners[key[0]]._parameters[key[1]]) for key in keys]
         self.stash.append(originals)
         for key, param in originals:
             assert param is not None
@@ -133,7 +138,7 @@ def compute_with_local_parameters(
             raise TypeError(f"{type(module).__name__}.{name} is not a DTensor parameter")
     for trigger in triggers if triggers is not None else [module]:
         views = _views(trigger)
-        views.local.update(_key(views, module, name) for name in names)
+        views.local.update(dict.fromkeys(_key(views, module, name) for name in sorted(names)))
 
 
 def sum_gradients_over(module: nn.Module, names: set[str], group: dist.ProcessGroup) -> None:
@@ -142,5 +147,5 @@ def sum_gradients_over(module: nn.Module, names: set[str], group: dist.ProcessGr
     if dist.get_world_size(group) == 1:
         return
     views = _views(module)
-    for name in names:
+    for name in sorted(names):
         views.grad_groups.setdefault(_key(views, module, name), []).append(group)
