@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,19 +25,12 @@ from d9d.models.deepseek_v3.family import DEEPSEEK_V3 as FAMILY
 from d9d.modules.moe import MoELayer
 from d9d.modules.rotary import NoRopeScaling
 from d9d.pipeline.api import PipelineStageInfo
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.bench_fixtures import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def common() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))
-    try:
-        from throughput import common
-
-        yield common
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from import_benchmark("throughput.common")
 
 
 class _Parsed(Exception):

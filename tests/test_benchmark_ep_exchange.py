@@ -11,20 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_fixtures import BENCH, import_benchmark
 from tests.engine_fixtures import subprocess_env
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import ep_exchange
-
-        yield ep_exchange
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from import_benchmark("ep_exchange")
 
 
 @pytest.mark.parametrize(("experts", "ep", "k"), [(8, 2, 3), (8, 4, 2), (12, 3, 4), (6, 2, 1)])

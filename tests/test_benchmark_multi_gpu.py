@@ -12,20 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_fixtures import BENCH, benchmarks_on_path, import_benchmark
 from tests.engine_fixtures import subprocess_env
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import multi_gpu
-
-        yield multi_gpu
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from import_benchmark("multi_gpu")
 
 
 def _args(**overrides):
@@ -150,11 +143,8 @@ def test_every_gpu_row_is_a_valid_job(bench, tmp_path: Path) -> None:
 def test_profiled_rows_and_the_copy_exchange_variant_are_valid_jobs(bench, tmp_path: Path) -> None:
     """The next GPU session's command (docs/benchmarks.md): `--profile` rows and the variant that turns the
     deduplicated expert exchange off."""
-    sys.path.insert(0, str(BENCH))
-    try:
+    with benchmarks_on_path():
         from throughput.data import RandomTokens
-    finally:
-        sys.path.remove(str(BENCH))
     from d9d.engine.config import apply_overrides, parse_config
     from d9d.parallel.expert import AllToAllBackendConfig
 
@@ -245,11 +235,8 @@ def test_ratios(bench) -> None:
 
 
 def test_bubble_from_records(bench) -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
+    with benchmarks_on_path():
         from throughput.bubble import pipeline_bubble
-    finally:
-        sys.path.remove(str(BENCH))
 
     def rank(stage, span, forward, backward):  # the same two steps; 4 microbatches
         passes = [("F", stage, forward)] * 4 + [("B", stage, backward)] * 4
@@ -330,13 +317,7 @@ def test_variants_sweep_settings(bench, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def prof_mod():
-    sys.path.insert(0, str(BENCH))
-    try:
-        from throughput import profile
-
-        yield profile
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from import_benchmark("throughput.profile")
 
 
 def test_interval_arithmetic(prof_mod) -> None:

@@ -5,25 +5,17 @@ row's subprocess."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.bench_fixtures import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import train_throughput
-
-        yield train_throughput
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from import_benchmark("train_throughput")
 
 
 def test_ac_rows_are_planned_and_labelled(bench: ModuleType) -> None:
