@@ -152,8 +152,8 @@ def events_of(prof: torch.profiler.profile) -> list[Event]:
     build the op tree in Python, which takes minutes on a few steps of a large model."""
     out = []
     for e in prof.profiler.kineto_results.events():  # type: ignore[union-attr]
-        if e.is_user_annotation() or e.activity_type() in ("user_annotation", "gpu_user_annotation"):
-            continue  # `record_function` ranges (and their GPU-side spans) are not work
+        if e.is_user_annotation():
+            continue  # `record_function` ranges and their GPU-side spans (both kinds answer here): not work
         start = e.start_ns() / 1e3
         out.append(
             Event(

@@ -45,7 +45,11 @@ from throughput.titan_peer import _stub_unused_imports
 from throughput.titan_peer import model_args as titan_model_args
 
 SPEC_NAME = "d9d_bench"
-FLAVORS = {**ARCHS, **{f"smoke-{name}": arch for name, arch in SMOKE_ARCHS.items()}}
+# the Qwen3 shapes only: the spec is torchtitan's qwen3, whose model args the other families' shapes lack
+FLAVORS = {
+    **{name: ARCHS[name] for name in ("dense", "moe")},
+    **{f"smoke-{name}": arch for name, arch in SMOKE_ARCHS.items()},
+}
 PROBE_ENV = "D9D_BENCH_PROBE_DIR"
 
 
