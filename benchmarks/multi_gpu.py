@@ -100,7 +100,7 @@ process, whichever launcher; torchtitan: the recording metrics processor):
   step's time (every d9d row runs with it; rows without a pipeline record only step times and peaks).
 
 Profile (`--profile GLOB[,GLOB]`, d9d rows whose id matches, variant ids included: `moe-fsdp-ep*` takes
-`moe-fsdp-ep+copies`): where a step's time goes, on every rank. The probe of each rank (started by the data
+`moe-fsdp-ep+dedup`): where a step's time goes, on every rank. The probe of each rank (started by the data
 provider, whichever launcher) runs torch.profiler (CPU activity, and CUDA on GPUs) over `--profile-steps`
 steps (default 3) after the timed ones, after one more step for the profiler's own warm-up: with 3 + 10
 steps, step 14 warms it up and steps 15..17 are profiled; the job runs to step 18. The profiled steps are

@@ -140,9 +140,9 @@ def test_every_gpu_row_is_a_valid_job(bench, tmp_path: Path) -> None:
             )
 
 
-def test_profiled_rows_and_the_copy_exchange_variant_are_valid_jobs(bench, tmp_path: Path) -> None:
-    """The next GPU session's command (docs/benchmarks.md): `--profile` rows and the variant that turns the
-    deduplicated expert exchange off."""
+def test_profiled_rows_and_the_dedup_exchange_variant_are_valid_jobs(bench, tmp_path: Path) -> None:
+    """The GPU command of docs/benchmarks.md: `--profile` rows and the variant that turns the deduplicated
+    expert exchange on."""
     with benchmarks_on_path():
         from throughput.data import RandomTokens
     from d9d.engine.config import apply_overrides, parse_config
@@ -150,14 +150,14 @@ def test_profiled_rows_and_the_copy_exchange_variant_are_valid_jobs(bench, tmp_p
 
     backend = "model.options.parallel.expert_backend"
     args = _args(
-        rows="moe-1gpu,moe-fsdp-ep*",  # `*`: the variant row's id is moe-fsdp-ep+copies
+        rows="moe-1gpu,moe-fsdp-ep*",  # `*`: the variant row's id is moe-fsdp-ep+dedup
         launchers="torchrun",
         profile="moe-fsdp-ep*",
         profile_steps=3,
-        variant=[f"copies:{backend}.kind=all_to_all;{backend}.dedup=false"],
+        variant=[f"dedup:{backend}.kind=all_to_all;{backend}.dedup=true"],
     )
     rows = bench.select(bench.all_rows(4, args), args)
-    assert [r.id for r in rows] == ["moe-1gpu", "moe-fsdp-ep", "moe-fsdp-ep+copies"]
+    assert [r.id for r in rows] == ["moe-1gpu", "moe-fsdp-ep", "moe-fsdp-ep+dedup"]
     for row in rows:
         assert bench.profiled(row, args) == (row.id != "moe-1gpu")  # the globs see variant ids
         (row_dir := tmp_path / row.id).mkdir()
@@ -172,7 +172,7 @@ def test_profiled_rows_and_the_copy_exchange_variant_are_valid_jobs(bench, tmp_p
             assert config.trainer.total_steps == 18
         else:
             assert options.profile_from is None and config.trainer.total_steps == 14
-        want = AllToAllBackendConfig(dedup=False) if row.variant == "copies" else None
+        want = AllToAllBackendConfig(dedup=True) if row.variant == "dedup" else None
         if want is not None:
             assert config.model.options.parallel.expert_backend == want
 

@@ -289,8 +289,8 @@ def test_exchange_reads_the_host_once_per_dispatch_and_never_in_combine_or_backw
 
 
 def _cuda_syncs(env: RankEnv) -> None:
-    """The same on NCCL with CUDA's own sync detector: one synchronizing call in dispatch, none after; and
-    the deduplicated exchange against the copy exchange in bf16."""
+    """The same on NCCL with CUDA's own sync detector, for both exchanges: one synchronizing call in
+    dispatch, none after; and the deduplicated exchange against the copy exchange in bf16."""
     torch.cuda.set_device(env.rank)
     group = dist.new_group(list(range(env.world_size)), backend="nccl")
     device = torch.device("cuda", env.rank)
@@ -299,36 +299,36 @@ def _cuda_syncs(env: RankEnv) -> None:
     x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16).requires_grad_()
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(tokens)]).to(device)
     w = torch.rand(tokens, k, generator=g).to(device, torch.bfloat16).requires_grad_()
-    comm = AllToAllMoECommunication(group)
-    comm.dispatch(RoutedTokens(x, ids, w, num_experts))  # warm-up: first-call allocations and kernel loads
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as dispatch_warnings:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+    results: dict[bool, tuple[torch.Tensor, ...]] = {}
+    for dedup in (True, False):
+        comm = AllToAllMoECommunication(group, dedup=dedup)
+        comm.dispatch(RoutedTokens(x, ids, w, num_experts))  # warm-up: first-call allocations, kernel loads
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as dispatch_warnings:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                d = comm.dispatch(RoutedTokens(x, ids, w, num_experts))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        # (the detector's own "prototype feature ... synchronizing operations" notice is not a sync)
+        syncs = [m for m in dispatch_warnings if "called a synchronizing CUDA operation" in str(m.message)]
+        assert len(syncs) == 1, (dedup, [str(m.message) for m in syncs])
+        torch.cuda.set_sync_debug_mode("error")
         try:
-            d = comm.dispatch(RoutedTokens(x, ids, w, num_experts))
+            out = comm.combine(d.hidden_states * 2, d)
+            out.float().pow(2).sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    # (the detector's own "prototype feature ... synchronizing operations" notice is not a sync)
-    syncs = [m for m in dispatch_warnings if "called a synchronizing CUDA operation" in str(m.message)]
-    assert len(syncs) == 1, [str(m.message) for m in syncs]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = comm.combine(d.hidden_states * 2, d)
-        out.float().pow(2).sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    # and the copy exchange gives the same in bf16 (up to the rounding of each rank's partial)
-    grads = (x.grad.clone(), w.grad.clone())
-    x.grad = w.grad = None
-    copies = AllToAllMoECommunication(group, dedup=False)
-    d2 = copies.dispatch(RoutedTokens(x, ids, w, num_experts))
-    out2 = copies.combine(d2.hidden_states * 2, d2)
-    out2.float().pow(2).sum().backward()
-    assert torch.equal(d.tokens_per_expert, d2.tokens_per_expert)
-    torch.testing.assert_close(out.float(), out2.float(), rtol=2e-2, atol=2e-2)
-    for got, want in zip(grads, (x.grad, w.grad), strict=True):
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
+        assert x.grad is not None and w.grad is not None
+        results[dedup] = (d.tokens_per_expert, out.float(), x.grad.float(), w.grad.float())
+        x.grad = w.grad = None
+    # both exchanges give the same in bf16 (up to the rounding of each rank's partial)
+    (counts, out, *grads), (counts2, out2, *grads2) = results[True], results[False]
+    assert torch.equal(counts, counts2)
+    torch.testing.assert_close(out, out2, rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads, grads2, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.gpu

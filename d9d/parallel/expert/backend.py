@@ -20,16 +20,17 @@ _log = logging.getLogger(__name__)
 class AllToAllBackendConfig(BaseModel):
     """`all_to_all_single` over torch.distributed: any device, any dtype, gloo or NCCL.
 
-    `dedup` (default True): a token travels once to each rank hosting at least one of its experts, and
-    each rank returns one weighted partial sum per (token, rank): ≈ 2.2× fewer bytes than one row per
-    copy at 64 experts top-8 over 4 ranks, ≈ 4× over 2 (docs/parallelism.md). False: one row per (token,
-    expert) copy both ways, the exchange before; kept to measure one against the other on GPUs. Its
-    combine rounds a token's sum once in the activation dtype, the deduplicated one once per rank's
-    partial as well."""
+    `dedup` (default False): one row per (token, expert) copy both ways. True: a token travels once to
+    each rank hosting at least one of its experts, and each rank returns one weighted partial sum per
+    (token, rank): ≈ 2.2× fewer bytes than one row per copy at 64 experts top-8 over 4 ranks, ≈ 4× over 2,
+    but three all-to-alls per dispatch instead of one and more index work; measured slower at FSDP 4 ×
+    EP 4 (0.83× on 4 × H100, 0.92× on 4 × H200, docs/parallelism.md), so it is not the default. The copy
+    exchange's combine rounds a token's sum once in the activation dtype, the deduplicated one once per
+    rank's partial as well."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["all_to_all"] = "all_to_all"
-    dedup: bool = True
+    dedup: bool = False
 
 
 class DeepEPBackendConfig(BaseModel):
