@@ -60,7 +60,9 @@ class WireCounter:
             row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
             self.bytes += input.shape[0] * row_bytes
             self.bytes_off_rank += (input.shape[0] - per_rank[own]) * row_bytes
-            if input.dim() == 2 and input.shape[1] == self.hidden:
+            # hidden-state rows: [rows, hidden] in the activation dtype, or a byte message packing such a
+            # row with its weights and ids (the deduplicated dispatch); counts and weights rows are smaller
+            if input.dim() == 2 and (input.shape[1] == self.hidden or row_bytes > 2 * self.hidden):
                 self.rows += input.shape[0]
                 self.rows_off_rank += input.shape[0] - per_rank[own]
             return self._original(output, input, *args, **kwargs)

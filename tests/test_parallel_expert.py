@@ -111,9 +111,14 @@ class _WireLog:
         dist.all_to_all_single = self._original
 
     def hidden_splits(self) -> list[list[int] | None]:
-        """Split sizes of the hidden-state messages (width HIDDEN, float64), in issue order."""
+        """Split sizes of the messages carrying hidden-state rows, in issue order: float64 [rows, HIDDEN], or
+        a byte message packing such a row with others (the deduplicated dispatch: rows, weights, ids)."""
+        hidden_bytes = HIDDEN * torch.finfo(torch.float64).bits // 8
         return [
-            splits for shape, dtype, splits in self.calls if shape[1:] == (HIDDEN,) and dtype == torch.float64
+            splits
+            for shape, dtype, splits in self.calls
+            if (dtype == torch.float64 and shape[1:] == (HIDDEN,))
+            or (dtype == torch.uint8 and len(shape) == 2 and shape[1] >= hidden_bytes)
         ]
 
 

@@ -16,13 +16,15 @@ back with the permute/gather kernels (a gather in both directions of the backwar
 returns the copies and each token sums its k rows weighted by its routing weights (which never travel).
 
 Both: one small all-to-all of counts, then one device→host copy of the split sizes (the only host sync
-of a dispatch); combine and every backward reuse the stored splits. Every step is differentiable: the
-all-to-all's backward is the reverse all-to-all, and the routing weights get their gradient through the
-combine (across the weights' own all-to-all in the deduplicated exchange).
+of a dispatch), then one all-to-all of the rows (with their weights and ids in the deduplicated exchange,
+side by side in one byte message); combine and every backward reuse the stored splits. Every step is
+differentiable: the all-to-all's backward is the reverse all-to-all, and the routing weights get their
+gradient through the combine (back across the rows' message in the deduplicated exchange).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +68,84 @@ def all_to_all(
 ) -> torch.Tensor:
     """Differentiable `all_to_all_single` along dim 0 with per-rank row counts."""
     out: torch.Tensor = _AllToAll.apply(x, output_splits, input_splits, group)
+    return out
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:])
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[rows, ...] → [rows, bytes per row] uint8 (a view of `t`, or of a contiguous copy)."""
+    return t.contiguous().view(t.shape[0], _row_numel(t)).view(torch.uint8)
+
+
+def _from_bytes(packed: torch.Tensor, start: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The columns of `packed` from `start` holding one row of `like`'s dtype and row shape, as such."""
+    width = _row_numel(like) * like.element_size()
+    # copied into a fresh [rows, width] buffer: a dtype view needs a row stride the element size divides
+    # (`.contiguous()` keeps the packed stride when there is a single row)
+    part = packed.new_empty((packed.shape[0], width)).copy_(packed[:, start : start + width])
+    return part.view(like.dtype).view(packed.shape[0], *like.shape[1:]), start + width
+
+
+class _PackedAllToAll(torch.autograd.Function):
+    """Row-aligned tensors of different dtypes through ONE `all_to_all_single`: each row's bytes side by
+    side, a uint8 message. One collective instead of one per tensor: on a step bound by the host and by
+    ranks meeting in every collective, each all-to-all costs a launch and a rendezvous. The backward sends
+    the differentiable tensors' gradients back the same way (integer tensors get none)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: dist.ProcessGroup,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        ctx.differentiable = [t.is_floating_point() for t in tensors]
+        packed = _all_to_all(
+            torch.cat([_as_bytes(t) for t in tensors], 1), output_splits, input_splits, group
+        )
+        out, start = [], 0
+        for t in tensors:
+            part, start = _from_bytes(packed, start, t)
+            out.append(part)
+        ctx.mark_non_differentiable(*(o for o, d in zip(out, ctx.differentiable, strict=True) if not d))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        output_splits, input_splits = ctx.splits
+        moving = [g for g, d in zip(grads, ctx.differentiable, strict=True) if d]
+        assert all(g is not None for g in moving)  # materialized by autograd (zeros where unused)
+        packed = _all_to_all(
+            torch.cat([_as_bytes(g) for g in moving], 1),  # type: ignore[arg-type]
+            input_splits,
+            output_splits,
+            ctx.group,
+        )
+        back: list[torch.Tensor | None] = []
+        start = 0
+        for g, d in zip(grads, ctx.differentiable, strict=True):
+            if d:
+                part, start = _from_bytes(packed, start, g)  # type: ignore[arg-type]
+                back.append(part)
+            else:
+                back.append(None)
+        return (None, None, None, *back)
+
+
+def packed_all_to_all(
+    tensors: tuple[torch.Tensor, ...],
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, ...]:
+    """`all_to_all` of several row-aligned tensors (same row count, any dtypes) as one message;
+    differentiable in the floating-point ones."""
+    out: tuple[torch.Tensor, ...] = _PackedAllToAll.apply(output_splits, input_splits, group, *tensors)
     return out
 
 
@@ -139,12 +219,14 @@ class AllToAllMoECommunication:
         num_sent, num_copies = sum(send_splits), sum(copies for _, copies in received_counts)
         order = order[:num_sent]
         send = permute_tokens(routed.hidden_states, send_slots, num_sent, backend=self.backend)
-        rows = all_to_all(send, recv_splits, send_splits, self.group)
-        recv_weights = all_to_all(rank_weights.reshape(-1, k)[order], recv_splits, send_splits, self.group)
-        # int32 ids: local expert ids are small, and half the bytes of int64 (gloo and NCCL both take it)
-        recv_ids = _all_to_all(
-            local_ids.reshape(-1, k)[order].to(torch.int32), recv_splits, send_splits, self.group
-        ).long()
+        # rows, their weights and their local ids in one message (int32 ids: half the bytes of int64)
+        rows, recv_weights, recv_ids = packed_all_to_all(
+            (send, rank_weights.reshape(-1, k)[order], local_ids.reshape(-1, k)[order].to(torch.int32)),
+            recv_splits,
+            send_splits,
+            self.group,
+        )
+        recv_ids = recv_ids.long()
         # Expand to one row per local copy, grouped by local expert (absent slots sort into a last,
         # dropped group); within an expert, rows keep their arrival order (source rank, then token).
         grouped = expert_permutation(torch.where(recv_ids >= 0, recv_ids, local_experts), local_experts + 1)
