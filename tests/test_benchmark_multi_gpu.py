@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,46 @@ def _args(**overrides):
         "profile": "",
         "profile_steps": 3,
         "profile_trace": False,
+        "concurrent_1gpu": False,
     }
     return argparse.Namespace(**{**args, **overrides})
+
+
+def test_concurrent_1gpu_rows_each_get_their_own_gpu(bench, monkeypatch, tmp_path: Path) -> None:
+    """`--concurrent-1gpu`: the 1-GPU torchrun rows (not the Ray ones, not multi-GPU rows) run at most N at a
+    time, no two at once on one GPU, every row once."""
+    import threading
+
+    args = _args(concurrent_1gpu=True, ray_rows="moe-1gpu", timeout_per_row=60.0)
+    rows = bench.select(bench.all_rows(2, args), args)
+    together = bench.concurrent_rows(rows, args, 2)
+    assert {r.id for r in together} == {"dense-1gpu", "moe-1gpu", "titan-dense-1gpu", "titan-moe-1gpu"}
+    assert bench.concurrent_rows(rows, _args(), 2) == []  # off by default
+    assert bench.concurrent_rows(rows, args, 1) == []  # one GPU: nothing to run beside
+
+    lock, running, seen = threading.Lock(), set(), []
+    peak = [0]
+
+    def fake_run_row(row, args, work, timeout, gpu=None):
+        with lock:
+            assert gpu not in running, f"GPU {gpu} given to two rows at once"
+            running.add(gpu)
+            peak[0] = max(peak[0], len(running))
+        time.sleep(0.05)
+        with lock:
+            running.discard(gpu)
+            seen.append((row.id, gpu))
+        return {"tokens_per_s": 1.0}
+
+    monkeypatch.setattr(bench, "run_row", fake_run_row)
+    entries = list(bench.run_concurrently(together, args, tmp_path, 2, lambda: 1e9))
+    assert sorted(e["id"] for e in entries) == sorted(r.id for r in together)
+    assert all(e["gpu"] in (0, 1) and e["tokens_per_s"] == 1.0 for e in entries)
+    assert peak[0] == 2 and len(seen) == len(together)
+    # out of budget: recorded as skipped, nothing run
+    seen.clear()
+    skipped = list(bench.run_concurrently(together, args, tmp_path, 2, lambda: 0.0))
+    assert seen == [] and all(e["error"] == "skipped: out of the --budget-s time" for e in skipped)
 
 
 @pytest.mark.distributed
