@@ -119,8 +119,8 @@ and as a share of the profiled step's wall time:
   and reduce-scatter (FSDP), all-reduce, broadcast, other communication; MoE token movement, optimizer,
   attention, loss, matmul, dtype copies, elementwise/reduce; `idle gaps` (= idle).
 - host syncs: host time blocked on the GPU per step (`cudaStreamSynchronize` and the other blocking CUDA
-  calls, a blocking device→host copy such as `.tolist()` of token counts, `aten::item`) and their count per
-  step, and per rank the ops they happen in.
+  calls, a blocking device→host copy such as `.tolist()` of token counts, `.item()` of a CUDA tensor) and
+  their count per step, and per rank the ops they happen in.
 Load imbalance: ranks end a step together (they meet in collectives), so the slow rank shows as the one
 with the most compute busy, the others as exposed all-to-all. `--profile-trace` also writes rank 0's Chrome
 trace (`probe/rank0_trace.json.gz` in the row's work dir; tens of MB). On CPU ranks (`--smoke`) the

@@ -26,11 +26,11 @@ Busy time (interval unions, so overlapping intervals count once):
 Host syncs (needs CPU activity): host time blocked on the device. The intervals of the blocking CUDA
 runtime calls (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`, `cudaMemcpy`), of a
 `cudaMemcpyAsync` that the same op synchronizes right after (PyTorch's blocking device→host copy: `.cpu()`,
-`.tolist()`, `.item()`; to pageable memory the copy call itself blocks) and of the ops `aten::item` and
-`aten::_local_scalar_dense` (what `.item()` runs); their union per thread, one sync per merged interval.
-Each sync is named by the innermost op around it on its thread (`aten::_local_scalar_dense` for `.item()`,
-`aten::copy_` for `.cpu()` / `.tolist()`, `aten::nonzero`, ...). On CPU ranks only the two ops count (there
-is no device to wait for: the smoke run exercises the arithmetic).
+`.tolist()`, `.item()`; to pageable memory the copy call itself blocks); their union per thread, one sync
+per merged interval. Each sync is named by the innermost op around it on its thread
+(`aten::_local_scalar_dense` for `.item()`, `aten::copy_` for `.cpu()` / `.tolist()`, `aten::nonzero`, ...).
+An `.item()` of a CPU tensor makes no such call and is no sync (metrics code calls it by the hundred per
+step); on CPU ranks nothing is (there is no device to wait for).
 """
 
 from __future__ import annotations
@@ -84,7 +84,6 @@ COMPUTE, COMM, EXPOSED, BUSY_IDLE = "compute", "communication", "exposed communi
 SYNC_CALLS = frozenset(
     {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
 )
-SYNC_OPS = frozenset({"aten::item", "aten::_local_scalar_dense"})
 ASYNC_COPY = "cudaMemcpyAsync"
 
 
@@ -217,9 +216,7 @@ def host_syncs(events: Sequence[Event]) -> list[tuple[str, float, float]]:
         spans: list[tuple[float, float, int]] = []  # (start, end, index of the event that names it)
         last_call = -1  # the thread's previous CUDA runtime call
         for i, e in enumerate(thread):
-            if e.name in SYNC_OPS:
-                spans.append((e.start, e.end, i))
-            elif e.name in SYNC_CALLS:
+            if e.name in SYNC_CALLS:
                 # the copy half of one blocking copy: the same op issued both calls
                 copy = None
                 if (
@@ -238,8 +235,8 @@ def host_syncs(events: Sequence[Event]) -> list[tuple[str, float, float]]:
             else:
                 merged.append((start, end, i))
         for start, end, i in merged:
-            # A runtime call is named by the op it runs in; an op (`aten::item`) by itself.
-            p = parents[i] if thread[i].name in SYNC_CALLS else i
+            # a runtime call is named by the op it runs in
+            p = parents[i]
             while p >= 0 and thread[p].name.startswith("cu"):
                 p = parents[p]
             syncs.append((thread[p if p >= 0 else i].name, start, end))
