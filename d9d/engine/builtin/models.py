@@ -293,7 +293,8 @@ class ExpertLoadBalancer:
         for (_, router), load in zip(self.routers, loads, strict=True):
             router.expert_load.copy_(load)
             router.update_expert_bias()
-        layers = {
-            name.rpartition(".")[0] or name: load for (name, _), load in zip(self.routers, loads, strict=True)
-        }
+        # one device→host copy for every layer's metrics (one host sync per step, not one per layer)
+        on_host = loads.cpu()
+        names = [name.rpartition(".")[0] or name for name, _ in self.routers]
+        layers = dict(zip(names, on_host, strict=True))
         self.moe_metrics.record(self.metrics, layers, step)
