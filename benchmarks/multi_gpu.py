@@ -122,8 +122,8 @@ and as a share of the profiled step's wall time:
   calls, a blocking device→host copy such as `.tolist()` of token counts, `.item()` of a CUDA tensor) and
   their count per step, and per rank the ops they happen in.
 Load imbalance: ranks end a step together (they meet in collectives), so the slow rank shows as the one
-with the most compute busy, the others as exposed all-to-all. `--profile-trace` also writes rank 0's Chrome
-trace (`probe/rank0_trace.json.gz` in the row's work dir; tens of MB). On CPU ranks (`--smoke`) the
+with the most compute busy, the others as exposed all-to-all. `--profile-trace` also writes each rank's Chrome
+trace (`probe/rank<r>_trace.json.gz` in the row's work dir; megabytes each). On CPU ranks (`--smoke`) the
 intervals are the leaf CPU ops, a gloo collective counted whole. The table printout has a section per
 profiled row below the table.
 
@@ -1018,7 +1018,7 @@ def main() -> int:
     )
     parser.add_argument("--profile-steps", type=int, default=3, help="steps the profiler records (>= 1)")
     parser.add_argument(
-        "--profile-trace", action="store_true", help="also write rank 0's Chrome trace (gzipped)"
+        "--profile-trace", action="store_true", help="also write each rank's Chrome trace (gzipped)"
     )
     parser.add_argument(
         "--concurrent-1gpu",

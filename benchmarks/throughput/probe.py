@@ -20,9 +20,9 @@ It records, on its rank:
   step on (CPU activity, and CUDA where the rank uses a GPU), after one profiler warm-up step before them
   (the profiler's documented warm-up: its start-up cost stays out of the profiled steps). The device is
   synchronized at the window's edges, so the window holds exactly the work of its steps; the per-rank
-  breakdown of `throughput/profile.py` goes to `rank<r>_profile.json` (with `profile_trace`, rank 0 also
-  exports its Chrome trace, gzipped, `rank0_trace.json.gz`). The profiler slows the steps it records:
-  `multi_gpu.py` puts the window after the timed steps.
+  breakdown of `throughput/profile.py` goes to `rank<r>_profile.json` (with `profile_trace`, each rank also
+  exports its Chrome trace, gzipped, `rank<r>_trace.json.gz`: the slow rank is the one to read). The
+  profiler slows the steps it records: `multi_gpu.py` puts the window after the timed steps.
 
 The file `rank<r>.json` is rewritten at every step (a few kilobytes; the write sits between two steps),
 because a Ray rank actor may be ended without running exit handlers.
@@ -166,8 +166,8 @@ class RankProbe:
         }
         try:
             record["report"] = profile.breakdown(prof, wall_s, window.steps)
-            if window.trace and self.rank == 0:
-                trace = self.path.parent / "rank0_trace.json.gz"
+            if window.trace:
+                trace = self.path.parent / f"rank{self.rank}_trace.json.gz"
                 prof.export_chrome_trace(str(trace))
                 record["trace"] = str(trace)
         except Exception as e:  # the row's numbers stand; the parent shows why it has no profile
