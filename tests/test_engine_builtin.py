@@ -63,19 +63,21 @@ def _train(env: RankEnv, dp: int, ep: int = 1, steps: int = 30) -> None:
 @pytest.mark.distributed
 def test_qwen3_moe_pretraining_on_1_2_and_4_ranks(tmp_path: Path) -> None:
     """30 steps on one rank, where the loss falls; dp2 and 4 ranks with experts sharded 2-way (expert domain
-    ep_replicate 2 x ep_shard 2) follow its first 10 steps."""
+    ep_replicate 2 x ep_shard 2) follow its first 4 steps (each step syncs gradients, sums the expert loads
+    and moves the expert bias, so 4 steps check every mechanism a longer run would; the multi-rank steps are
+    most of this test's time)."""
     run_distributed(_train, 1, 1, tmp_dir=tmp_path, timeout=300)
-    run_distributed(_train, 2, 2, 1, 10, tmp_dir=tmp_path, timeout=300)
-    run_distributed(_train, 4, 4, 2, 10, tmp_dir=tmp_path, timeout=400)
+    run_distributed(_train, 2, 2, 1, 4, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_train, 4, 4, 2, 4, tmp_dir=tmp_path, timeout=400)
     one = torch.load(tmp_path / "dp1ep1.pt")
     losses = torch.tensor(one["losses"])
     assert len(losses) == 30
     assert losses[-5:].mean() < 0.75 * losses[:5].mean(), losses
     for name in ("dp2ep1", "dp4ep2"):
         other = torch.tensor(torch.load(tmp_path / f"{name}.pt")["losses"])
-        # float32 summation order differs across layouts; AdamW amplifies it slowly over 30 steps
-        assert len(other) == 10
-        torch.testing.assert_close(other, losses[:10], rtol=1e-4, atol=1e-5, msg=name)
+        # float32 summation order differs across layouts; AdamW amplifies it slowly
+        assert len(other) == 4
+        torch.testing.assert_close(other, losses[:4], rtol=1e-4, atol=1e-5, msg=name)
     assert "moe/model.layers.0.mlp/max_load_ratio" in one["keys"]
     assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(one["keys"])
 

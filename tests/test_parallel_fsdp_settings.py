@@ -3,7 +3,7 @@ references.
 
 - Every setting trains a tiny Qwen3 through the decoder plan (`parallelize_qwen3`: embedding, layers and head
   as units) under FSDP 4 and HSDP 2 × 2 exactly like one process (losses, gradient norms, parameters after
-  each of 3 AdamW steps, 2 microbatches per step).
+  each of 2 AdamW steps, 2 microbatches per step).
 - The settings do what they say, observed from outside FSDP: the number of all-gathers issued when each unit
   computes (forward and backward) follows the prefetch depth and the reshard policy; after forward the
   units the policy keeps hold unsharded (plain) parameters and the others their sharded DTensors; a forward
@@ -13,7 +13,7 @@ references.
   (FSDP 4, HSDP 2 × 2, 2 microbatches) the gradients are closer to a float64 model's than with a bf16
   reduction, and HSDP's replica all-reduce runs in float32 buckets.
 - pp 2 × FSDP 2 under ZBV (split backward) with each reshard policy and deep prefetching: losses and every
-  gradient equal one process over 3 SGD steps.
+  gradient equal one process over 2 SGD steps.
 - The job config: defaults, `--set model.options.parallel.fsdp.*` overrides, errors naming the field, the
   replaced `fsdp_reshard_after_forward` refused with the new name.
 """
@@ -157,7 +157,7 @@ def _probe(model: nn.Module, units: list[nn.Module], config: FSDPConfig, what: s
 
 
 def _settings_cases(env: RankEnv) -> None:
-    data = _batches(3, 8)
+    data = _batches(2, 8)  # the second AdamW step runs on the updated shards and the optimizer's moments
     want = reference_run(_dense(), data, _task_loss, max_norm=MAX_NORM)
     for replicate, shard, config in SETTINGS:
         what = f"replicate {replicate} × shard {shard} {config!r}"
