@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from d9d.modules.moe.communication import MoECommunication
 from d9d.parallel.expert.all_to_all import AllToAllMoECommunication
-from d9d.parallel.expert.deepep import DeepEPMoECommunication, deep_ep_available
+from d9d.parallel.expert.deepep import INTRANODE_GROUP_SIZES, DeepEPMoECommunication, deep_ep_available
 
 _log = logging.getLogger(__name__)
 
@@ -34,8 +34,11 @@ class AllToAllBackendConfig(BaseModel):
 
 
 class DeepEPBackendConfig(BaseModel):
-    """DeepEP kernels: CUDA, bf16 activations, `deep_ep` installed (built from source, docs/deploy.md). Not
-    installable on the project's GPU image so far: this path is tested with a stand-in module only."""
+    """DeepEP's intranode kernels: CUDA, bf16 activations, an expert-parallel group of 2, 4 or 8 ranks,
+    `deep_ep` installed (built from source: deploy/device/build_deep_ep.sh, docs/parallelism.md). Not built
+    on the project's GPU machines yet: this path is tested against stand-in modules only.
+
+    `num_sms`: SMs DeepEP's kernels use (even; None keeps DeepEP's default, 20)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["deep_ep"] = "deep_ep"
@@ -67,7 +70,7 @@ def build_moe_communication(
         case AllToAllBackendConfig(dedup=dedup):
             return AllToAllMoECommunication(group, dedup=dedup)
         case DeepEPBackendConfig(num_sms=num_sms):
-            problem = _deep_ep_problem(device, dtype)
+            problem = _deep_ep_problem(group, device, dtype)
             if problem is not None:
                 raise RuntimeError(
                     f"expert-parallel backend 'deep_ep' was requested but {problem}; choose "
@@ -75,21 +78,24 @@ def build_moe_communication(
                 )
             return DeepEPMoECommunication(group, num_sms=num_sms)
         case AutoBackendConfig():
-            problem = _deep_ep_problem(device, dtype)
+            problem = _deep_ep_problem(group, device, dtype)
             _log_auto_choice("all_to_all" if problem else "deep_ep", problem or f"{device}, {dtype}")
             if problem is None:
                 return DeepEPMoECommunication(group)
             return AllToAllMoECommunication(group)
 
 
-def _deep_ep_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why DeepEP cannot run for these activations, or None when it can."""
+def _deep_ep_problem(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why DeepEP cannot run for this group and these activations, or None when it can."""
     if not deep_ep_available():
         return "the deep_ep package cannot be imported (build it from source, docs/deploy.md; needs CUDA)"
     if device.type != "cuda":
         return f"it needs CUDA activations, got device {device}"
     if dtype != torch.bfloat16:
         return f"it needs bfloat16 activations, got {dtype}"
+    size = dist.get_world_size(group)
+    if size not in INTRANODE_GROUP_SIZES:
+        return f"its intranode kernels serve groups of {INTRANODE_GROUP_SIZES} ranks, got {size}"
     return None
 
 
