@@ -845,6 +845,25 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def run_entry(
+    row: Row,
+    args: argparse.Namespace,
+    work: Path,
+    time_left: Callable[[], float],
+    label: str,
+    gpu: int | None = None,
+) -> dict[str, Any]:
+    """The row's result entry: run under what is left of `--budget-s`, or recorded as skipped."""
+    entry: dict[str, Any] = {**asdict(row)} | ({} if gpu is None else {"gpu": gpu})
+    left = time_left()
+    if left < 30:
+        entry["error"] = "skipped: out of the --budget-s time"
+        return entry
+    print(f"{label} {row.id}: {row.layout} ({row.framework}, {row.launcher})", flush=True)
+    entry.update(run_row(row, args, work, min(args.timeout_per_row, left), gpu))
+    return entry
+
+
 def concurrent_rows(rows: list[Row], args: argparse.Namespace, n: int) -> list[Row]:
     """The rows `--concurrent-1gpu` runs side by side: 1-GPU rows under torchrun (a Ray row starts a local
     Ray instance of its own, which does not share a host with another), on a host of several GPUs."""
@@ -866,14 +885,7 @@ def run_concurrently(
     def one(row: Row) -> dict[str, Any]:
         gpu = free.get()  # the pool has n workers, so one is always free here
         try:
-            entry = {**asdict(row), "gpu": gpu}
-            left = time_left()
-            if left < 30:
-                entry["error"] = "skipped: out of the --budget-s time"
-            else:
-                print(f"[GPU {gpu}] {row.id}: {row.layout} ({row.framework})", flush=True)
-                entry.update(run_row(row, args, work, min(args.timeout_per_row, left), gpu))
-            return entry
+            return run_entry(row, args, work, time_left, f"[GPU {gpu}]", gpu)
         finally:
             free.put(gpu)
 
@@ -938,18 +950,7 @@ def main_run(args: argparse.Namespace) -> int:
         for entry in run_concurrently(together, args, work, n, time_left):
             record(entry)
     for i, row in enumerate(r for r in rows if r not in together):
-        left = time_left()
-        entry = {**asdict(row)}
-        if left < 30:
-            entry["error"] = "skipped: out of the --budget-s time"
-        else:
-            print(
-                f"[{i + 1}/{len(rows) - len(together)}] {row.id}: {row.layout} ({row.framework}, "
-                f"{row.launcher})",
-                flush=True,
-            )
-            entry.update(run_row(row, args, work, min(args.timeout_per_row, left)))
-        record(entry)
+        record(run_entry(row, args, work, time_left, f"[{i + 1}/{len(rows) - len(together)}]"))
     if out is None:
         out = default_out(env)
     results.sort(key=lambda r: table_order[r["id"]])

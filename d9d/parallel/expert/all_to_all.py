@@ -89,6 +89,18 @@ def _from_bytes(packed: torch.Tensor, start: int, like: torch.Tensor) -> tuple[t
     return part.view(like.dtype).view(packed.shape[0], *like.shape[1:]), start + width
 
 
+def _packed_exchange(
+    tensors: list[torch.Tensor], output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """`tensors` (same row count) as one uint8 message through `all_to_all_single`, unpacked as they were."""
+    packed = _all_to_all(torch.cat([_as_bytes(t) for t in tensors], 1), output_splits, input_splits, group)
+    out, start = [], 0
+    for t in tensors:
+        part, start = _from_bytes(packed, start, t)
+        out.append(part)
+    return out
+
+
 class _PackedAllToAll(torch.autograd.Function):
     """Row-aligned tensors of different dtypes through ONE `all_to_all_single`: each row's bytes side by
     side, a uint8 message. One collective instead of one per tensor: on a step bound by the host and by
@@ -105,13 +117,7 @@ class _PackedAllToAll(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.splits, ctx.group = (output_splits, input_splits), group
         ctx.differentiable = [t.is_floating_point() for t in tensors]
-        packed = _all_to_all(
-            torch.cat([_as_bytes(t) for t in tensors], 1), output_splits, input_splits, group
-        )
-        out, start = [], 0
-        for t in tensors:
-            part, start = _from_bytes(packed, start, t)
-            out.append(part)
+        out = _packed_exchange(list(tensors), output_splits, input_splits, group)
         ctx.mark_non_differentiable(*(o for o, d in zip(out, ctx.differentiable, strict=True) if not d))
         return tuple(out)
 
@@ -120,21 +126,8 @@ class _PackedAllToAll(torch.autograd.Function):
         output_splits, input_splits = ctx.splits
         moving = [g for g, d in zip(grads, ctx.differentiable, strict=True) if d]
         assert all(g is not None for g in moving)  # materialized by autograd (zeros where unused)
-        packed = _all_to_all(
-            torch.cat([_as_bytes(g) for g in moving], 1),  # type: ignore[arg-type]
-            input_splits,
-            output_splits,
-            ctx.group,
-        )
-        back: list[torch.Tensor | None] = []
-        start = 0
-        for g, d in zip(grads, ctx.differentiable, strict=True):
-            if d:
-                part, start = _from_bytes(packed, start, g)  # type: ignore[arg-type]
-                back.append(part)
-            else:
-                back.append(None)
-        return (None, None, None, *back)
+        moved = iter(_packed_exchange(moving, input_splits, output_splits, ctx.group))  # type: ignore[arg-type]
+        return (None, None, None, *(next(moved) if d else None for d in ctx.differentiable))
 
 
 def packed_all_to_all(
@@ -268,10 +261,11 @@ class AllToAllMoECommunication:
         # Received rows arrive grouped by (source rank, expert); the experts want them grouped by expert.
         # The permute kernel moves them (its backward a gather): an index `rows[order]` here had a backward
         # of atomic index-adds, ~11 ms of an FSDP 4 × EP 4 step on H200.
-        regroup = expert_permutation(expert_of_row[:, None], local_experts).slot_rows
+        grouped = expert_permutation(expert_of_row[:, None], local_experts)
+        regroup = grouped.slot_rows
         state = _CopyState(perm.slot_rows, routed.topk_weights, regroup, send_splits, recv_splits)
         hidden = permute_tokens(rows, regroup, num_received, backend=self.backend)
-        return DispatchedTokens(hidden_states=hidden, tokens_per_expert=per_source.sum(0), state=state)
+        return DispatchedTokens(hidden_states=hidden, tokens_per_expert=grouped.rows_per_expert, state=state)
 
     def _combine_copies(self, expert_outputs: torch.Tensor, state: _CopyState) -> torch.Tensor:
         received_order = combine_tokens(expert_outputs, state.regroup, backend=self.backend)  # a gather
