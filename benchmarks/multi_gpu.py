@@ -4,7 +4,8 @@ torchtitan 0.2.2, one row per process, in one command.
     python benchmarks/multi_gpu.py [--gpus N] [--rows GLOB,...] [--launchers torchrun,ray]
         [--ray-rows GLOB,...] [--steps 10] [--warmup 3] [--timeout-per-row 420] [--budget-s S]
         [--pp-microbatch 2] [--cp-seq 8192] [--set KEY=VALUE ...] [--variant NAME:KEY=VALUE[;KEY=VALUE] ...]
-        [--profile GLOB,... [--profile-steps 3] [--profile-trace]] [--concurrent-1gpu] [--out FILE] [--list]
+        [--profile GLOB,... [--profile-steps 3] [--profile-trace]] [--concurrent-1gpu] [--numa-binding MODE]
+        [--out FILE] [--list]
     python benchmarks/multi_gpu.py --merge a.json b.json [--out FILE]     # one table from several runs
     python benchmarks/multi_gpu.py --smoke                                # CPU, gloo, 2 ranks, tiny shapes
 
@@ -131,7 +132,10 @@ Not measured: the first step (compile), start-up time, checkpointing. Every row 
 the same machine, one after another; torch.compile's on-disk cache is shared, so later rows compile faster
 (this changes start-up, not the timed steps). `--concurrent-1gpu` first runs the 1-GPU torchrun rows side
 by side, one per GPU (`CUDA_VISIBLE_DEVICES`; a row's entry records its `gpu`), then the others one after
-another: 1-GPU rows share only the host's CPUs, so a 4-GPU call spends a quarter of the time on them. A
+another: 1-GPU rows share only the host's CPUs, so a 4-GPU call spends a quarter of the time on them.
+`--numa-binding MODE` passes torchrun's own `--numa-binding` (torch.numa: `node`, `socket`, `exclusive`,
+`core-complex`) to every torchrun row, d9d's and torchtitan's alike, binding each rank's threads to the
+CPUs near its GPU; the Ray rows are not bound. Run a command with and one without it to compare. A
 row that fails, times out or is skipped by `--budget-s` is recorded with the last lines of its output
 (`error`, `log_tail`) and the table goes on.
 
@@ -431,7 +435,8 @@ def profile_options(row: Row, args: argparse.Namespace) -> dict[str, Any]:
     return {"profile_from": first, "profile_steps": last - first + 1, "profile_trace": args.profile_trace}
 
 
-def torchrun(nproc: int, *module_and_args: str) -> list[str]:
+def torchrun(nproc: int, numa_binding: str | None, *module_and_args: str) -> list[str]:
+    binding = [] if numa_binding is None else ["--numa-binding", numa_binding]
     return [
         sys.executable,
         "-m",
@@ -439,6 +444,7 @@ def torchrun(nproc: int, *module_and_args: str) -> list[str]:
         "--standalone",
         "--nproc-per-node",
         str(nproc),
+        *binding,
         *module_and_args,
     ]
 
@@ -455,9 +461,9 @@ def row_command(
         if row.launcher == "ray":
             cmd = [sys.executable, "-m", "d9d.cli.main", "train", str(path), "--verbose", *sets]
             return cmd + (["--cpu"] if args.smoke else []), job
-        return torchrun(row.gpus, "-m", "d9d.engine.launch", str(path), *sets), job
+        return torchrun(row.gpus, args.numa_binding, "-m", "d9d.engine.launch", str(path), *sets), job
     flags = titan_flags(row, args, row_dir)
-    return torchrun(row.gpus, "-m", "throughput.titan_train", *flags), flags
+    return torchrun(row.gpus, args.numa_binding, "-m", "throughput.titan_train", *flags), flags
 
 
 def titan_flags(row: Row, args: argparse.Namespace, row_dir: Path) -> list[str]:
@@ -1003,6 +1009,12 @@ def main() -> int:
     )
     parser.add_argument("--cp-seq", type=int, default=8192, help="sequence length of the CP row")
     parser.add_argument("--cpus-per-rank", type=int, default=4, help="Ray CPUs (and OMP threads) per rank")
+    parser.add_argument(
+        "--numa-binding",
+        choices=("node", "socket", "exclusive", "core-complex"),
+        default=None,
+        help="torchrun's --numa-binding for every torchrun row, d9d's and torchtitan's (default: none)",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="d9d job override")
     parser.add_argument(
         "--variant",

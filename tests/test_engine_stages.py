@@ -116,3 +116,30 @@ def test_a_compile_config_that_cannot_work_here_fails_before_any_stage_is_built(
             training=True,
         )
     assert not built
+
+
+@pytest.mark.parametrize(
+    ("split_backward", "enabled", "modules", "warned"),
+    [(True, True, 28, True), (False, True, 28, False), (True, False, 0, False), (True, True, 0, False)],
+)
+def test_a_split_backward_schedule_over_compiled_regions_is_warned_about(
+    caplog: pytest.LogCaptureFixture, split_backward: bool, enabled: bool, modules: int, warned: bool
+) -> None:
+    """Zero-bubble schedules defer no weight gradient of a compiled block: the build says so, once, where it
+    applies (compiled regions present and a schedule that splits backward), and nowhere else."""
+    import logging
+    from types import SimpleNamespace
+
+    from d9d.engine.stages import _log_compile
+    from d9d.parallel.compile import CompileReport
+
+    logger = logging.getLogger("test-stages-compile")
+    ctx = SimpleNamespace(is_main_process=True, logger=logger)
+    report = CompileReport(enabled=enabled, regions=("decoder_blocks",), reason="test", modules=modules)
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        _log_compile(ctx, [report, report], split_backward=split_backward)  # type: ignore[arg-type]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == (1 if warned else 0)
+    if warned:
+        assert "weight gradients in the input pass" in warnings[0].getMessage()
+        assert "1f1b" in warnings[0].getMessage()
