@@ -2,8 +2,8 @@
 tokens/s at 32k.
 
     python benchmarks/long_context.py [--start 4096] [--max 262144] [--throughput-seq 32768]
-        [--steps 4] [--warmup 2] [--eager] [--ac none|full|selective|selective-op] [--row-timeout 900]
-        [--out FILE]
+        [--steps 4] [--warmup 2] [--eager] [--ac none|full|selective|selective-op|selective-mix]
+        [--row-timeout 900] [--out FILE]
     python benchmarks/long_context.py --cpu-smoke      # a tiny shape on CPU: checks the script, no numbers
 
 Every row trains the real engine (`d9d.engine.Trainer`: bf16 parameters, fused AdamW, no clipping, the
@@ -16,7 +16,8 @@ parallelism over several GPUs divides the activations by cp (the K/V of the whol
 docs/parallelism.md); those numbers belong to the multi-GPU benchmark.
 
 `--ac` sets the job's activation checkpointing (`throughput.common.AC_MODES`: `full` every layer, `selective`
-every second layer, `selective-op` the op-level policy); run once per mode for the longest sequence of each.
+every second layer, `selective-op` the op-level policy, `selective-mix` every second layer whole and the
+others op-level); run once per mode for the longest sequence of each.
 
 Needs CUDA except with `--cpu-smoke`.
 """

@@ -2,7 +2,8 @@
 
     python benchmarks/train_throughput.py [--model dense|moe|llama3|both] [--steps 10] [--warmup 3]
         [--peers d9d,transformers,torchtitan] [--d9d-variants compiled,eager] [--d9d-batches ...]
-        [--d9d-ac none,full,selective,selective-op] [--titan-ac none,full,selective,selective-op]
+        [--d9d-ac none,full,selective,selective-op,selective-mix]
+        [--titan-ac none,full,selective,selective-op]
         [--batch 8] [--seq 2048] [--row-timeout 600] [--budget-s S] [--profile] [--out FILE]
     python benchmarks/train_throughput.py --merge dense.json moe.json [--out FILE]
 
@@ -21,9 +22,11 @@ records its error and the table goes on. Rows:
 Activation checkpointing (`--d9d-ac`, `--titan-ac`, default `none`): each d9d row and each torchtitan row once
 per mode, the label naming it; `full` recomputes every layer, `selective` every second one (torchtitan's
 `selective_ac_option: "2"`, d9d's `every: 2`), `selective-op` keeps the matmul and attention outputs of every
-layer (torchtitan's `"op"`, d9d's `ops: [matmul, attention]`). The `vs no AC` column gives tok/s and peak
-memory against the same row without checkpointing. For the longest sequence a mode trains, rerun with
-`--batch 1 --seq 65536` (a row that runs out of memory records the error).
+layer (torchtitan's `"op"`, d9d's `ops: [matmul, attention]`), `selective-mix` (d9d only: `--titan-ac`
+refuses it) recomputes every second layer whole and the others op-level (`every: 2` with `ops: [matmul,
+attention]`); a d9d row whose mode torchtitan has no row for shows `-` against it. The `vs no AC` column
+gives tok/s and peak memory against the same row without checkpointing. For the longest sequence a mode
+trains, rerun with `--batch 1 --seq 65536` (a row that runs out of memory records the error).
 
 Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, head_dim 128, ffn 3072, vocab 151936, untied) and a
 small Qwen3-MoE (16 layers, 16/4 heads, 64 experts top-8, moe ffn 512); `--model llama3`: Llama-3.2-1B's shape
@@ -60,7 +63,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from throughput.common import AC_MODES, MODEL_NAMES, AcMode
+from throughput.common import AC_MODES, MODEL_NAMES, TITAN_AC_MODES, AcMode
 
 D9D_VARIANTS = ("compiled", "compiled-kernels", "eager", "eager-legacy")
 D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
@@ -368,7 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--d9d-ac", type=_csv(AC_MODES), default="none", help="activation checkpointing modes of the d9d rows"
     )
     parser.add_argument(
-        "--titan-ac", type=_csv(AC_MODES), default="none", help="activation checkpointing modes of torchtitan"
+        "--titan-ac",
+        type=_csv(TITAN_AC_MODES),
+        default="none",
+        help="activation checkpointing modes of torchtitan (it has no selective-mix)",
     )
     parser.add_argument("--batch", type=int, default=8, help="samples per step (every row)")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sample (every row)")

@@ -1,5 +1,6 @@
 """Activation checkpointing as a job setting (`activation_checkpointing:`): none, full, layer-level selective
-(`every: k`) and op-level selective (`ops: [...]`).
+(`every: k`), op-level selective (`ops: [...]`) and both mixed (`every: k` with `ops`: every k-th layer whole,
+the others op-level).
 
 Checked against the run without checkpointing: gradients and MoE statistics bitwise equal in float32 on CPU,
 eagerly and inside compiled blocks (aot_eager: the traced graphs without inductor's slow CPU code
@@ -33,6 +34,7 @@ from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
 from d9d.modules.checkpointing import (
     FullActivationCheckpointing,
     NoActivationCheckpointing,
+    SaveOps,
     SelectiveActivationCheckpointing,
     apply_activation_checkpointing,
     plan_layers,
@@ -49,6 +51,7 @@ MODES: dict[str, Any] = {
     "full": FullActivationCheckpointing(),
     "every2": SelectiveActivationCheckpointing(every=2),
     "ops": SelectiveActivationCheckpointing(ops=("matmul", "attention")),
+    "mix": SelectiveActivationCheckpointing(every=2, ops=("matmul", "attention")),
 }
 
 
@@ -137,12 +140,15 @@ def test_eager_gradients_equal_without_checkpointing(model: str) -> None:
         _assert_bitwise(_step(checkpointed), want, f"{model} {mode}")
 
 
-@pytest.mark.parametrize(("model", "modes"), [("dense", ("ops",)), ("moe", ("ops",))])
+@pytest.mark.parametrize(("model", "modes"), [("dense", ("every2", "ops", "mix")), ("moe", ("ops", "mix"))])
 def test_compiled_blocks_gradients_equal_without_checkpointing(model: str, modes: tuple[str, ...]) -> None:
     """Whole-layer checkpointing around the compiled block call (every k-th layer is the same call), the
     op-level policy traced inside the block's compiled function (an MoE layer's load statistics are a
-    forward side effect there); no fallback to eager, no graph break in the dense blocks."""
+    forward side effect there), both in one stack when mixed; no fallback to eager, no graph break in the
+    dense blocks, and no graph per layer: a mixed stack compiles the whole-layer form's graph and the
+    op-level form's, once each."""
     want = _step(MODELS[model]())
+    graphs = {}
     for mode in modes:
         torch._dynamo.reset()
         counters.clear()
@@ -153,8 +159,13 @@ def test_compiled_blocks_gradients_equal_without_checkpointing(model: str, modes
             warnings.simplefilter("error", RuntimeWarning)  # a compile failure warns and runs eager
             _assert_bitwise(_step(compiled), want, f"compiled {model} {mode}")
         assert report.stats.failure is None and report.stats.graphs >= 1, (mode, report.stats)
+        graphs[mode] = report.stats.graphs
         if model == "dense":
-            assert report.stats.graphs == 1 and not counters["graph_break"], (mode, report.stats)
+            expected = 2 if mode == "mix" else 1  # the plain block's function and the checkpointed one's
+            assert report.stats.graphs == expected and not counters["graph_break"], (mode, report.stats)
+            assert not counters["recompiles"], (mode, dict(counters["recompiles"]))
+    if model == "dense":
+        assert graphs["mix"] == graphs["every2"] + graphs["ops"], graphs
 
 
 @pytest.mark.gpu
@@ -217,9 +228,10 @@ def _saved_by_autograd(model: nn.Module) -> int:
 
 def test_compiled_op_policy_keeps_less_than_the_compiled_block() -> None:
     """The policy reaches the compiled graph: its saved tensors shrink to the inputs and the matmul and
-    attention outputs (measured with autograd's saved-tensor hooks, which see the compiled function's)."""
+    attention outputs (measured with autograd's saved-tensor hooks, which see the compiled function's); mixed
+    with whole-layer checkpointing of every second layer, they shrink further, still above full's."""
     saved = {}
-    for mode in ("none", "ops"):
+    for mode in ("none", "ops", "mix"):
         torch._dynamo.reset()
         model = _dense()
         apply_activation_checkpointing(model, MODES[mode])
@@ -227,7 +239,7 @@ def test_compiled_op_policy_keeps_less_than_the_compiled_block() -> None:
         saved[mode] = _saved_by_autograd(model)
     eager = _dense()
     apply_activation_checkpointing(eager, MODES["full"])
-    assert _saved_by_autograd(eager) < saved["ops"] < saved["none"], saved
+    assert _saved_by_autograd(eager) < saved["mix"] < saved["ops"] < saved["none"], saved
 
 
 class _TrackOutputs(TorchDispatchMode):
@@ -271,7 +283,7 @@ def _kept_bytes(model: nn.Module) -> int:
 def test_saved_activations_fall_as_each_mode_says() -> None:
     """Four identical layers: full keeps only the layer boundaries (C); none keeps C + 4·X (X: one layer's
     internals); every 2 checkpoints two layers, C + 2·X; ops keeps C plus every layer's matmul and attention
-    outputs (summed from a plain forward)."""
+    outputs (summed from a plain forward); mixed keeps C plus those outputs of the two op-level layers."""
     kept = {}
     for mode, config in MODES.items():
         model = _dense()
@@ -297,6 +309,9 @@ def test_saved_activations_fall_as_each_mode_says() -> None:
         plain(**_batch(seq=32))
     assert track.watched_bytes > 0
     assert kept["ops"] == kept["full"] + track.watched_bytes, (kept, track.watched_bytes)
+    # layers 0 and 2 whole, 1 and 3 op-level: half of the (identical) layers' op outputs
+    assert 2 * kept["mix"] == 2 * kept["full"] + track.watched_bytes, (kept, track.watched_bytes)
+    assert kept["full"] < kept["mix"] < kept["ops"] and kept["mix"] < kept["every2"], kept
 
 
 def test_layers_are_chosen_by_global_index_on_every_stage() -> None:
@@ -313,6 +328,18 @@ def test_layers_are_chosen_by_global_index_on_every_stage() -> None:
     assert all(
         p is not None and p.kinds == {"matmul", "attention"} for p in stage.model.checkpointed_layers.values()
     )
+
+
+def test_mixed_plan_recomputes_every_kth_layer_whole_and_the_rest_op_level() -> None:
+    ops = SaveOps(frozenset({"matmul", "attention"}))
+    assert plan_layers(MODES["mix"], range(6)) == {0: None, 1: ops, 2: None, 3: ops, 4: None, 5: ops}
+    every3 = SelectiveActivationCheckpointing(every=3, ops=("attention",))
+    attention = SaveOps(frozenset({"attention"}))
+    assert plan_layers(every3, range(3, 7)) == {3: None, 4: attention, 5: attention, 6: None}
+    torch.manual_seed(0)
+    stage = Qwen3ForCausalLM(_dense(6).config, PipelineStageInfo(1, 2))  # type: ignore[arg-type]
+    apply_activation_checkpointing(stage, MODES["mix"])
+    assert stage.model.checkpointed_layers == {3: ops, 4: None, 5: ops}  # global indices: 4 is whole
 
 
 # -- config validation and the dry run --------------------------------------------------------------------
@@ -349,8 +376,12 @@ def _job(tmp: Path, checkpointing: Any = None, **sections: Any) -> dict[str, Any
     [
         ({"mode": "some"}, r"activation_checkpointing: Input tag 'some' found using 'mode' does not match"),
         ({"mode": "selective", "every": 0}, r"activation_checkpointing\.every: Input should be greater than"),
-        ({"mode": "selective"}, r"activation_checkpointing: .*exactly one of `every: k`"),
-        ({"mode": "selective", "every": 2, "ops": ["matmul"]}, r"activation_checkpointing: .*not both"),
+        ({"mode": "selective"}, r"activation_checkpointing: .*takes `every: k`.*or both"),
+        (
+            {"mode": "selective", "every": 2, "ops": ["conv"]},
+            r"activation_checkpointing\.ops\.0: Input should be 'matmul'",
+        ),
+        ({"mode": "selective", "every": 0, "ops": ["matmul"]}, r"activation_checkpointing\.every: "),
         (
             {"mode": "selective", "ops": ["conv"]},
             r"activation_checkpointing\.ops\.0: Input should be 'matmul'",
@@ -387,7 +418,8 @@ def test_a_family_without_a_decoder_stack_is_refused_by_name(
 
 
 def test_op_level_under_compile_with_expert_parallelism_is_refused(tmp_path: Path) -> None:
-    """At config time with compile.enabled; when the stages are built where compilation is on by default."""
+    """At config time with compile.enabled; when the stages are built where compilation is on by default.
+    Mixed with `every: k` too: its other layers are op-level; the remedy is to remove `ops`."""
     from d9d.core.mesh_params import DeviceMeshParameters
     from d9d.engine.parallel_checks import check_op_checkpointing_compiled
 
@@ -401,17 +433,26 @@ def test_op_level_under_compile_with_expert_parallelism_is_refused(tmp_path: Pat
     )
     with pytest.raises(ConfigError, match=r"activation_checkpointing\.ops with mesh\.expert_parallel = 2"):
         parse_config(job)
+    mixed = {"mode": "selective", "every": 2, "ops": ["matmul"]}
+    with pytest.raises(
+        ConfigError,
+        match=r"activation_checkpointing\.ops with mesh\.expert_parallel = 2.*remove "
+        r"activation_checkpointing `ops` \(`every: k` alone",
+    ):
+        parse_config({**job, "activation_checkpointing": mixed})
     parse_config({**job, "compile": {"enabled": False}})
     parse_config({**job, "compile": {}})  # null: decided by the device, when the stages are built
     parse_config({**job, "activation_checkpointing": {"mode": "selective", "every": 2}})
-    with pytest.raises(ValueError, match="all-to-all breaks"):
-        check_op_checkpointing_compiled(
-            DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2), MODES["ops"]
-        )
+    for mode in ("ops", "mix"):
+        with pytest.raises(ValueError, match="all-to-all breaks"):
+            check_op_checkpointing_compiled(
+                DeviceMeshParameters(data_parallel_shard=2, expert_parallel=2), MODES[mode]
+            )
 
 
 def test_op_level_with_a_split_backward_schedule_is_refused(tmp_path: Path) -> None:
-    """torch's selective checkpointing allows one backward per region; zero-bubble schedules run two."""
+    """torch's selective checkpointing allows one backward per region; zero-bubble schedules run two. Mixed
+    with `every: k` too (its other layers are op-level): the remedy is to remove `ops`."""
     job = _job(
         tmp_path,
         {"mode": "selective", "ops": ["matmul"]},
@@ -420,6 +461,12 @@ def test_op_level_with_a_split_backward_schedule_is_refused(tmp_path: Path) -> N
     )
     with pytest.raises(ConfigError, match=r"activation_checkpointing\.ops with pipelining\.kind=zb1p"):
         parse_config(job)
+    mixed = {"mode": "selective", "every": 2, "ops": ["matmul"]}
+    with pytest.raises(
+        ConfigError, match=r"activation_checkpointing\.ops with pipelining\.kind=zb1p.*remove `ops`"
+    ):
+        parse_config({**job, "activation_checkpointing": mixed})
+    parse_config({**job, "activation_checkpointing": {"mode": "selective", "every": 2}})
     parse_config({**job, "pipelining": {"kind": "1f1b"}})
     parse_config({**job, "activation_checkpointing": {"mode": "full"}})
 
@@ -439,7 +486,9 @@ def test_a_stage_without_a_decoder_stack_is_refused_when_built() -> None:
 def test_dry_run_estimate_falls_with_checkpointing(tmp_path: Path) -> None:
     """4 layers × 2 × 64 tokens in float32: without checkpointing Σ(8h + 3f) per layer; full keeps h per
     layer plus one layer's recompute; every 2 two layers of each; ops the input and the matmul/attention
-    outputs per layer plus one layer's recompute."""
+    outputs per layer plus one layer's recompute; mixed (every 2 with ops) the input of layers 0 and 2, the
+    input and those outputs of layers 1 and 3, plus one layer's recompute (a whole-layer one's: the
+    larger)."""
     estimates = {}
     notes = {}
     for mode, config in MODES.items():
@@ -456,13 +505,20 @@ def test_dry_run_estimate_falls_with_checkpointing(tmp_path: Path) -> None:
     assert estimates["full"] == base + tokens * (4 * h + layer - h) * size
     assert estimates["every2"] == base + tokens * (2 * layer + 2 * h + layer - h) * size
     assert estimates["ops"] == base + tokens * (4 * ops + layer - ops) * size
+    assert estimates["mix"] == base + tokens * (2 * h + 2 * ops + layer - h) * size
     assert estimates["full"] < estimates["every2"] < estimates["none"]
     assert estimates["ops"] < estimates["none"]
+    assert estimates["full"] < estimates["mix"] < estimates["ops"] and estimates["mix"] < estimates["every2"]
     assert "checkpoint" not in notes["none"]
     assert "activation_checkpointing full: each of the 4 checkpointed layer(s)" in notes["full"]
     assert "selective every 2: each of the 2 checkpointed layer(s)" in notes["every2"]
     assert (
         "selective ops ['matmul', 'attention']" in notes["ops"] and "matmul/attention outputs" in notes["ops"]
+    )
+    assert (
+        "selective every 2 + ops ['matmul', 'attention']: of the 4 checkpointed layer(s) here, the 2 "
+        "whole-layer one(s) keep their input (hidden), the 2 op-level one(s) their input and "
+        "matmul/attention outputs" in notes["mix"]
     )
 
 
@@ -503,7 +559,12 @@ OPS = {"mode": "selective", "ops": ["matmul", "attention"]}
 # TP / EP are covered in tests/test_parallel_compile.py (a compiled engine run costs ~15 s of tracing on CPU).
 ENGINE_RUNS: list[tuple[str, dict[str, Any], bool, list[dict[str, Any]]]] = [
     ("fsdp", {"mesh": {"data_parallel_shard": 2}}, False, [{"mode": "none"}, {"mode": "full"}, OPS]),
-    ("pp", {"mesh": {"pipeline_parallel": 2}}, False, [{"mode": "none"}, {"mode": "selective", "every": 2}]),
+    (  # mixed: each stage holds whole-layer and op-level layers (global indices)
+        "pp",
+        {"mesh": {"pipeline_parallel": 2}},
+        False,
+        [{"mode": "none"}, {"mode": "selective", "every": 2}, {**OPS, "every": 2}],
+    ),
     (  # zero-bubble: the input and weight passes are two backward calls through the checkpointed layers
         "pp-zbv",
         {

@@ -1,12 +1,13 @@
 """CPU smoke of `benchmarks/train_throughput.py`'s plumbing (its rows need CUDA): the activation-checkpointing
 rows (`--d9d-ac`, `--titan-ac`) are planned, labelled, parsed back in the row's subprocess and compared with
-their no-checkpointing rows; the d9d rows' job configs validate for every mode; `--batch` / `--seq` reach the
-row's subprocess."""
+their no-checkpointing rows; d9d's `selective-mix`, which torchtitan has no option for, is refused for the
+torchtitan rows and compares with no torchtitan row; the d9d rows' job configs validate for every mode;
+`--batch` / `--seq` reach the row's subprocess."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -22,21 +23,41 @@ def test_ac_rows_are_planned_and_labelled(bench: ModuleType) -> None:
     args = bench.build_parser().parse_args(
         [
             "--model", "dense", "--peers", "d9d,torchtitan", "--d9d-variants", "compiled",
-            "--d9d-batches", "random", "--d9d-ac", "none,full,selective,selective-op",
+            "--d9d-batches", "random", "--d9d-ac", "none,full,selective,selective-op,selective-mix",
             "--titan-variants", "compile", "--titan-ac", "none,full,selective",
         ]
     )  # fmt: skip
     rows = bench.plan(args)
     assert [(r.peer, r.ac) for r in rows] == [
         ("d9d", "none"), ("d9d", "full"), ("d9d", "selective"), ("d9d", "selective-op"),
+        ("d9d", "selective-mix"),
         ("torchtitan", "none"), ("torchtitan", "full"), ("torchtitan", "selective"),
     ]  # fmt: skip
     assert rows[1].label == "d9d compiled, random, AC full"
     assert rows[0].label == "d9d compiled, random"
-    assert rows[5].label == "torchtitan 0.2.2 + per-block compile, AC full"
+    assert rows[4].label == "d9d compiled, random, AC selective-mix"
+    assert rows[6].label == "torchtitan 0.2.2 + per-block compile, AC full"
     assert all(bench.Row.parse(r.spec()) == r for r in rows)
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--d9d-ac", "sometimes"])
+
+
+def test_torchtitan_rows_refuse_the_mixed_mode(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchtitan has no whole-layer + op-level mix: `--titan-ac` refuses it by name, and a row spec that
+    names it anyway fails in the row with the reason (before any model is built)."""
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--titan-ac", "none,selective-mix"])
+    assert "unknown ['selective-mix']" in capsys.readouterr().err
+    from throughput import titan_peer
+
+    job = SimpleNamespace(activation_checkpoint=SimpleNamespace(mode="none", selective_ac_option="2"))
+    with pytest.raises(ValueError, match="torchtitan has no activation checkpointing that mixes"):
+        titan_peer.activation_checkpoint(job, "selective-mix")
+    titan_peer.activation_checkpoint(job, "selective-op")
+    assert (job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option) == (
+        "selective",
+        "op",
+    )
 
 
 def test_ratios_compare_with_the_same_mode_and_without_checkpointing(bench: ModuleType) -> None:
@@ -57,6 +78,13 @@ def test_ratios_compare_with_the_same_mode_and_without_checkpointing(bench: Modu
     assert "| d9d compiled, random, AC full | 75 |" in bench.table(results)
     assert "| 0.75x / 0.40x |" in bench.table(results)
 
+    # a d9d mode torchtitan has no row for: no ratio against it, the rest as usual
+    results.append(result("d9d", "compiled", "selective-mix", 88.0, 10.0))
+    bench.add_ratios(results)
+    assert "x_titan_compile" not in results[-1]
+    assert results[-1]["x_no_ac"] == 0.88 and results[-1]["mem_x_no_ac"] == 0.5
+    assert "| d9d compiled, random, AC selective-mix | 88 | 40.0% | 10.0 | nan | - |" in bench.table(results)
+
 
 def test_d9d_jobs_validate_for_every_mode(bench: ModuleType) -> None:
     from throughput import common, d9d_peer
@@ -72,6 +100,7 @@ def test_d9d_jobs_validate_for_every_mode(bench: ModuleType) -> None:
         "full": {"mode": "full"},
         "selective": {"mode": "selective", "every": 2},
         "selective-op": {"mode": "selective", "ops": ("matmul", "attention")},
+        "selective-mix": {"mode": "selective", "every": 2, "ops": ("matmul", "attention")},
     }
 
 

@@ -15,9 +15,12 @@ BATCH = int(os.environ.get("D9D_BENCH_BATCH", "8"))
 SEQ = int(os.environ.get("D9D_BENCH_SEQ", "2048"))
 # Activation checkpointing of a row, named alike for d9d and torchtitan: `selective` recomputes every second
 # layer (torchtitan's `selective_ac_option: "2"`, d9d's `every: 2`), `selective-op` keeps the matmul and
-# attention outputs of every layer and recomputes the rest (torchtitan's `"op"`, d9d's `ops`).
-AcMode = Literal["none", "full", "selective", "selective-op"]
-AC_MODES: tuple[AcMode, ...] = ("none", "full", "selective", "selective-op")
+# attention outputs of every layer and recomputes the rest (torchtitan's `"op"`, d9d's `ops`), `selective-mix`
+# recomputes every second layer whole and the others op-level (d9d's `every: 2` with `ops`; torchtitan has no
+# such option, so its rows take `TITAN_AC_MODES` only).
+AcMode = Literal["none", "full", "selective", "selective-op", "selective-mix"]
+AC_MODES: tuple[AcMode, ...] = ("none", "full", "selective", "selective-op", "selective-mix")
+TITAN_AC_MODES: tuple[AcMode, ...] = ("none", "full", "selective", "selective-op")
 
 
 def d9d_ac_section(ac: AcMode) -> dict[str, Any]:
@@ -31,6 +34,8 @@ def d9d_ac_section(ac: AcMode) -> dict[str, Any]:
             return {"mode": "selective", "every": 2}
         case "selective-op":
             return {"mode": "selective", "ops": ["matmul", "attention"]}
+        case "selective-mix":
+            return {"mode": "selective", "every": 2, "ops": ["matmul", "attention"]}
 
 
 COMMON = {"vocab_size": 151936, "hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128}

@@ -4,11 +4,11 @@ per-block compiled) by its own `parallelize_qwen3` / `parallelize_llama`, loss f
 torchtitan trainer, config file or download.
 
 torchtitan's defaults that would make the comparison unequal are switched off or matched: activation
-checkpointing (default `selective`) is off unless the row asks for a mode (`common.AC_MODES`: `full`,
-`selective` = its `selective_ac_option: "2"`, `selective-op` = `"op"`), parameters are bf16 (single GPU,
-no FSDP mixed precision), buffers such as the RoPE cache stay fp32 as torchtitan keeps them. The MoE's
-aux-loss-free bias update, which torchtitan's trainer hooks into its optimizer, is not run (a few tiny
-kernels per step; the routing itself is unchanged).
+checkpointing (default `selective`) is off unless the row asks for a mode (`common.TITAN_AC_MODES`: `full`,
+`selective` = its `selective_ac_option: "2"`, `selective-op` = `"op"`; d9d's `selective-mix` has no
+torchtitan counterpart), parameters are bf16 (single GPU, no FSDP mixed precision), buffers such as the RoPE
+cache stay fp32 as torchtitan keeps them. The MoE's aux-loss-free bias update, which torchtitan's trainer
+hooks into its optimizer, is not run (a few tiny kernels per step; the routing itself is unchanged).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from throughput.common import ARCHS, BATCH, LLAMA3_ROPE, LR, SEQ, AcMode, summary, time_loop
+from throughput.common import ARCHS, BATCH, LLAMA3_ROPE, LR, SEQ, TITAN_AC_MODES, AcMode, summary, time_loop
 
 
 def _stub_unused_imports() -> None:
@@ -191,6 +191,12 @@ def activation_checkpoint(job: Any, ac: AcMode) -> None:
         case "selective-op":
             job.activation_checkpoint.mode = "selective"
             job.activation_checkpoint.selective_ac_option = "op"
+        case "selective-mix":
+            # `--titan-ac` does not offer it (`common.TITAN_AC_MODES`); a row spec given by hand ends here
+            raise ValueError(
+                "torchtitan has no activation checkpointing that mixes whole-layer and op-level "
+                f"recomputation (`selective-mix`): its rows take {', '.join(TITAN_AC_MODES)}"
+            )
 
 
 def build_model(

@@ -253,7 +253,8 @@ class TrainConfig(_Section):
     # Regional torch.compile of every stage after it is parallelized (d9d.parallel.compile).
     compile: CompileConfig = Field(default_factory=CompileConfig)
     # Recompute decoder layers in backward instead of keeping their activations (d9d.modules.checkpointing):
-    # mode none, full, or selective with `every: k` (every k-th layer) or `ops: [matmul, attention]`.
+    # mode none, full, or selective with `every: k` (every k-th layer whole), `ops: [matmul, attention]` (keep
+    # those outputs in every layer, recompute the rest) or both (every k-th layer whole, the others op-level).
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=NoActivationCheckpointing)
     model: ModelComponent
     data: DataComponent
@@ -327,8 +328,8 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"activation_checkpointing.ops with pipelining.kind={self.schedule.kind}: this schedule runs "
                 "backward as two passes (input, then weights), and torch's selective checkpointing allows "
-                "one backward through a checkpointed region; use `every: k` or mode full with it, or a "
-                "schedule without split backward (1f1b, interleaved_1f1b, gpipe)"
+                "one backward through a checkpointed region; remove `ops` (`every: k` alone, or mode full) "
+                "with it, or use a schedule without split backward (1f1b, interleaved_1f1b, gpipe)"
             )
         return self
 

@@ -20,8 +20,9 @@ estimate from those meta parameters, their dtypes and the mesh:
   pipelining, `pp − pp_rank` under 1F1B-style schedules, all under GPipe), plus one loss chunk of fp32 logits
   (`loss_chunk_size × vocab`). Attention scores are not stored (SDPA). Under `activation_checkpointing`, a
   checkpointed layer keeps only its input (`hidden` values per token; op-level selective: also its matmul and
-  attention outputs, the family's `layer_op_values`), and the rank holds one layer's full activations again
-  (one microbatch) while backward recomputes it.
+  attention outputs, the family's `layer_op_values`; `every: k` with `ops`: every k-th layer the input only,
+  the others also their op outputs), and the rank holds one layer's full activations again (one microbatch)
+  while backward recomputes it.
   Temporary buffers, allocator fragmentation and communication buffers come on top.
 """
 
@@ -195,6 +196,7 @@ class _StageValues:
     kept: int
     recompute_peak: int
     checkpointed: int  # layers
+    op_level: int  # of which under an op-level policy (the rest whole-layer)
     modelled: bool  # False: op-level values not modelled for this family (counted as not checkpointed)
 
 
@@ -217,30 +219,46 @@ def _stage_values(config: TrainConfig, footprint: StageFootprint) -> _StageValue
         keeps = min(keeps, values)
         kept += keeps
         peak = max(peak, values - keeps)
-    return _StageValues(kept, peak, len(plan), modelled)
+    op_level = sum(policy is not None for policy in plan.values())
+    return _StageValues(kept, peak, len(plan), op_level, modelled)
 
 
 def _checkpointing_note(config: TrainConfig, stages: list[_StageValues]) -> str:
     ac = config.activation_checkpointing
+    layers = sum(s.checkpointed for s in stages)
+    op_level = sum(s.op_level for s in stages)
     match ac:
         case NoActivationCheckpointing():
             return ""
         case FullActivationCheckpointing():
-            what, keeps = "full", "its input (hidden)"
+            what, keeps = "full", f"each of the {layers} checkpointed layer(s) here keeps its input (hidden)"
+        case SelectiveActivationCheckpointing(every=int() as every, ops=tuple() as ops):
+            # two kinds of checkpointed layer, each with its own count and what it keeps
+            what = f"selective every {every} + ops {list(ops)}"
+            keeps = (
+                f"of the {layers} checkpointed layer(s) here, the {layers - op_level} whole-layer one(s) "
+                f"keep their input (hidden), the {op_level} op-level one(s) their input and matmul/attention "
+                "outputs"
+            )
         case SelectiveActivationCheckpointing(every=int() as every):
-            what, keeps = f"selective every {every}", "its input (hidden)"
+            what = f"selective every {every}"
+            keeps = f"each of the {layers} checkpointed layer(s) here keeps its input (hidden)"
         case SelectiveActivationCheckpointing():
-            what, keeps = f"selective ops {list(ac.ops or ())}", "its input and its matmul/attention outputs"
+            what = f"selective ops {list(ac.ops or ())}"
+            keeps = (
+                f"each of the {layers} checkpointed layer(s) here keeps its input and its matmul/attention "
+                "outputs"
+            )
         case _:
             assert_never(ac)
     if not all(s.modelled for s in stages):
         return (
-            f"; activation_checkpointing {what}: op-level values not modelled for this family (not counted)"
+            f"; activation_checkpointing {what}: op-level values not modelled for this family (op-level "
+            "layers counted as not checkpointed)"
         )
-    layers = sum(s.checkpointed for s in stages)
     return (
-        f"; activation_checkpointing {what}: each of the {layers} checkpointed layer(s) here keeps {keeps}, "
-        "plus one layer's recompute (its full activations, one microbatch)"
+        f"; activation_checkpointing {what}: {keeps}, plus one layer's recompute (its full activations, one "
+        "microbatch)"
     )
 
 

@@ -133,6 +133,6 @@ def check_op_checkpointing_compiled(
         raise ValueError(
             f"activation_checkpointing.ops with mesh.expert_parallel = {mesh.expert_parallel} and compiled "
             "blocks (compile.enabled, or on CUDA by default): the experts' all-to-all breaks the compiled "
-            "block's graph, so the op-level policy cannot be traced with it; use activation_checkpointing "
-            "`every: k` or mode full, or compile.enabled: false"
+            "block's graph, so the op-level policy cannot be traced with it; remove activation_checkpointing "
+            "`ops` (`every: k` alone, or mode full), or set compile.enabled: false"
         )

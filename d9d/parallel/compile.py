@@ -19,7 +19,8 @@ inside the block's compiled function, where AOTAutograd's partitioner keeps the 
 recomputes the rest in the compiled backward (around the compiled call, torch's selective modes would only
 see opaque kernels). That function is compiled with `fullgraph`: a checkpoint dynamo cannot trace whole would
 run eagerly with Python side effects replayed, so a graph break there sends the stage to the eager fallback,
-where the backbone applies the same policy eagerly around the block call.
+where the backbone applies the same policy eagerly around the block call. A stack mixing both (`every: k`
+with `ops`) calls each of the two functions for its layers: one graph each, not one per layer.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 choices by `plan_layers` and applied to a stage by `apply_activation_checkpointing`.
 
 Layer indices are the model's global ones (`layers.<i>` in state dicts), whichever pipeline stage holds a
-layer: `every: 2` recomputes layers 0, 2, 4, ... of the whole model, so a stage's share does not depend on how
-the layers were split.
+layer: `every: 2` recomputes layers 0, 2, 4, ... of the whole model (with `ops` as well, the odd ones are
+op-level), so a stage's share does not depend on how the layers were split.
 """
 
 from __future__ import annotations
@@ -35,13 +35,17 @@ class FullActivationCheckpointing(_Frozen):
 
 
 class SelectiveActivationCheckpointing(_Frozen):
-    """Either layer-level or op-level, exactly one of:
+    """Layer-level, op-level, or both:
 
     - `every: k`: whole-layer checkpointing of every k-th layer (global indices 0, k, 2k, ...; `every: 1` is
-      `full`).
+      `full`); the other layers keep everything.
     - `ops: [matmul, attention]`: in every layer, keep the outputs of these ops (matrix products: projections,
       MLPs, experts; attention kernels) and of collectives, and recompute the cheap rest (norms, activation
       functions, rotary, casts) in backward.
+    - both: every k-th layer is recomputed whole (keeps only its input), every other layer uses the op-level
+      policy. The op-level policy saves the most memory per recompute cost (it recomputes the cheap ops only),
+      yet every layer still keeps the matmul/attention outputs; whole-layer recompute of every k-th layer
+      drops them there too: less memory than either alone, for little more recompute than `every: k`.
     """
 
     mode: Literal["selective"] = "selective"
@@ -49,12 +53,12 @@ class SelectiveActivationCheckpointing(_Frozen):
     ops: tuple[OpKind, ...] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
-    def _one_kind(self) -> Self:
-        if (self.every is None) == (self.ops is None):
+    def _some_kind(self) -> Self:
+        if self.every is None and self.ops is None:
             raise ValueError(
-                "mode 'selective' takes exactly one of `every: k` (checkpoint every k-th layer) or `ops: "
-                "[matmul, attention]` (keep these ops' outputs, recompute the rest)"
-                + (", not both" if self.every is not None else "")
+                "mode 'selective' takes `every: k` (checkpoint every k-th layer whole), `ops: [matmul, "
+                "attention]` (keep these ops' outputs, recompute the rest), or both (every k-th layer whole, "
+                "the others op-level)"
             )
         if self.ops is not None and len(set(self.ops)) != len(self.ops):
             raise ValueError(f"ops {list(self.ops)} names an op kind twice")
@@ -75,13 +79,18 @@ def plan_layers(config: ActivationCheckpointingConfig, layers: Iterable[int]) ->
             return {}
         case FullActivationCheckpointing():
             return dict.fromkeys(layers)
+        case SelectiveActivationCheckpointing(every=int() as every, ops=tuple() as ops):
+            # the same policy for every op-level layer: the compiled function's guard on its context function
+            # (`traced_context_fn`, one per policy) holds across them, so they share one graph
+            policy = SaveOps(frozenset(ops))
+            return {i: None if i % every == 0 else policy for i in layers}
         case SelectiveActivationCheckpointing(every=int() as every):
             return dict.fromkeys(i for i in layers if i % every == 0)
         case SelectiveActivationCheckpointing(ops=tuple() as ops):
             policy = SaveOps(frozenset(ops))
             return dict.fromkeys(layers, policy)
         case SelectiveActivationCheckpointing():
-            raise AssertionError("validated: exactly one of every / ops")
+            raise AssertionError("validated: at least one of every / ops")
         case _:
             assert_never(config)
 
