@@ -40,12 +40,19 @@ def job(run_dir: Path, total_steps: int, **sections: Any) -> dict[str, Any]:
     return config
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own part, cloned (a DTensor under FSDP: its shard, comparable without a process group)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
 def _state(trainer: Any) -> dict[str, torch.Tensor]:
     """Every parameter and optimizer state tensor of the rank, cloned."""
-    out = {f"param.{n}": p.detach().clone() for m in trainer.modules for n, p in m.named_parameters()}
+    out = {f"param.{n}": _local(p) for m in trainer.modules for n, p in m.named_parameters()}
     for i, optimizer in enumerate(trainer.parts.optimizer.optimizers.values()):
         for j, state in enumerate(optimizer.state.values()):
-            out.update({f"optim{i}.{j}.{k}": v.clone() for k, v in state.items() if torch.is_tensor(v)})
+            out.update({f"optim{i}.{j}.{k}": _local(v) for k, v in state.items() if torch.is_tensor(v)})
     return out
 
 
@@ -76,7 +83,7 @@ def train_watching(env: RankEnv, raw: dict[str, Any], watch: list[int]) -> None:
     result = trainer.train()
     seen["losses"] = list(result.losses)
     seen["steps"] = result.steps
-    seen["final"] = {n: p.detach().clone() for m in trainer.modules for n, p in m.named_parameters()}
+    seen["final"] = {n: _local(p) for m in trainer.modules for n, p in m.named_parameters()}
     torch.save(seen, env.tmp_dir / f"seen-{env.rank}.pt")
 
 
@@ -91,15 +98,34 @@ def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("poison", ["nan", "inf", "grad_inf"])
-def test_skip_leaves_state_bitwise_and_equals_a_run_without_that_batch(tmp_path: Path, poison: str) -> None:
+@pytest.mark.parametrize(
+    ("poison", "fused", "shards"),
+    [
+        ("nan", False, 1),
+        ("inf", False, 1),
+        ("grad_inf", False, 1),
+        ("nan", True, 1),
+        ("grad_inf", True, 1),
+        ("nan", True, 2),
+    ],
+)
+def test_skip_leaves_state_bitwise_and_equals_a_run_without_that_batch(
+    tmp_path: Path, poison: str, fused: bool, shards: int
+) -> None:
+    """`fused`: fused AdamW, whose update is queued before the host reads the step's values and skips itself
+    on the device (`found_inf`); the others are stepped by the host after the read. `shards`: FSDP over that
+    many ranks (the optimizer then steps DTensor shards)."""
+    optimizer = {"options": {"lr": 1e-2, "fused": fused}}
+    mesh = {"data_parallel_shard": shards}
     skipping = job(
         tmp_path / "run",
         6,
         trainer={"on_nonfinite": "skip"},
         data={"options": {"poison": {3: poison}}},
+        optimizer=optimizer,
+        mesh=mesh,
     )
-    seen = _run(skipping, tmp_path / "skip", watch=[3, 4])
+    seen = _run(skipping, tmp_path / "skip", watch=[3, 4], world=shards)
     (step, reason, rolled_back_to) = seen["skipped"][0]
     assert len(seen["skipped"]) == 1 and step == 3 and rolled_back_to is None
     what = "gradient norm (" if poison == "grad_inf" else f"loss ({float(poison)})"
@@ -110,7 +136,11 @@ def test_skip_leaves_state_bitwise_and_equals_a_run_without_that_batch(tmp_path:
     assert seen["steps"] == 6 and math.isnan(seen["losses"][2]) != (poison != "nan")
 
     # Independent reference: the same stream without batch 3, one step fewer.
-    reference = _run(job(tmp_path / "ref", 5, data={"options": {"drop": [3]}}), tmp_path / "ref")
+    reference = _run(
+        job(tmp_path / "ref", 5, data={"options": {"drop": [3]}}, optimizer=optimizer, mesh=mesh),
+        tmp_path / "ref",
+        world=shards,
+    )
     assert _bitwise_equal(seen["final"], reference["final"])
     kept = seen["losses"][:2] + seen["losses"][3:]
     assert kept == reference["losses"]

@@ -133,3 +133,60 @@ def test_live_lr_change_keeps_the_schedules_position() -> None:
     assert opt.lr == pytest.approx(0.3)
     opt.set_lr(0.01)
     assert [g["lr"] for g in opt.param_groups] == [0.01, 0.01]
+
+
+def _snapshot(stages: dict[int, nn.Module], opt: PipelinedOptimizer) -> list[torch.Tensor]:
+    params = [p.detach().clone() for m in stages.values() for p in m.parameters()]
+    states = [
+        v.clone()
+        for o in opt.optimizers.values()
+        for s in o.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    ]
+    return params + states
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
+def test_a_device_side_skip_changes_nothing_and_a_pass_equals_a_plain_step(kind: type) -> None:
+    """`step(skip_if=1.0)` leaves parameters, moments and step counts bitwise as they were (the fused kernels'
+    `found_inf`); `skip_if=0.0` is bitwise the plain step. Only fused Adam/AdamW with state qualifies."""
+    stages, twin = _stages(), _stages()
+    opt = PipelinedOptimizer.build(stages, lambda ps: kind(ps, lr=0.1, fused=True))
+    twin_opt = PipelinedOptimizer.build(twin, lambda ps: kind(ps, lr=0.1, fused=True))
+    assert not opt.skips_on_device  # no state before the first step: the host decides
+    _train(stages, opt, _NoSchedule(), 2, seed=3)
+    _train(twin, twin_opt, _NoSchedule(), 2, seed=3)
+    assert opt.skips_on_device
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(4))
+    for o, s in ((opt, stages), (twin_opt, twin)):
+        o.zero_grad()
+        _loss(s, x).backward()
+    before = _snapshot(stages, opt)
+    opt.step(skip_if=torch.tensor(1.0))
+    after = _snapshot(stages, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    opt.step(skip_if=torch.tensor(0.0))
+    twin_opt.step()
+    assert all(
+        torch.equal(a, b) for a, b in zip(_snapshot(stages, opt), _snapshot(twin, twin_opt), strict=True)
+    )
+    assert not hasattr(opt.optimizers[1], "found_inf")  # a later plain step sees no stale flag
+
+
+def test_only_fused_adam_skips_on_the_device() -> None:
+    for build in (
+        lambda ps: torch.optim.AdamW(ps, lr=0.1),  # foreach
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+    ):
+        stages = _stages()
+        opt = PipelinedOptimizer.build(stages, build)
+        _train(stages, opt, _NoSchedule(), 1, seed=3)
+        assert not opt.skips_on_device
+        with pytest.raises(RuntimeError, match="skips_on_device"):
+            opt.step(skip_if=torch.tensor(0.0))
+
+
+class _NoSchedule:
+    def step(self) -> None:
+        pass

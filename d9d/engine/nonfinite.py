@@ -3,7 +3,7 @@ and a checkpoint whose weights are not finite is never committed (docs/engine.md
 
 The check is fused into the one host read a step already makes: the global loss sum, the global loss
 weight and the global gradient norm (all identical on every rank, so every rank takes the same decision
-without another collective) come back to the host together (`read_step_values`). Only on the failure path
+without another collective) come back to the host together (`StepValuesRead`). Only on the failure path
 do the ranks exchange which of them saw the problem first (`attribute`), so the error names the step and
 the rank.
 
@@ -11,6 +11,12 @@ the rank.
 the update (parameters and optimizer state stay bitwise what they were; the step still counts and its
 batches are consumed), `rollback` restores the newest commit and skips the batches since it. Both
 tolerate `trainer.max_nonfinite_steps` such steps per launch attempt, then stop.
+
+With fused Adam/AdamW (the default on CUDA) the update is queued before the host has the values and skips
+itself on the device when they are not finite (`PipelinedOptimizer.step(skip_if=...)`, the fused kernels'
+`found_inf`): parameters, moments and step counts stay bitwise what they were, as when the host skips it.
+Other optimizers, and the first step (which creates the optimizer state), are stepped by the host after the
+read, only when the values are finite.
 """
 
 from __future__ import annotations
@@ -50,11 +56,36 @@ class StepValues:
         return math.isfinite(self.loss_sum) and math.isfinite(self.grad_norm)
 
 
-def read_step_values(totals: torch.Tensor, grad_norm: torch.Tensor) -> StepValues:
-    """One device-to-host read of `[loss sum, weight]` (`global_loss`) and the global gradient norm."""
-    values = torch.cat([totals.double().flatten(), grad_norm.to(totals.device, torch.float64).reshape(1)])
-    loss_sum, weight, norm = values.tolist()
-    return StepValues(loss_sum, weight, norm)
+class StepValuesRead:
+    """The step's values on their way to the host, and the non-finite flag on the device.
+
+    Started before the optimizer step is queued, so the host can queue it while the values travel, and
+    waited for after: the host blocks only until the values exist (the end of backward and the gradient
+    norm), not until the optimizer has run. A fused optimizer takes `nonfinite` as its skip flag
+    (`PipelinedOptimizer.step(skip_if=...)`), so whether the update applies is decided on the device from the
+    same two values the host decides from.
+    """
+
+    def __init__(self, totals: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        values = torch.cat([totals.double().flatten(), grad_norm.to(totals.device, torch.float64).reshape(1)])
+        # The same rule as `StepValues.finite`: the loss sum and the gradient norm.
+        self.nonfinite = (~torch.isfinite(values[0::2])).any().to(torch.float32)
+        self._event: torch.cuda.Event | None = None
+        if values.device.type == "cuda":
+            # A pinned buffer and an event: the copy is queued, not waited for, and the optimizer's kernels
+            # queued after it do not delay the read.
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+
+    def wait(self) -> StepValues:
+        if self._event is not None:
+            self._event.synchronize()
+        loss_sum, weight, norm = self._host.tolist()
+        return StepValues(loss_sum, weight, norm)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -38,10 +38,10 @@ from d9d.engine.export import publish_export, storage_export_dir
 from d9d.engine.nonfinite import (
     NonFiniteError,
     StepValues,
+    StepValuesRead,
     attribute,
     check_weights_finite,
     describe,
-    read_step_values,
 )
 from d9d.engine.offload import HostOffload, SleepReport, WakeReport, training_state_tensors
 from d9d.engine.progress import StepProgress
@@ -303,8 +303,14 @@ class Trainer:
         totals = global_loss(self.ctx, loss_sum, weight)
         parts.reducer.finish(totals[1])
         # The loss, its weight and the gradient norm reach the host in one read: the non-finite guard
-        # costs no synchronization of its own.
-        values = read_step_values(totals, parts.clipper.clip())
+        # costs no synchronization of its own. Where the optimizer can skip on the device (fused Adam with
+        # state), its update is queued before that read, gated by the same values on the device, so the
+        # host's wait ends when backward does and the next step's host work overlaps the optimizer kernels.
+        read = StepValuesRead(totals, parts.clipper.clip())
+        stepped = parts.optimizer.skips_on_device
+        if stepped:
+            parts.optimizer.step(skip_if=read.nonfinite)
+        values = read.wait()
         if values.weight <= 0:
             raise RuntimeError(
                 f"step {step}: the global loss weight is {values.weight}; no sample had a target"
@@ -313,7 +319,7 @@ class Trainer:
         if not values.finite:
             if not self._nonfinite(step, values, loss_sum):
                 return None
-        else:
+        elif not stepped:
             parts.optimizer.step()
         if parts.schedulers is not None:
             with warnings.catch_warnings():

@@ -68,9 +68,31 @@ class PipelinedOptimizer:
         """Every stage's groups, in stage order (the dicts themselves: setting `lr` here sets it there)."""
         return [group for opt in self.optimizers.values() for group in opt.param_groups]
 
-    def step(self) -> None:
+    def step(self, skip_if: torch.Tensor | None = None) -> None:
+        """One update of every stage. `skip_if` (a float32 scalar on the device, 1.0 or 0.0; only where
+        `skips_on_device` is true) makes the update a no-op on the device when it is 1.0, without the host
+        reading it first: the fused Adam kernels' `found_inf` input, which returns before touching parameters
+        or moments and takes back the step count it added."""
+        if skip_if is None:
+            for opt in self.optimizers.values():
+                opt.step()
+            return
+        if not self.skips_on_device:
+            raise RuntimeError("step(skip_if=...) needs fused Adam/AdamW stages with state (skips_on_device)")
         for opt in self.optimizers.values():
-            opt.step()
+            opt.found_inf = skip_if  # type: ignore[attr-defined]  # read by Adam.step (torch's GradScaler API)
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf  # type: ignore[attr-defined]
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether `step(skip_if=...)` can skip on the device: every stage is a fused torch Adam/AdamW whose
+        state already exists for every parameter. The first step creates that state (a skip there would
+        create it too, which a host-side skip does not), so it, and any other optimizer, decide on the
+        host."""
+        return all(_fused_adam_with_state(opt) for opt in self.optimizers.values())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers.values():
@@ -145,3 +167,9 @@ class PipelinedLRScheduler:
             )
         for scheduler, state in zip(self.schedulers.values(), states, strict=True):
             scheduler.load_state_dict(dict(state))
+
+
+def _fused_adam_with_state(opt: Optimizer) -> bool:
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or not opt.defaults.get("fused"):
+        return False
+    return all(p in opt.state for group in opt.param_groups for p in group["params"])
