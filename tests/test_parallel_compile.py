@@ -291,10 +291,11 @@ def _compiled_parallel_cases(env: RankEnv) -> None:
         got = distributed_run(model, sync, local, _task_loss, max_norm=0.5)
         assert_runs_close(got, reference, f"compiled {name} {params}")
         assert report.stats.failure is None, (name, params, report.stats.failure)
-        if params.data_parallel_replicate > 1:
-            # replicated parameters are swapped to local tensors around each block, not inside it: the
-            # blocks share one graph (per-submodule hooks recompiled every block)
-            assert report.stats.graphs == 1, report.stats.graphs
+        if name == "qwen3":
+            # replicated parameters are swapped to local tensors, and tp-summed ones (q/k norms) to their
+            # gradient-summing views, around each block, not inside it: the blocks share one graph
+            # (per-submodule hooks recompiled every block, up to dynamo's limit of 8, then ran eager)
+            assert report.stats.graphs == 1, (params, report.stats.graphs)
         sync.close()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -48,9 +49,23 @@ def _vocab(env: RankEnv) -> None:
     want = F.cross_entropy(ref_h @ ref_w.t(), labels.reshape(-1), ignore_index=-100, reduction="none")
     (want * dy.reshape(-1)).sum().backward()
     h = hidden.reshape(-1, DIM).clone().requires_grad_()
-    got = vocab_parallel_cross_entropy(
-        sum_gradient(h, group), local, starts, labels.reshape(-1), group, chunk_size=3
-    )
+    issued: list[int] = []
+    original = dist.all_reduce
+
+    def recording(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+        issued.append(tensor.numel())
+        return original(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+    dist.all_reduce = recording  # type: ignore[assignment]
+    try:
+        got = vocab_parallel_cross_entropy(
+            sum_gradient(h, group), local, starts, labels.reshape(-1), group, chunk_size=3
+        )
+    finally:
+        dist.all_reduce = original
+    # One collective for all three chunks (per-token statistics of every rank + the target logit); it was a
+    # MAX and a SUM all-reduce per chunk.
+    assert issued == [(env.world_size + 1) * 8], issued
     (got * dy.reshape(-1)).sum().backward()
     torch.testing.assert_close(got, want)
     close = {"rtol": 1e-7, "atol": 1e-9}
@@ -103,7 +118,6 @@ def test_vocab_parallel_matches_single_process() -> None:
 
 
 def _summed_gradient_order(env: RankEnv) -> None:
-    import torch.distributed as dist
     from torch import nn
 
     from d9d.parallel.local_params import sum_gradients_over

@@ -141,11 +141,19 @@ def compute_with_local_parameters(
         views.local.update(dict.fromkeys(_key(views, module, name) for name in sorted(names)))
 
 
-def sum_gradients_over(module: nn.Module, names: set[str], group: dist.ProcessGroup) -> None:
-    """From now on the gradients of the direct parameters `names` of `module` are summed over `group`."""
+def sum_gradients_over(
+    module: nn.Module, names: set[str], group: dist.ProcessGroup, *, trigger: nn.Module | None = None
+) -> None:
+    """From now on the gradients of the direct parameters `names` of `module` are summed over `group`.
+
+    `trigger` (default `module`) is the module whose forward swaps the views in, e.g. the decoder block
+    holding `module`: a compiled block (d9d.parallel.compile) runs its own hooks eagerly but traces those of
+    its submodules, and a submodule's hook closes over per-layer state (the module's id in the view key),
+    which dynamo guards on, so every block would compile its own graph (and past dynamo's recompile limit
+    the remaining blocks run eagerly, with DTensor dispatch under tensor parallelism)."""
     _check(module, names)
     if dist.get_world_size(group) == 1:
         return
-    views = _views(module)
+    views = _views(trigger if trigger is not None else module)
     for name in sorted(names):
         views.grad_groups.setdefault(_key(views, module, name), []).append(group)

@@ -74,11 +74,12 @@ def tensor_parallel_prenorm_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequenc
             "input_layernorm / post_attention_layernorm and a GroupedQueryAttention self_attn"
         )
     assert isinstance(norms[0], RMSNorm) and isinstance(norms[1], RMSNorm)
-    parallelize_norm_tp(norms[0], tp_mesh, sequence_parallel=sp)
-    parallelize_attention_tp(attention, tp_mesh, sequence_parallel=sp)
-    parallelize_norm_tp(norms[1], tp_mesh, sequence_parallel=sp)
+    # `unit=layer`: gradient-summing views swap in around the block, outside its compiled forward
+    parallelize_norm_tp(norms[0], tp_mesh, sequence_parallel=sp, unit=layer)
+    parallelize_attention_tp(attention, tp_mesh, sequence_parallel=sp, unit=layer)
+    parallelize_norm_tp(norms[1], tp_mesh, sequence_parallel=sp, unit=layer)
     if isinstance(mlp, MoELayer):
-        parallelize_moe_tp(mlp, tp_mesh, sequence_parallel=sp)
+        parallelize_moe_tp(mlp, tp_mesh, sequence_parallel=sp, unit=layer)
     elif isinstance(mlp, SwiGLU):
         parallelize_swiglu_tp(mlp, tp_mesh, sequence_parallel=sp)
     else:

@@ -72,13 +72,14 @@ def tensor_parallel_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     sp = sequence_parallel
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
         assert isinstance(norm, RMSNorm)
-        parallelize_norm_tp(norm, tp_mesh, sequence_parallel=sp)
+        # `unit=layer`: gradient-summing views swap in around the block, outside its compiled forward
+        parallelize_norm_tp(norm, tp_mesh, sequence_parallel=sp, unit=layer)
     attention = layer.self_attn
     assert isinstance(attention, MultiHeadLatentAttention)
     parallelize_latent_attention_tp(attention, tp_mesh, sequence_parallel=sp)
     mlp = layer.mlp
     if isinstance(mlp, MoELayer):
-        parallelize_moe_tp(mlp, tp_mesh, sequence_parallel=sp)
+        parallelize_moe_tp(mlp, tp_mesh, sequence_parallel=sp, unit=layer)
     else:
         assert isinstance(mlp, SwiGLU)
         parallelize_swiglu_tp(mlp, tp_mesh, sequence_parallel=sp)

@@ -9,6 +9,10 @@ attention derives its local head count from the projection outputs.
 Parameters replicated over tp whose input differs per tp rank get their gradient summed over tp
 (`sum_gradients_over`): per-head q/k norms (each rank normalizes its own heads), block norms under
 sequence parallelism (each rank normalizes its own tokens), and everything in a token-split MoE layer.
+Their views are swapped in around the forward of `unit`, the decoder block, when given: a compiled block
+traces its submodules' hooks, and per-submodule views made dynamo guard on each layer's own modules (one
+graph per layer; 8 graphs on the 28-layer Qwen3-0.6B, then dynamo's recompile limit ran the other 20
+layers eagerly, with DTensor dispatch).
 
 MoE layers are not split by columns: each tp rank runs the layer on its share of the tokens (its
 sequence chunk, which sequence parallelism already provides), so every token is routed exactly once in
@@ -54,9 +58,15 @@ def _row_output(sequence_parallel: bool) -> RowwiseParallel:
 
 
 def parallelize_attention_tp(
-    attention: GroupedQueryAttention, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False
+    attention: GroupedQueryAttention,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    unit: nn.Module | None = None,
 ) -> None:
-    """Split heads over `tp_mesh` (num_heads and num_kv_heads must be divisible by its size)."""
+    """Split heads over `tp_mesh` (num_heads and num_kv_heads must be divisible by its size).
+
+    `unit`: the compiled block holding `attention` (see the module doc); default `attention` itself."""
     tp = tp_mesh.size()
     heads, kv_heads = (
         attention.q_proj.out_features // attention.head_dim,
@@ -79,7 +89,7 @@ def parallelize_attention_tp(
     )
     for norm in (attention.q_norm, attention.k_norm):
         if norm is not None:
-            sum_gradients_over(norm, {"weight"}, tp_mesh.get_group())
+            sum_gradients_over(norm, {"weight"}, tp_mesh.get_group(), trigger=unit or attention)
 
 
 def parallelize_swiglu_tp(mlp: SwiGLU, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
@@ -99,7 +109,9 @@ def parallelize_swiglu_tp(mlp: SwiGLU, tp_mesh: DeviceMesh, *, sequence_parallel
     )
 
 
-def parallelize_moe_tp(moe: MoELayer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+def parallelize_moe_tp(
+    moe: MoELayer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False, unit: nn.Module | None = None
+) -> None:
     """Run `moe` on this tp rank's share of the tokens (sequence dim 1).
 
     Without sequence parallelism the replicated input is split along the sequence and the output
@@ -112,7 +124,7 @@ def parallelize_moe_tp(moe: MoELayer, tp_mesh: DeviceMesh, *, sequence_parallel:
             name for name, param in module.named_parameters(recurse=False) if not isinstance(param, DTensor)
         }
         if names:
-            sum_gradients_over(module, names, group)
+            sum_gradients_over(module, names, group, trigger=unit or moe)
 
     def split(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         # Tokens arrive split already under sequence parallelism; the optional token mask (args[1],
@@ -132,7 +144,9 @@ def parallelize_moe_tp(moe: MoELayer, tp_mesh: DeviceMesh, *, sequence_parallel:
     moe.register_forward_hook(gather)
 
 
-def parallelize_norm_tp(norm: RMSNorm, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+def parallelize_norm_tp(
+    norm: RMSNorm, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False, unit: nn.Module | None = None
+) -> None:
     """A block norm on the residual stream: nothing to do unless it sees only this rank's tokens."""
     if sequence_parallel:
-        sum_gradients_over(norm, {"weight"}, tp_mesh.get_group())
+        sum_gradients_over(norm, {"weight"}, tp_mesh.get_group(), trigger=unit or norm)

@@ -1,8 +1,11 @@
 """Cross-entropy of a vocabulary-parallel linear head, without gathering the logits.
 
 Each tensor-parallel rank holds some rows of the vocabulary projection. Per chunk of tokens a rank
-computes its local logits; the softmax normalizer needs the global max (all-reduce MAX) and the global
-sum of exponentials, and the target logit lives on exactly one rank, so both go through one all-reduce SUM.
+computes its local logits and keeps two numbers per token: the log-sum-exp over its own columns and, on
+the one rank owning it, the target logit. One all-reduce SUM per call after the chunk loop combines them
+(the global normalizer is the log-sum-exp of the ranks' log-sum-exps), so the collective count does not
+grow with the number of chunks (it was a MAX and a SUM all-reduce per chunk: 32 per microbatch of 16k
+tokens at chunk 1024).
 Backward recomputes the local logits (like the single-device chunked head) and returns this rank's
 *partial* gradient for the hidden states: the caller's tensor-parallel region (`sum_gradient` or
 `gather_sum_grad`) sums it over the group exactly once.
@@ -52,26 +55,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         *weights: torch.Tensor,
     ) -> torch.Tensor:
         sizes = [w.shape[0] for w in weights]
-        losses = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
-        lse = torch.empty_like(losses)
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        # Row r holds rank r's log-sum-exp over its own columns, the last row the target logit (from the
+        # one rank owning it); other ranks' rows stay 0, so one SUM all-reduce after the chunk loop gathers
+        # everything, instead of a MAX and a SUM per chunk (two collectives per chunk, on the critical path
+        # of every chunk's loss).
+        stats = torch.zeros(
+            size + 1, hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device
+        )
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             logits = _local_logits(hidden[start:end], weights)
-            chunk_labels = labels[start:end]
             if logits.shape[1]:
-                peak = logits.amax(-1)
-            else:
-                peak = torch.full_like(losses[start:end], float("-inf"))
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            column = _target_columns(chunk_labels, starts, sizes)
-            target = torch.where(column >= 0, logits.gather(1, column.clamp(min=0)[:, None]).squeeze(1), 0.0)
-            if not logits.shape[1]:
-                target = torch.zeros_like(peak)
-            sums = torch.stack([torch.exp(logits - peak[:, None]).sum(-1), target])
-            dist.all_reduce(sums, group=group)
-            chunk_lse = peak + torch.log(sums[0])
-            losses[start:end] = torch.where(chunk_labels != ignore_index, chunk_lse - sums[1], 0.0)
-            lse[start:end] = chunk_lse
+                stats[rank, start:end] = torch.logsumexp(logits, dim=-1)
+                column = _target_columns(labels[start:end], starts, sizes)
+                stats[size, start:end] = torch.where(
+                    column >= 0, logits.gather(1, column.clamp(min=0)[:, None]).squeeze(1), 0.0
+                )
+            else:  # owning no column: contributes nothing to the normalizer
+                stats[rank, start:end] = float("-inf")
+        dist.all_reduce(stats, group=group)
+        lse = torch.logsumexp(stats[:size], dim=0)
+        losses = torch.where(labels != ignore_index, lse - stats[size], 0.0)
         ctx.save_for_backward(hidden, labels, lse, *weights)
         ctx.starts, ctx.sizes = starts, sizes
         ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index

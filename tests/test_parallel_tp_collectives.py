@@ -1,0 +1,106 @@
+"""Tensor parallelism's per-step cost on gloo: the collectives one microbatch's forward and backward issue
+(counted with the profiler against the plan's expected count) and, compiled, one graph for all blocks.
+
+A per-layer collective count that grows (a redistribution a local tensor would avoid, a per-chunk loss
+collective) or a graph per layer (per-layer hook state inside the compiled block: past dynamo's recompile
+limit the remaining layers run eagerly, with DTensor dispatch) is what made TP 2 run at a quarter of one
+GPU's throughput."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
+
+from d9d.core import DeviceMeshParameters, DistributedContext
+from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, parallelize_qwen3
+from d9d.parallel.compile import CompileConfig, compile_stage
+from tests.harness import RankEnv, run_distributed
+
+pytestmark = pytest.mark.distributed
+
+LAYERS = 4
+FUNCTIONAL = "_c10d_functional::"  # DTensor's collectives (their gloo work shows as c10d::allreduce_ too)
+
+
+def _model() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=16,
+        num_layers=LAYERS,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=24,
+        attention_backend="torch",
+        loss_chunk_size=5,  # 16 tokens: 4 loss chunks
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def _step(model: torch.nn.Module) -> Counter[str]:
+    """One microbatch's forward and backward: DTensor's functional collectives by op (profiler), plain
+    `dist.all_reduce` calls (the d9d autograd functions') as `all_reduce`."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (2, 9), generator=g)
+    plain = 0
+    original = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        nonlocal plain
+        plain += 1
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(input_ids=ids[:, :-1], labels=ids[:, 1:])["loss"].sum().backward()
+    finally:
+        dist.all_reduce = original
+    out = Counter(
+        {
+            e.key: e.count
+            for e in prof.key_averages()
+            if e.key.startswith(FUNCTIONAL) and not e.key.endswith(("wait_tensor", "_wrap_tensor_autograd"))
+        }
+    )
+    out["all_reduce"] = plain
+    return out
+
+
+def _collectives(env: RankEnv) -> None:
+    ctx = DistributedContext.create(DeviceMeshParameters(tensor_parallel=2), backend="gloo")
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _model()
+        parallelize_qwen3(model, ctx)
+        report = compile_stage(model, CompileConfig(enabled=compiled, backend="aot_eager"), ctx.device)
+        _step(model)  # warm-up (compiles)
+        got = _step(model)
+        # DTensor (functional) all-reduces: per layer the two row-parallel outputs (o_proj, down_proj) in
+        # forward and the two column-parallel inputs' gradients in backward; nothing else is redistributed.
+        # Plain all-reduces: the embedding's partial rows, per layer the q and k norm gradients (each rank
+        # normalizes its own heads), the head's input gradient, and one for the whole vocab-parallel loss.
+        want = Counter(
+            {
+                FUNCTIONAL + "all_reduce": 4 * LAYERS,
+                "all_reduce": 1 + 2 * LAYERS + 1 + 1,
+            }
+        )
+        assert got == want, (compiled, got)
+        if compiled:
+            assert report.stats.failure is None, report.stats.failure
+            assert report.stats.graphs == 1, report.stats.graphs
+            assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+def test_tp_collectives_per_microbatch_and_one_compiled_graph() -> None:
+    run_distributed(_collectives, 2, timeout=300)
