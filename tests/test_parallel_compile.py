@@ -19,6 +19,7 @@ from d9d.parallel.compile import (
     CompileReport,
     check_compile_available,
     compile_stage,
+    regions_at_recompile_limit,
 )
 from d9d.pipeline.api import PipelineStageInfo
 from tests.harness import RankEnv, run_distributed
@@ -114,6 +115,19 @@ def test_all_blocks_share_one_graph_without_breaks() -> None:
         _loss(compiled, _batch(seq)).backward()
     assert report.stats.graphs == 4  # each window once more, with a dynamic length
     assert report.stats.failure is None and report.stats.compile_seconds > 0
+
+
+def test_a_region_at_the_recompile_limit_is_found() -> None:
+    """Dynamo runs layers past its recompile limit eagerly without raising; `regions_at_recompile_limit`
+    (which the engine warns with after the first step) finds the region from its cache entries. Two
+    windows are two legitimate variants: under a limit of 2 that is the limit, under the default it is not."""
+    config = _config(num_layers=4, sliding_window=4, sliding_window_layers=(3,))
+    compiled = _model(config)
+    compile_stage(compiled, CompileConfig(enabled=True, fullgraph=True, backend="aot_eager"), CPU)
+    _loss(compiled, _batch(16)).backward()
+    assert regions_at_recompile_limit() == []
+    with torch._dynamo.config.patch(recompile_limit=2):
+        assert regions_at_recompile_limit() == ["decoder_blocks"]
 
 
 def test_pipeline_stage_compiles_only_its_layers_and_the_opt_in_loss_head() -> None:

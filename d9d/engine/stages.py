@@ -32,6 +32,7 @@ from d9d.parallel.compile import (
     check_compile_available,
     compile_enabled,
     compile_stage,
+    regions_at_recompile_limit,
 )
 from d9d.parallel.grad_sync import unsynced_params
 from d9d.pipeline.api import PipelineStageInfo
@@ -164,15 +165,25 @@ def _log_compile(ctx: DistributedContext, reports: list[CompileReport], *, split
 
 
 def log_compile_warmup(ctx: DistributedContext, stages: Stages) -> None:
-    """After the first step (when the compiled regions have been traced and compiled): how long it took."""
+    """After the first step (when the compiled regions have been traced and compiled): how long it took,
+    and a warning if a region reached dynamo's recompile limit (its later layers then run eagerly)."""
     if not ctx.is_main_process:
         return
-    for report in stages.compile_reports:
-        if report.enabled:
-            stats = report.stats
-            ctx.logger.info(
-                "compile warm-up: %.1f s, %d graph(s)%s",
-                stats.compile_seconds,
-                stats.graphs,
-                f"; fell back to eager: {stats.failure}" if stats.failure else "",
-            )
+    enabled = [report for report in stages.compile_reports if report.enabled]
+    for report in enabled:
+        stats = report.stats
+        ctx.logger.info(
+            "compile warm-up: %.1f s, %d graph(s)%s",
+            stats.compile_seconds,
+            stats.graphs,
+            f"; fell back to eager: {stats.failure}" if stats.failure else "",
+        )
+    at_limit = regions_at_recompile_limit() if enabled else []
+    if at_limit:
+        ctx.logger.warning(
+            "compile: %s reached torch._dynamo's recompile_limit (%d compiled variants): the layers after it "
+            "run eagerly, which is slow. Layers should share one graph; something differs between them "
+            "(run with TORCH_LOGS=recompiles to see what) — please report it",
+            ", ".join(at_limit),
+            int(torch._dynamo.config.recompile_limit),
+        )

@@ -185,6 +185,29 @@ _REGION_FUNCTIONS: dict[CompileRegion, Callable[..., Any]] = {
 }
 
 
+def regions_at_recompile_limit() -> list[str]:
+    """The region functions whose compiled variants have reached dynamo's `recompile_limit`.
+
+    All layers share one code object per region kind, so a property that differs from layer to layer (a
+    hook holding the layer's own objects, a per-layer Python attribute) makes dynamo compile one variant per
+    layer until the limit, after which it runs the remaining layers eagerly without raising: slow, and
+    silent unless someone reads dynamo's own log. Empty where torch does not expose the cache entries."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return []
+    limit = int(torch._dynamo.config.recompile_limit)
+    functions: list[tuple[str, Callable[..., Any]]] = [
+        *_REGION_FUNCTIONS.items(),
+        ("decoder_blocks (op-level checkpoint)", _checkpointed_decoder_block),
+    ]
+    return [
+        name
+        for name, fn in functions
+        if len(_debug_get_cache_entry_list(fn.__code__)) >= limit  # type: ignore[attr-defined]
+    ]
+
+
 def _eager_backward_lowering() -> bool:
     """Whether AOTAutograd can compile the backward together with the forward (so a backward compile
     failure surfaces in the forward call, where the fallback catches it)."""
