@@ -144,3 +144,29 @@ def test_cluster_section_is_left_to_the_cluster(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cluster: Extra inputs"):
         load_config(path)
     assert load_config(path, ignore_sections=["cluster"]).run.name == "t"
+
+
+def test_deferred_weight_grads_need_a_split_backward_schedule_and_no_fullgraph() -> None:
+    """`compile.defer_weight_grads` only means something where a weight pass exists (pp > 1 and a schedule
+    that splits backward), and its graph breaks are what `fullgraph` refuses: each error names the keys."""
+    defer = {"compile": {"defer_weight_grads": True}}
+    pp2 = {**BASE, "mesh": {"pipeline_parallel": 2}, **defer}
+    for kind in ("zb1p", "zbv", "dualpipev"):
+        assert parse_config({**pp2, "pipelining": {"kind": kind}}).compile.defer_weight_grads
+    for kind in ("1f1b", "interleaved_1f1b", "gpipe"):
+        with pytest.raises(
+            ConfigError, match=rf"compile\.defer_weight_grads with pipelining\.kind={kind}: .*zbv"
+        ):
+            parse_config({**pp2, "pipelining": {"kind": kind}})
+    with pytest.raises(
+        ConfigError, match=r"compile\.defer_weight_grads without pipelining .*pipelining\.kind zb1p"
+    ):
+        parse_config({**BASE, **defer})
+    with pytest.raises(ConfigError, match=r"compile\.defer_weight_grads with compile\.fullgraph"):
+        parse_config(
+            {
+                **pp2,
+                "pipelining": {"kind": "zbv"},
+                "compile": {"defer_weight_grads": True, "fullgraph": True},
+            }
+        )

@@ -80,9 +80,16 @@ def _text_config(
     }
 
 
-def _text_runs(env: RankEnv, runs: list[tuple[str, dict[str, int], str | None, str]]) -> None:
+def _text_runs(
+    env: RankEnv,
+    runs: list[tuple[str, dict[str, int], str | None, str]],
+    compile_section: dict[str, Any] | None = None,
+) -> None:
     for name, mesh, schedule, data in runs:
-        config = parse_config(_text_config(env.tmp_dir, name, mesh, schedule, data))
+        raw = _text_config(env.tmp_dir, name, mesh, schedule, data)
+        if compile_section is not None:
+            raw["compile"] = compile_section
+        config = parse_config(raw)
         runtime = RankRuntime(
             rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
         )
@@ -124,6 +131,22 @@ def test_pipelines_train_on_the_text_providers_batches(tmp_path: Path) -> None:
         losses = torch.tensor(torch.load(tmp_path / f"{name}.pt"))
         assert len(reference) == 3
         torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.distributed
+def test_zbv_with_compiled_blocks_and_deferred_weight_grads_equals_one_process(tmp_path: Path) -> None:
+    """ZBV over compiled blocks whose projections stay eager (`compile.defer_weight_grads`, aot_eager: the
+    same graphs as inductor without its slow CPU code generation), against one eager process."""
+    _write_corpus(tmp_path)
+    make_hf_qwen3(tmp_path / "hf-dense", num_layers=6, vocab_size=259)
+    run_distributed(_text_runs, 1, [("one-padded", {}, None, "padded")], tmp_dir=tmp_path, timeout=300)
+    run = ("pp2-zbv-deferred", {"pipeline_parallel": 2}, "zbv", "padded")
+    compile_section = {"enabled": True, "backend": "aot_eager", "defer_weight_grads": True}
+    run_distributed(_text_runs, 2, [run], compile_section, tmp_dir=tmp_path, timeout=300)
+    reference = torch.tensor(torch.load(tmp_path / "one-padded.pt"))
+    losses = torch.tensor(torch.load(tmp_path / "pp2-zbv-deferred.pt"))
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.distributed

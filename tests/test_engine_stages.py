@@ -119,14 +119,26 @@ def test_a_compile_config_that_cannot_work_here_fails_before_any_stage_is_built(
 
 
 @pytest.mark.parametrize(
-    ("split_backward", "enabled", "modules", "warned"),
-    [(True, True, 28, True), (False, True, 28, False), (True, False, 0, False), (True, True, 0, False)],
+    ("split_backward", "enabled", "modules", "deferred", "warned"),
+    [
+        (True, True, 28, False, True),
+        (False, True, 28, False, False),
+        (True, False, 0, False, False),
+        (True, True, 0, False, False),
+        (True, True, 28, True, False),  # compile.defer_weight_grads: the weight passes get the projections
+    ],
 )
 def test_a_split_backward_schedule_over_compiled_regions_is_warned_about(
-    caplog: pytest.LogCaptureFixture, split_backward: bool, enabled: bool, modules: int, warned: bool
+    caplog: pytest.LogCaptureFixture,
+    split_backward: bool,
+    enabled: bool,
+    modules: int,
+    deferred: bool,
+    warned: bool,
 ) -> None:
     """Zero-bubble schedules defer no weight gradient of a compiled block: the build says so, once, where it
-    applies (compiled regions present and a schedule that splits backward), and nowhere else."""
+    applies (compiled regions present, a schedule that splits backward, the projections compiled with the
+    block), naming `compile.defer_weight_grads` as a remedy, and nowhere else."""
     import logging
     from types import SimpleNamespace
 
@@ -135,7 +147,13 @@ def test_a_split_backward_schedule_over_compiled_regions_is_warned_about(
 
     logger = logging.getLogger("test-stages-compile")
     ctx = SimpleNamespace(is_main_process=True, logger=logger)
-    report = CompileReport(enabled=enabled, regions=("decoder_blocks",), reason="test", modules=modules)
+    report = CompileReport(
+        enabled=enabled,
+        regions=("decoder_blocks",),
+        reason="test",
+        modules=modules,
+        deferred_weight_grads=deferred,
+    )
     with caplog.at_level(logging.INFO, logger=logger.name):
         _log_compile(ctx, [report, report], split_backward=split_backward)  # type: ignore[arg-type]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -143,3 +161,4 @@ def test_a_split_backward_schedule_over_compiled_regions_is_warned_about(
     if warned:
         assert "weight gradients in the input pass" in warnings[0].getMessage()
         assert "1f1b" in warnings[0].getMessage()
+        assert "compile.defer_weight_grads: true" in warnings[0].getMessage()

@@ -421,3 +421,129 @@ def test_compiled_regions_get_their_weight_gradients_in_the_input_pass() -> None
     )
     runtime.backward_weight(0)
     assert all(p.grad is not None for p in stage.parameters())
+
+
+# -- compile.defer_weight_grads: the projections stay eager, so a weight pass gets their gradients ---------
+
+DEFER = CompileConfig(enabled=True, backend="aot_eager", defer_weight_grads=True)
+
+
+def _moe_config(num_layers: int) -> Qwen3Config:
+    from d9d.models.qwen3_moe import Qwen3MoEConfig
+
+    return Qwen3MoEConfig(
+        **_config(num_layers=num_layers).model_dump(),
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+
+
+def _stage_model(config: Qwen3Config, info: PipelineStageInfo) -> Qwen3ForCausalLM:
+    if hasattr(config, "num_experts"):
+        from d9d.models.qwen3_moe import Qwen3MoEForCausalLM
+
+        torch.manual_seed(0)
+        return Qwen3MoEForCausalLM(config, info)  # type: ignore[arg-type]  # a Qwen3Config subclass
+    return _model(config, info)
+
+
+def _projection_weights(stage: nn.Module) -> dict[str, nn.Parameter]:
+    """The weights `defer_weight_grads` keeps out of the compiled graphs: every Linear's and the experts'."""
+    from d9d.modules.moe import GroupedExperts
+
+    return {
+        f"{name}.{p_name}": p
+        for name, module in stage.named_modules()
+        if isinstance(module, nn.Linear | GroupedExperts) and ".layers." in f".{name}"
+        for p_name, p in module.named_parameters()
+    }
+
+
+def _split_step(
+    stage: nn.Module, info: PipelineStageInfo, hidden: torch.Tensor, labels: torch.Tensor
+) -> set[str]:
+    """One microbatch through a last stage with split backward; the parameters that had a gradient after the
+    input pass."""
+    from d9d.pipeline.runtime.stage import StageRuntime
+
+    runtime = StageRuntime(stage, info)
+
+    def loss_fn(outputs: dict[str, torch.Tensor], mb: int) -> _Loss:
+        return _Loss(outputs["loss"].sum(), torch.tensor(1.0))
+
+    runtime.forward(
+        0, {"labels": labels}, {"hidden_states": hidden}, loss_fn=loss_fn, output_fn=None, loss_scale=1.0
+    )
+    runtime.backward(0, None, split=True)
+    after_input = {n for n, p in stage.named_parameters() if p.grad is not None}
+    runtime.backward_weight(0)
+    return after_input
+
+
+def _full_grads(stage: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    stage(hidden_states=hidden.clone().requires_grad_(), labels=labels)["loss"].sum().backward()
+    return {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("variant", ["dense", "whole-layer-checkpointing", "moe"])
+def test_deferred_weight_grads_leave_the_projections_to_the_weight_pass(variant: str) -> None:
+    """With `defer_weight_grads` under split backward, the input pass leaves every projection weight without
+    a gradient and the weight pass gives it; the gradients equal an eager full backward's and a compiled
+    (whole-block graph) full backward's. Whole-layer checkpointing wraps the compiled block call and
+    replays it in either pass; the routed experts' grouped matmuls are deferred like the Linears."""
+    config = _moe_config(3) if variant == "moe" else _config(num_layers=3)
+    info = PipelineStageInfo(1, 2)  # the last stage: two layers, the final norm and the head
+    hidden, labels = torch.randn(2, 8, 32), _batch(8)["labels"]
+    eager = _full_grads(_stage_model(config, info), hidden, labels)
+    whole = _stage_model(config, info)
+    compile_stage(whole, CompileConfig(enabled=True, backend="aot_eager"), CPU, split_backward=True)
+    compiled = _full_grads(whole, hidden, labels)
+
+    stage = _stage_model(config, info)
+    if variant == "whole-layer-checkpointing":
+        stage.model.set_activation_checkpointing()
+    report = compile_stage(stage, DEFER, CPU, split_backward=True)
+    assert report.deferred_weight_grads and "projections eager" in report.reason
+    projections = _projection_weights(stage)
+    # per layer: q, k, v, o and the MLP's gate, up, down, or the experts' gate_up_proj and down_proj
+    assert len(projections) == 2 * (6 if variant == "moe" else 7)
+    after_input = _split_step(stage, info, hidden, labels)
+    assert not after_input & set(projections), sorted(after_input & set(projections))
+    assert "model.layers.1.input_layernorm.weight" in after_input  # the norms stay compiled: input pass
+    assert report.stats.failure is None and counters["graph_break"]  # breaks by design, no fallback
+    for name, param in stage.named_parameters():
+        # Not bitwise: the input pass sums the gradients meeting at a residual in another order than a full
+        # backward does (an eager stage's split backward differs from its full one by as much).
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, eager[name], rtol=1e-5, atol=1e-8, msg=f"eager {name}")
+        torch.testing.assert_close(param.grad, compiled[name], rtol=1e-5, atol=1e-8, msg=f"compiled {name}")
+
+
+def test_deferred_weight_grads_compile_one_set_of_graphs_for_any_number_of_layers() -> None:
+    """The fragments between the projections are keyed on code objects every layer shares: 2 and 4 layers
+    compile the same graphs, and a second step compiles nothing."""
+    graphs = {}
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _model(_config(num_layers=layers))
+        report = compile_stage(model, DEFER, CPU, split_backward=True)
+        assert report.modules == layers
+        _loss(model, _batch(16, seed=0)).backward()
+        graphs[layers] = report.stats.graphs
+        assert graphs[layers] == counters["stats"]["unique_graphs"] > 1  # several fragments per block
+        _loss(model, _batch(16, seed=1)).backward()
+        assert report.stats.graphs == graphs[layers]  # no recompilation
+        assert report.stats.failure is None
+    assert graphs[2] == graphs[4]
+
+
+def test_deferred_weight_grads_need_split_backward_and_exclude_fullgraph() -> None:
+    """Without split backward the option changes nothing (no weight pass); with fullgraph it is refused."""
+    model = _model()
+    report = compile_stage(model, DEFER, CPU, split_backward=False)
+    assert not report.deferred_weight_grads and "projections" not in report.reason
+    assert "forward" not in vars(model.model.layers["0"].self_attn.q_proj)
+    with pytest.raises(ValueError, match=r"compile\.defer_weight_grads with compile\.fullgraph"):
+        CompileConfig(defer_weight_grads=True, fullgraph=True)

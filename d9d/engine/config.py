@@ -334,6 +334,27 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_deferred_weight_grads(self) -> Self:
+        if not self.compile.defer_weight_grads:
+            return self
+        pp = self.mesh.pipeline_parallel
+        if pp == 1:
+            raise ValueError(
+                "compile.defer_weight_grads without pipelining (mesh.pipeline_parallel = 1): it defers the "
+                "compiled blocks' weight gradients to a zero-bubble schedule's weight pass, and a job "
+                "without pipeline stages has none; remove it, or pipeline with pipelining.kind zb1p, zbv or "
+                "dualpipev"
+            )
+        accumulation = self.batching.gradient_accumulation(self.mesh.data_parallel)
+        if not build_schedule(self.schedule, pp, accumulation).splits_backward:
+            raise ValueError(
+                f"compile.defer_weight_grads with pipelining.kind={self.schedule.kind}: this schedule runs "
+                "backward in one pass, so there is no weight pass to defer to and the option would only add "
+                "graph breaks; remove it, or use a schedule that splits backward (zb1p, zbv, dualpipev)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_context_parallel(self) -> Self:
         check_context_parallel(self.mesh, self.model, self.data, self.task)
         check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)

@@ -21,6 +21,15 @@ see opaque kernels). That function is compiled with `fullgraph`: a checkpoint dy
 run eagerly with Python side effects replayed, so a graph break there sends the stage to the eager fallback,
 where the backbone applies the same policy eagerly around the block call. A stack mixing both (`every: k`
 with `ops`) calls each of the two functions for its layers: one graph each, not one per layer.
+
+Deferred weight gradients (`defer_weight_grads`, with a pipeline schedule that splits backward): a compiled
+block's backward is one autograd node computing every gradient, so a zero-bubble schedule's weight pass would
+find nothing left to compute in it. The block's projections (`nn.Linear`, the routed experts) then call their
+forward through one `torch.compiler.disable`d function: dynamo breaks the graph around each call and compiles
+the code between them (the block's, attention's and MLP's forwards up to a projection, and the resume
+functions after one) as several graphs, each keyed on a code object shared by all layers, so still one set
+for the whole stack. The matmuls run eagerly and keep their own backward nodes, whose weight gradients the
+split backward defers (`d9d.pipeline.autograd.split_backward`).
 """
 
 from __future__ import annotations
@@ -30,10 +39,10 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 from torch._dynamo.utils import counters
@@ -41,6 +50,7 @@ from torch._dynamo.utils import counters
 from d9d.kernels.backend import has_triton
 from d9d.modules.checkpointing import take_delegated_policy, traced_checkpoint, traced_context_fn
 from d9d.modules.heads import CausalLMHead
+from d9d.modules.moe import GroupedExperts
 
 CompileRegion = Literal["decoder_blocks", "loss_head"]
 MIN_TORCH = (2, 11)
@@ -64,6 +74,17 @@ class CompileConfig(BaseModel):
       shape — only with fixed shapes (packing to `pack_length`), or the recompile limit is reached.
     - `backend`: `inductor` generates fused kernels; `aot_eager` traces the same graphs without code
       generation (to tell an inductor bug from a tracing problem, and for fast tests).
+    - `defer_weight_grads`: for pipeline schedules that split backward (`pipelining.kind` zb1p, zbv,
+      dualpipev; refused with any other schedule or without pipelining). A compiled block's backward is one
+      node that computes every gradient, so its weight gradients land in the input pass and the weight pass
+      has nothing to fill the bubble with. On: the projections inside each decoder block (every `nn.Linear`
+      of attention, MLP and shared experts, and the routed experts' grouped matmuls) run eagerly, outside
+      the compiled graphs; dynamo compiles the code between them (norms, rotary, attention core, activation,
+      residual adds) as several graphs, still shared by all layers, and the matmuls' own backward nodes let
+      the weight pass compute their weight gradients. Costs a graph break around each projection (more
+      compiled calls per layer, host overhead); the matmuls are the same library calls either way. Excludes
+      `fullgraph` (the block has graph breaks by design). The router's small gate matmul and the norms'
+      weights stay compiled, their gradients in the input pass.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -74,6 +95,17 @@ class CompileConfig(BaseModel):
     fullgraph: bool = False
     dynamic: bool | None = None
     backend: Literal["inductor", "aot_eager"] = "inductor"
+    defer_weight_grads: bool = False
+
+    @model_validator(mode="after")
+    def _check_defer_fullgraph(self) -> Self:
+        if self.defer_weight_grads and self.fullgraph:
+            raise ValueError(
+                "compile.defer_weight_grads with compile.fullgraph: deferring keeps each block's projections "
+                "out of its compiled graphs, a graph break around each by design, which fullgraph refuses; "
+                "set compile.fullgraph: false, or compile.defer_weight_grads: false"
+            )
+        return self
 
 
 @dataclass
@@ -95,6 +127,9 @@ class CompileReport:
     reason: str
     modules: int = 0
     stats: CompileStats = field(default_factory=CompileStats)
+    deferred_weight_grads: bool = False
+    """The blocks' projections run eagerly (`CompileConfig.defer_weight_grads` under split backward), so a
+    weight pass computes their weight gradients."""
 
 
 @runtime_checkable
@@ -291,6 +326,40 @@ class _RegionRunner:
         return out
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # untyped in torch
+def _eager_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A projection's class-level forward with dynamo off: a compiled caller graph-breaks around it."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+class _EagerProjection:
+    """Installed as a projection's `forward` inside a compiled block (`CompileConfig.defer_weight_grads`): the
+    call leaves the graph, so its matmul's backward stays an eager autograd node (x @ W), which the split
+    backward's input pass runs for dx only and its weight pass restarts for dW. One disabled function for all
+    projections (not a wrapper per module), so dynamo sees the same callee from every layer."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _eager_forward(self.module, *args, **kwargs)
+
+
+# What `defer_weight_grads` keeps out of the compiled blocks: every dense projection (attention, MLP, shared
+# expert and its gate) and the routed experts (their grouped matmuls, with the SwiGLU between them, which is
+# elementwise and cheap next to them).
+_PROJECTIONS = (nn.Linear, GroupedExperts)
+
+
+def _keep_projections_eager(block: nn.Module) -> int:
+    projections: list[nn.Module] = [m for m in block.modules() if isinstance(m, _PROJECTIONS)]
+    for module in projections:
+        # an instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks (TP's
+        # redistributions), which the graph break leaves outside the graph with the matmul
+        module.forward = _EagerProjection(module)
+    return len(projections)
+
+
 def _regions(stage: nn.Module, config: CompileConfig) -> Iterator[tuple[CompileRegion, nn.Module]]:
     for region in config.regions:
         match region:
@@ -315,7 +384,10 @@ def compile_stage(
     `split_backward`: the stage's backward runs in two autograd calls (a zero-bubble pipeline schedule's input
     and weight passes, `d9d.pipeline.autograd`), the first keeping the graph. A compiled backward then must
     not donate its saved buffers to its outputs (AOTAutograd's `donated_buffer`, which refuses a retained
-    graph: the second call would read overwritten activations); this turns donation off for the process."""
+    graph: the second call would read overwritten activations); this turns donation off for the process.
+    With `config.defer_weight_grads` it also keeps the decoder blocks' projections out of the compiled
+    graphs (see `CompileConfig`); without `split_backward` that option changes nothing (no weight pass to
+    defer to)."""
     if not compile_enabled(config, device):
         reason = "disabled" if config.enabled is False else f"off by default on {device.type}"
         return CompileReport(enabled=False, regions=(), reason=reason)
@@ -337,6 +409,10 @@ def compile_stage(
         )
         for region in config.regions
     }
+    defer = config.defer_weight_grads and split_backward
+    # The traced op-level checkpoint needs the whole block in one graph (fullgraph), which eager projections
+    # break; the config refuses op-level checkpointing with split-backward schedules anyway, and a block
+    # without `selective` leaves a policy to the backbone's eager checkpoint around the call.
     selective = (
         torch.compile(
             _checkpointed_decoder_block,
@@ -345,12 +421,14 @@ def compile_stage(
             fullgraph=True,
             dynamic=config.dynamic,
         )
-        if "decoder_blocks" in config.regions
+        if "decoder_blocks" in config.regions and not defer
         else None
     )
     regions: set[str] = set()
-    count = 0
+    count = projections = 0
     for region, module in _regions(stage, config):
+        if defer and region == "decoder_blocks":
+            projections += _keep_projections_eager(module)
         # an instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks
         module.forward = _RegionRunner(
             module, compiled[region], stats, aot_config, selective if region == "decoder_blocks" else None
@@ -359,5 +437,14 @@ def compile_stage(
         count += 1
     found = tuple(r for r in config.regions if r in regions)
     reason = f"compiled {count} modules ({', '.join(found) or 'none found'}), mode {config.mode}"
+    if defer:
+        reason += f", {projections} projections eager (weight gradients deferred)"
     logger.info("compile: %s", reason)
-    return CompileReport(enabled=bool(count), regions=found, reason=reason, modules=count, stats=stats)
+    return CompileReport(
+        enabled=bool(count),
+        regions=found,
+        reason=reason,
+        modules=count,
+        stats=stats,
+        deferred_weight_grads=defer and projections > 0,
+    )

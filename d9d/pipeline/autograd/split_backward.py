@@ -17,7 +17,9 @@ A parameter used on the input path in two places where one lies below the other 
 stage) would be counted twice that way; such parameters get their gradient in the input pass instead. So do
 the parameters of a `torch.compile`d region: its backward is one node that computes every gradient whenever
 it runs, so deferring them would run the region's backward twice; a compiled stage's weight pass keeps only
-what lies outside its compiled regions (embedding, final norm, loss head).
+what lies outside its compiled regions (embedding, final norm, loss head), unless the blocks' projections are
+kept out of the compiled graphs (`CompileConfig.defer_weight_grads`): their matmuls are then boundary nodes
+like any eager one.
 
 Gradients are summed per parameter and accumulated with one autograd call, so `.grad` accumulation hooks (the
 gradient synchronizer's) fire exactly once per parameter and microbatch, as in a plain backward.
