@@ -39,6 +39,7 @@ def _args(**overrides):
         "profile_steps": 3,
         "profile_trace": False,
         "concurrent_1gpu": False,
+        "numa_binding": None,
     }
     return argparse.Namespace(**{**args, **overrides})
 
@@ -487,3 +488,20 @@ def test_profile_across_ranks(prof_mod) -> None:
     text = prof_mod.render_ranks({"ranks": ranks, "across_ranks": spread, "slowest_rank_per_step": [1, 1]})
     assert "exposed communication" in text and "slowest rank per timed step: 1 1" in text
     assert "aten::copy_ 4.0x 1.00 ms" in text
+
+
+def test_numa_binding_reaches_every_torchrun_row_and_no_ray_row(bench, tmp_path: Path) -> None:
+    """`--numa-binding MODE` is torchrun's own flag, given to d9d's and torchtitan's torchrun rows alike (a
+    fair comparison); `d9d train` on Ray is not launched by torchrun and is left as it is."""
+    rows = {r.id: r for r in bench.all_rows(2, _args())}
+    for row_id in ("dense-fsdp", "titan-dense-fsdp", "dense-fsdp@ray"):
+        for binding in (None, "exclusive"):
+            row_dir = Path(tempfile.mkdtemp(dir=tmp_path))
+            cmd, _ = bench.row_command(rows[row_id], _args(numa_binding=binding), row_dir)
+            torchrun = "torch.distributed.run" in cmd
+            assert torchrun == (not row_id.endswith("@ray")), cmd
+            bound = "--numa-binding" in cmd
+            assert bound == (torchrun and binding is not None), cmd
+            if bound:
+                at = cmd.index("--numa-binding")
+                assert cmd[at + 1] == binding and at < cmd.index("-m", at), cmd  # a torchrun option
