@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +26,23 @@ pytestmark = pytest.mark.distributed
 # Over 4 ranks: split "a" gives 3, 3, 3, 1 rows, split "b" 1, 1, 1, 0 (the last rank owns none of it).
 SPLITS = {"a": 10, "b": 3}
 DIM = 5
+
+
+@contextmanager
+def _all_reduce_sizes() -> Iterator[list[int]]:
+    """The element count of every `dist.all_reduce` issued inside, in order."""
+    issued: list[int] = []
+    original = dist.all_reduce
+
+    def recording(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+        issued.append(tensor.numel())
+        return original(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+    dist.all_reduce = recording  # type: ignore[assignment]
+    try:
+        yield issued
+    finally:
+        dist.all_reduce = original
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,20 +69,10 @@ def _vocab(env: RankEnv) -> None:
     want = F.cross_entropy(ref_h @ ref_w.t(), labels.reshape(-1), ignore_index=-100, reduction="none")
     (want * dy.reshape(-1)).sum().backward()
     h = hidden.reshape(-1, DIM).clone().requires_grad_()
-    issued: list[int] = []
-    original = dist.all_reduce
-
-    def recording(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
-        issued.append(tensor.numel())
-        return original(tensor, *args, **kwargs)  # type: ignore[arg-type]
-
-    dist.all_reduce = recording  # type: ignore[assignment]
-    try:
+    with _all_reduce_sizes() as issued:
         got = vocab_parallel_cross_entropy(
             sum_gradient(h, group), local, starts, labels.reshape(-1), group, chunk_size=3
         )
-    finally:
-        dist.all_reduce = original
     # One collective for all three chunks (per-token statistics of every rank + the target logit); it was a
     # MAX and a SUM all-reduce per chunk.
     assert issued == [(env.world_size + 1) * 8], issued
@@ -130,18 +140,8 @@ def _summed_gradient_order(env: RankEnv) -> None:
         module.register_parameter(name, nn.Parameter(torch.ones(i + 1)))
     sum_gradients_over(module, set(names), dist.group.WORLD)  # type: ignore[arg-type]
     module.forward = lambda x: sum((x * getattr(module, n)).sum() for n in names)  # type: ignore[method-assign]
-    issued: list[int] = []
-    original = dist.all_reduce
-
-    def recording(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
-        issued.append(tensor.numel())
-        return original(tensor, *args, **kwargs)  # type: ignore[arg-type]
-
-    dist.all_reduce = recording  # type: ignore[assignment]
-    try:
+    with _all_reduce_sizes() as issued:
         module(torch.tensor(float(env.rank + 1))).backward()
-    finally:
-        dist.all_reduce = original
     del junk
     # Autograd runs the summing nodes in reverse order of creation, which is sorted-name order on every rank
     # (a set's order here would pair one parameter's gradient with another's across ranks).
