@@ -33,7 +33,8 @@ small Qwen3-MoE (16 layers, 16/4 heads, 64 experts top-8, moe ffn 512); `--model
 (16 layers, hidden 2048, 32/8 heads of 64, ffn 8192, vocab 128256, Llama 3.1 RoPE scaling; untied), against
 torchtitan's own `llama3` (not yet measured on a GPU). MFU = 6 × active parameters (incl.
 the LM head) + causal attention, against 989 TFLOP/s. `--profile` adds a per-category GPU-time breakdown of
-the d9d step (torch.profiler). Needs CUDA.
+the d9d and torchtitan steps (torch.profiler, GPU activity only) and the idle gaps by what ended them (with
+`--profile-ops`, the host op and d9d frame that launched the next kernel). Needs CUDA.
 
 `--model deepseek_v3`: a small DeepSeek-V3 of the MoE row's size (`common.DEEPSEEK_V3`: 16 layers, the first
 dense, hidden 1024, MLA with 16 heads, 64 experts top-8 + 1 shared, sigmoid, 4 of 8 groups; about 2.0B
@@ -63,7 +64,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from throughput.common import AC_MODES, MODEL_NAMES, TITAN_AC_MODES, AcMode
+from throughput.common import AC_MODES, MODEL_NAMES, PROFILE_STEPS, TITAN_AC_MODES, AcMode
 
 D9D_VARIANTS = ("compiled", "compiled-kernels", "eager", "eager-legacy")
 D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
@@ -176,8 +177,9 @@ def run_row(row: Row, args: argparse.Namespace) -> dict[str, Any]:
         case "torchtitan":
             from throughput import titan_peer
 
+            profiled = PROFILE_STEPS if args.profile else 0
             return titan_peer.run(
-                row.model, row.variant == "compile", args.steps, args.warmup, cast(AcMode, row.ac)
+                row.model, row.variant == "compile", args.steps, args.warmup, cast(AcMode, row.ac), profiled
             )
     raise ValueError(f"unknown peer {row.peer!r}")
 
@@ -380,7 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sample (every row)")
     parser.add_argument("--row-timeout", type=float, default=600.0)
     parser.add_argument("--budget-s", type=float, default=None, help="skip the rows that would start past it")
-    parser.add_argument("--profile", action="store_true", help="GPU-time breakdown of the d9d step")
+    parser.add_argument(
+        "--profile", action="store_true", help="GPU-time breakdown of the d9d and torchtitan steps"
+    )
     parser.add_argument(
         "--profile-ops",
         action="store_true",

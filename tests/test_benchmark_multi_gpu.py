@@ -434,6 +434,29 @@ def test_breakdown_of_kernels_and_host_syncs(prof_mod) -> None:
     assert report["top_kernels_ms_per_step"][0] == ("ampere_bf16_gemm", pytest.approx(0.02), 0)
 
 
+def test_idle_gaps_are_named_by_the_launch_that_ends_them(prof_mod) -> None:
+    ev = prof_mod.Event
+    events = [  # (name, start, end, stream or thread, device, correlation); microseconds, 2 steps
+        ev("gemm_a", 0, 10, 7, True, 1),
+        ev("gemm_b", 50, 60, 7, True, 2),  # 40 µs gap, launched from aten::mm inside d9d's step
+        ev("add_c", 62, 70, 7, True, 3),  # 2 µs gap: under the threshold
+        ev("add_d", 100, 110, 7, True, 4),  # 30 µs gap, no host event recorded: named by the kernels
+        ev("add_e", 105, 108, 8, True, 5),  # inside add_d's span on another stream: no gap
+        ev("gemm_f", 150, 160, 7, True, 6),  # 40 µs gap, also from aten::mm in the same frame
+        ev("/x/d9d/engine/step.py(10): run", 0, 200, 1),
+        ev("torch/nn/functional.py(5): linear", 39, 46, 1),
+        ev("aten::mm", 40, 45, 1),
+        ev("cudaLaunchKernel", 41, 44, 1, False, 2),
+        ev("aten::mm", 140, 145, 1),
+        ev("cudaLaunchKernel", 141, 144, 1, False, 6),
+    ]
+    sites = prof_mod.idle_gap_sites(events, steps=2)
+    assert sites == [
+        ("/x/d9d/engine/step.py(10): run | aten::mm", pytest.approx(0.04), 1.0),
+        ("add_c -> add_d", pytest.approx(0.015), 0.5),
+    ]
+
+
 def test_breakdown_of_cpu_ops(prof_mod) -> None:
     ev = prof_mod.Event
     events = [

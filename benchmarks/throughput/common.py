@@ -229,23 +229,47 @@ def random_batch(generator: torch.Generator, vocab_size: int = COMMON["vocab_siz
     return ids.cuda()
 
 
+PROFILE_STEPS = 3
+"""Steps profiled after the timed ones by `--profile`."""
+
+
 def time_loop(
-    step: Callable[[torch.Tensor], float], warmup: int, steps: int, vocab_size: int = COMMON["vocab_size"]
+    step: Callable[[torch.Tensor], float],
+    warmup: int,
+    steps: int,
+    vocab_size: int = COMMON["vocab_size"],
+    profiled: int = 0,
 ) -> dict[str, Any]:
     """Runs `step(batch)` (which must end with a host sync, e.g. `loss.item()`) warmup + steps times on fresh
-    random batches; returns the median step, MFU inputs and the first step's time (compile warm-up)."""
+    random batches; returns the median step, MFU inputs and the first step's time (compile warm-up). With
+    `profiled` > 0, that many more steps run under torch.profiler (GPU activity only, as the d9d rows'
+    `--profile`) and `profile` holds their breakdown (`throughput.profile`)."""
+    from throughput import profile as gpu_profile
+
     generator = torch.Generator().manual_seed(0)
     times: list[float] = []
     first: float | None = None
     torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    profiled_wall = 0.0
+    for i in range(warmup + steps + profiled):
         batch = random_batch(generator, vocab_size)
         torch.cuda.synchronize()
+        if profiled and i == warmup + steps:
+            prof.start()
         start = time.perf_counter()
         step(batch)
         elapsed = time.perf_counter() - start
         if i == 0:
             first = elapsed
-        if i >= warmup:
+        if warmup <= i < warmup + steps:
             times.append(elapsed)
-    return {"times": times, "first_step_s": first}
+        elif i >= warmup + steps:
+            profiled_wall += elapsed
+    out: dict[str, Any] = {"times": times, "first_step_s": first}
+    if profiled:
+        torch.cuda.synchronize()
+        prof.stop()
+        out["profile"] = gpu_profile.breakdown(prof, profiled_wall, profiled)
+        print(gpu_profile.render(out["profile"]), flush=True)
+    return out

@@ -42,6 +42,7 @@ from throughput.common import (
     COMMON,
     LLAMA3_ROPE,
     LR,
+    PROFILE_STEPS,
     PROVIDERS,
     SEQ,
     AcMode,
@@ -51,7 +52,6 @@ from throughput.common import (
 
 D9dVariant = Literal["compiled", "compiled-kernels", "eager", "eager-legacy"]
 D9dBatch = Literal["random", "collate", "padded", "ones-mask", "packed"]
-PROFILE_STEPS = 3
 MEAN_DOC = 512
 
 

@@ -144,6 +144,7 @@ class Event:
     end: float
     thread: int = 0
     device: bool = False
+    correlation: int = 0  # a device event: the launching runtime call's; a runtime call: its own (0: none)
 
 
 def events_of(prof: torch.profiler.profile) -> list[Event]:
@@ -154,13 +155,15 @@ def events_of(prof: torch.profiler.profile) -> list[Event]:
         if e.is_user_annotation():
             continue  # `record_function` ranges and their GPU-side spans (both kinds answer here): not work
         start = e.start_ns() / 1e3
+        device = e.device_type() != torch.autograd.DeviceType.CPU
         out.append(
             Event(
                 e.name(),
                 start,
                 start + e.duration_ns() / 1e3,
                 e.device_resource_id(),
-                e.device_type() != torch.autograd.DeviceType.CPU,
+                device,
+                e.linked_correlation_id() if device else e.correlation_id(),
             )
         )
     return out
@@ -243,6 +246,51 @@ def host_syncs(events: Sequence[Event]) -> list[tuple[str, float, float]]:
     return syncs
 
 
+def idle_gap_sites(events: Sequence[Event], steps: int, min_us: float = 20.0, top: int = 15) -> list[Any]:
+    """Where the device waits on the host: each gap of at least `min_us` between the device's busy intervals,
+    summed by what ended it, as (site, ms per step, gaps per step), heaviest first. A gap ends when the
+    host launches the next device activity: with host activity recorded (`--profile-ops`), the site is
+    the innermost Python frame of d9d or the benchmark around that launch (with `with_stack`), else the
+    innermost op, then that op's name; without it, the kernels before and after the gap. Host recording
+    slows the host, so these gaps are longer than an unprofiled step's: read the sites, not the sizes."""
+    device = sorted((e for e in events if e.device), key=lambda e: e.start)
+    runtime: dict[int, tuple[list[Event], list[int], int]] = {}
+    for thread in _by_thread(e for e in events if not e.device).values():
+        parents = _parents(thread)
+        for i, e in enumerate(thread):
+            if e.correlation:
+                runtime[e.correlation] = (thread, parents, i)
+
+    def site_of(launched: Event, before: Event) -> str:
+        found = runtime.get(launched.correlation)
+        if found is None:
+            return f"{before.name[:50]} -> {launched.name[:50]}"
+        thread, parents, i = found
+        op, frame = "", ""
+        p = parents[i]
+        while p >= 0:
+            name = thread[p].name
+            if not op and not name.startswith("cu") and ".py(" not in name:
+                op = name
+            if ".py(" in name and ("d9d/" in name or "benchmarks/" in name or "throughput/" in name):
+                frame = name
+                break
+            p = parents[p]
+        return f"{frame or '(no d9d frame)'} | {op or thread[i].name}"
+
+    sites: dict[str, list[float]] = {}
+    busy_end: Event | None = None
+    for e in device:
+        if busy_end is not None and e.start - busy_end.end >= min_us:
+            site = sites.setdefault(site_of(e, busy_end), [0.0, 0.0])
+            site[0] += (e.start - busy_end.end) / 1e3 / steps
+            site[1] += 1 / steps
+        if busy_end is None or e.end > busy_end.end:
+            busy_end = e
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(name[:160], ms, n) for name, (ms, n) in ranked]
+
+
 # ---- a report ----
 
 
@@ -294,6 +342,7 @@ def breakdown_events(events: Sequence[Event], wall_s: float, steps: int, top: in
             "by_site": dict(sorted(by_site.items(), key=lambda kv: -kv[1][1])),  # name: [per step, ms]
         },
         "top_kernels_ms_per_step": [(name[:120], ms(us), calls[name] // steps) for name, us in heaviest],
+        "idle_gap_sites": idle_gap_sites(events, steps),
     }
 
 
@@ -306,6 +355,11 @@ def render(report: dict[str, Any]) -> str:
     for name, ms, *count in report["top_kernels_ms_per_step"]:  # older result files have no call counts
         calls = f"{count[0]:5d}x" if count else "      "
         lines.append(f"    {ms:8.2f} ms {calls}  {name}")
+    gaps = report.get("idle_gap_sites") or []  # older result files have none
+    if gaps:
+        lines.append("  idle gaps >= 20 us, by what ended them (ms per step, gaps per step):")
+        for name, ms, n in gaps:
+            lines.append(f"    {ms:8.2f} ms {n:6.1f}x  {name}")
     return "\n".join(lines)
 
 

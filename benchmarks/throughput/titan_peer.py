@@ -240,7 +240,9 @@ def build_model(
     return net.train(), build_cross_entropy_loss(job)
 
 
-def run(model: str, compiled: bool, steps: int, warmup: int, ac: AcMode = "none") -> dict[str, Any]:
+def run(
+    model: str, compiled: bool, steps: int, warmup: int, ac: AcMode = "none", profiled: int = 0
+) -> dict[str, Any]:
     net, loss_fn = build_model(model, compiled, ac=ac)
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
 
@@ -252,5 +254,8 @@ def run(model: str, compiled: bool, steps: int, warmup: int, ac: AcMode = "none"
         optimizer.zero_grad(set_to_none=True)
         return float(loss.item())
 
-    timed = time_loop(step, warmup, steps, ARCHS[model]["vocab_size"])
-    return summary(timed["times"], timed["first_step_s"], model)
+    timed = time_loop(step, warmup, steps, ARCHS[model]["vocab_size"], profiled)
+    result = summary(timed["times"], timed["first_step_s"], model)
+    if profiled:
+        result["profile"] = timed["profile"]
+    return result
