@@ -24,7 +24,7 @@ from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput, TrainTask
 from d9d.parallel import clip_grad_norm_, global_grad_norm
 from d9d.parallel.context import ContextParallelGroup, shard_microbatch
-from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, collect_synced_params
+from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, SyncedParam, collect_synced_params
 from d9d.pipeline.runtime.executor import PipelineExecutor
 
 
@@ -150,12 +150,22 @@ def build_gradient_reducer(
     num_microbatches: int,
     once_per_step: Collection[torch.Tensor] = (),
 ) -> GradientReducer:
-    """Use the synchronizer when any strategy marked a parameter for reduction, else a local scale.
+    """Use the synchronizer when any gradient is summed over more than one rank or accumulated in a wider
+    dtype than its parameter's (`config.grad_dtype`, a strategy's reduce dtype), else a local scale.
 
     `stages`: each local stage with its optimizer (`PipelinedOptimizer.pair_with`); `once_per_step`: the
     parameters whose gradient arrives once per step (`PipelineExecutor.reduced_once_per_step`)."""
     synced = [sp for m, o in stages for sp in collect_synced_params(m, o)]
-    if any(sp.reduce_mesh is not None for sp in synced):
+
+    def needs_synchronizer(sp: SyncedParam) -> bool:
+        if sp.reduce_mesh is not None and sp.reduce_mesh.size() > 1:
+            return True
+        dtype = config.resolve_grad_dtype(sp.param.dtype)
+        return dtype != sp.param.dtype or (
+            sp.reduce_dtype is not None and torch.promote_types(dtype, sp.reduce_dtype) != dtype
+        )
+
+    if any(needs_synchronizer(sp) for sp in synced):
         return SynchronizedGradientReducer(
             GradientSynchronizer(
                 synced, config, num_microbatches=num_microbatches, once_per_step=once_per_step

@@ -11,6 +11,7 @@ from d9d.parallel.grad_sync.reduce_mesh import (
     is_grad_reduce_marked,
     mark_grad_reduce_dtype,
     mark_grad_reduce_mesh,
+    mark_no_grad_reduction,
     unsynced_params,
 )
 from d9d.parallel.grad_sync.synchronizer import GradientSynchronizer, mesh_group
@@ -27,6 +28,7 @@ __all__ = [
     "is_grad_reduce_marked",
     "mark_grad_reduce_dtype",
     "mark_grad_reduce_mesh",
+    "mark_no_grad_reduction",
     "mesh_group",
     "pipeline_group",
     "unsynced_params",

@@ -37,6 +37,15 @@ def mark_grad_reduce_mesh(module: nn.Module, name: str, mesh: DeviceMesh | None)
     records[name] = mesh
 
 
+def mark_no_grad_reduction(module: nn.Module) -> None:
+    """Record "no reduction" for every parameter of `module` (recursively) that no strategy has decided
+    yet: the layout has a single data-parallel rank, so its gradients are complete after backward."""
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            if param is not None and not is_grad_reduce_marked(sub, name):
+                mark_grad_reduce_mesh(sub, name, None)
+
+
 def mark_grad_reduce_dtype(module: nn.Module, name: str, dtype: torch.dtype) -> None:
     """Record that the gradient of `module.<name>` is reduced in at least `dtype` (e.g. float32 for bf16
     parameters whose FSDP reduce-scatter runs in float32): the synchronizer accumulates and all-reduces it

@@ -190,11 +190,18 @@ class GradientSynchronizer:
             bucket.launch()
         self._next_launch = len(self.buckets)
         total = None if loss_weight is None else self.global_sum(loss_weight)
-        inverse = None if total is None else 1.0 / total
         for bucket in self.buckets:
             bucket.wait()
-            if inverse is not None:
-                bucket.buffer.mul_(inverse.to(bucket.buffer.device))
+        if total is not None:
+            # One multi-tensor pass per device with a float32 scale (as `LocalGradientReducer`): a float64
+            # scale tensor took a slow mixed-dtype kernel per bucket (38 buckets, 3.3 ms of a dense step on
+            # one H200).
+            inverse = total.reciprocal().to(torch.float32)
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for bucket in self.buckets:
+                by_device.setdefault(bucket.buffer.device, []).append(bucket.buffer)
+            for device, buffers in by_device.items():
+                torch._foreach_mul_(buffers, inverse.to(device))
         for slot in self._slots:
             slot.param.grad = self._expose(slot)
             slot.count = 0
