@@ -193,15 +193,15 @@ class GradientSynchronizer:
         for bucket in self.buckets:
             bucket.wait()
         if total is not None:
-            # One multi-tensor pass per device with the scale read to the host (a scale tensor takes a slow
-            # mixed-dtype kernel per bucket: 3.3 ms of a dense step on one H200); the read waits for the
-            # reduction, which the buckets' wait above already did on the stream.
-            inverse = float(total.reciprocal())
+            # One multi-tensor pass per device with a float32 scale (as `LocalGradientReducer`): a float64
+            # scale tensor took a slow mixed-dtype kernel per bucket (38 buckets, 3.3 ms of a dense step on
+            # one H200).
+            inverse = total.reciprocal().to(torch.float32)
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for bucket in self.buckets:
                 by_device.setdefault(bucket.buffer.device, []).append(bucket.buffer)
-            for buffers in by_device.values():
-                torch._foreach_mul_(buffers, inverse)
+            for device, buffers in by_device.items():
+                torch._foreach_mul_(buffers, inverse.to(device))
         for slot in self._slots:
             slot.param.grad = self._expose(slot)
             slot.count = 0
