@@ -292,3 +292,55 @@ def _paused_update(env: RankEnv, run_dir: Path) -> None:
 
 def test_update_delivered_with_resume_is_applied(tmp_path: Path) -> None:
     run_distributed(_paused_update, 1, tmp_path / "run", tmp_dir=tmp_path, timeout=120)
+
+
+def _train_recording_norms(
+    env: RankEnv, run_dir: Path, out: str, fused: bool, max_norm: float | None, dp: int
+) -> None:
+    overrides: dict[str, Any] = {
+        "trainer__total_steps": 6,
+        "checkpointing__period": None,
+        "checkpointing__save_at_end": True,
+        "optimizer__options": {"lr": 1e-2, "weight_decay": 0.01, "fused": fused},
+        "gradient_clipping__max_norm": max_norm,
+    }
+    if dp > 1:
+        overrides["mesh__data_parallel_replicate"] = dp
+    config = parse_config(_config(run_dir, **overrides))
+    points: list[Any] = []
+    reporter = LocalRunReporter(config.checkpoint_dir, 1, points.append)
+    runtime = RankRuntime(rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=run_dir)
+    result = run_rank(config, runtime, reporter)
+    norms = [p.values["grad_norm"] for p in points if p.kind == "train"]
+    if env.rank == 0:
+        torch.save({"losses": list(result.losses), "norms": norms}, env.tmp_dir / out)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_fused_adam_divides_summed_gradients_like_a_separate_pass(
+    tmp_path: Path, max_norm: float | None
+) -> None:
+    """Fused AdamW gets the gradients as sums and the loss weight (with clipping's factor) as its divisor;
+    foreach AdamW gets them divided and clipped in place first. Same losses, gradient norms and parameters
+    (float32 on CPU), on one rank and on two data-parallel ranks (the synchronizer then leaves the division
+    out too)."""
+    runs = {}
+    for name, fused, dp in (("foreach", False, 1), ("fused", True, 1), ("fused-dp2", True, 2)):
+        run_distributed(
+            _train_recording_norms, dp, tmp_path / name, f"{name}.pt", fused, max_norm, dp, tmp_dir=tmp_path
+        )
+        runs[name] = torch.load(tmp_path / f"{name}.pt")
+    reference = runs["foreach"]
+    assert len(reference["norms"]) == 6 and reference["losses"][-1] < reference["losses"][0]
+    if max_norm is not None:
+        assert max(reference["norms"]) > 2 * max_norm  # clipping binds
+    for name in ("fused", "fused-dp2"):
+        torch.testing.assert_close(
+            torch.tensor(runs[name]["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(runs[name]["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0
+        )
+        ref_params, params = _final_params(tmp_path / "foreach"), _final_params(tmp_path / name)
+        for k in ref_params:
+            torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-6)

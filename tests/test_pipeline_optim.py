@@ -187,6 +187,45 @@ def test_only_fused_adam_skips_on_the_device() -> None:
             opt.step(skip_if=torch.tensor(0.0))
 
 
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
+def test_a_grad_divisor_equals_stepping_on_divided_gradients(kind: type) -> None:
+    """`step(grad_divisor=d)` on gradients g updates like a plain step on g / d (float32: equal up to the
+    division's rounding), on the first step (state created) and later ones, and leaves g / d in `.grad`."""
+    stages, twin = _stages(), _stages()
+    opt = PipelinedOptimizer.build(stages, lambda ps: kind(ps, lr=0.1, weight_decay=0.01, fused=True))
+    twin_opt = PipelinedOptimizer.build(twin, lambda ps: kind(ps, lr=0.1, weight_decay=0.01, fused=True))
+    assert opt.divides_gradients
+    divisor = torch.tensor(37.0, dtype=torch.float64)
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 + step))
+        for o, s in ((opt, stages), (twin_opt, twin)):
+            o.zero_grad()
+            _loss(s, x).backward()
+        for p in (p for m in twin.values() for p in m.parameters() if p.grad is not None):
+            p.grad.div_(37.0)
+        opt.step(grad_divisor=divisor)
+        twin_opt.step()
+        for a, b in zip(_snapshot(stages, opt), _snapshot(twin, twin_opt), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        for p, q in zip(
+            (p for m in stages.values() for p in m.parameters()),
+            (q for m in twin.values() for q in m.parameters()),
+            strict=True,
+        ):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+    assert not hasattr(opt.optimizers[1], "grad_scale")  # a later plain step divides by nothing
+
+
+def test_only_fused_adam_divides_gradients() -> None:
+    stages = _stages()
+    opt = PipelinedOptimizer.build(stages, lambda ps: torch.optim.AdamW(ps, lr=0.1))  # foreach
+    assert not opt.divides_gradients
+    with pytest.raises(RuntimeError, match="divides_gradients"):
+        opt.step(grad_divisor=torch.tensor(2.0))
+
+
 class _NoSchedule:
     def step(self) -> None:
         pass

@@ -22,7 +22,7 @@ from d9d.core.domains import MeshDomain
 from d9d.core.pytree import tree_map_tensors, tree_to
 from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput, TrainTask
-from d9d.parallel import clip_grad_norm_, global_grad_norm
+from d9d.parallel import clip_coefficient, clip_grad_norm_, global_grad_norm
 from d9d.parallel.context import ContextParallelGroup, shard_microbatch
 from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, SyncedParam, collect_synced_params
 from d9d.pipeline.runtime.executor import PipelineExecutor
@@ -38,8 +38,9 @@ class StepRunner(Protocol):
 
 
 class GradientReducer(Protocol):
-    def finish(self, global_weight: torch.Tensor) -> None:
-        """After the last backward: finish any reduction and divide gradients by `global_weight`."""
+    def finish(self, global_weight: torch.Tensor | None) -> None:
+        """After the last backward: finish any reduction and divide gradients by `global_weight`; None leaves
+        them sums (the optimizer divides them: `PipelinedOptimizer.divides_gradients`)."""
         ...
 
 
@@ -140,7 +141,7 @@ class SynchronizedGradientReducer:
     def __init__(self, synchronizer: GradientSynchronizer) -> None:
         self.synchronizer = synchronizer
 
-    def finish(self, global_weight: torch.Tensor) -> None:
+    def finish(self, global_weight: torch.Tensor | None) -> None:
         self.synchronizer.wait(global_weight)
 
 
@@ -180,9 +181,9 @@ class LocalGradientReducer:
     def __init__(self, parameters: Iterable[nn.Parameter]) -> None:
         self.parameters = [p for p in parameters if p.requires_grad]
 
-    def finish(self, global_weight: torch.Tensor) -> None:
+    def finish(self, global_weight: torch.Tensor | None) -> None:
         grads = [_local(p.grad) for p in self.parameters if p.grad is not None]
-        if not grads:
+        if not grads or global_weight is None:
             return
         # The scale stays on the device. Reading it to the host (for `_foreach_mul_`'s one-pass fast path
         # with a Python scalar) exposes the host work after backward (gradient norm, optimizer launches) and
@@ -239,12 +240,23 @@ class GradientClipper:
         if ctx.is_distributed and ctx.params.pipeline_parallel > 1:
             self.pp_group = ctx.mesh_for(MeshDomain.REGULAR).get_group("pp")
 
-    def clip(self) -> torch.Tensor:
-        """The gradient norm before clipping, left on the device (the loop reads it with the loss). Every
-        rank calls it, with or without parameters of its own: the norm is a collective over pp."""
+    def clip(self, divisor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the gradient norm before clipping, the divisor left to the optimizer), on the device (the loop
+        reads the norm with the loss). Every rank calls it, with or without parameters of its own: the norm
+        is a collective over pp.
+
+        Without `divisor` the gradients are final: clipping scales them in place, and no divisor is left.
+        With it they are `divisor` times the true ones (the optimizer divides them): the norm is theirs
+        divided by it, and clipping folds its coefficient into the divisor returned instead of touching
+        every gradient."""
+        if divisor is None:
+            if self.max_norm is None:
+                return global_grad_norm(self.parameters, pp_group=self.pp_group), None
+            return clip_grad_norm_(self.parameters, self.max_norm, pp_group=self.pp_group), None
+        norm = global_grad_norm(self.parameters, pp_group=self.pp_group) / divisor
         if self.max_norm is None:
-            return global_grad_norm(self.parameters, pp_group=self.pp_group)
-        return clip_grad_norm_(self.parameters, self.max_norm, pp_group=self.pp_group)
+            return norm, divisor
+        return norm, divisor / clip_coefficient(norm, self.max_norm)
 
 
 def data_group(ctx: DistributedContext) -> dist.ProcessGroup | None:

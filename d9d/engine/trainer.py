@@ -301,15 +301,19 @@ class Trainer:
         parts.optimizer.zero_grad(set_to_none=True)
         loss_sum, weight = parts.runner.forward_backward(microbatches)
         totals = global_loss(self.ctx, loss_sum, weight)
-        parts.reducer.finish(totals[1])
+        # Where the optimizer divides gradients inside its update (fused Adam), they stay sums until then:
+        # no pass over every gradient for the division, nor for clipping (its factor joins the divisor).
+        deferred = totals[1] if parts.optimizer.divides_gradients else None
+        parts.reducer.finish(None if deferred is not None else totals[1])
+        norm, divisor = parts.clipper.clip(deferred)
         # The loss, its weight and the gradient norm reach the host in one read: the non-finite guard
         # costs no synchronization of its own. Where the optimizer can skip on the device (fused Adam with
         # state), its update is queued before that read, gated by the same values on the device, so the
         # host's wait ends when backward does and the next step's host work overlaps the optimizer kernels.
-        read = StepValuesRead(totals, parts.clipper.clip())
+        read = StepValuesRead(totals, norm)
         stepped = parts.optimizer.skips_on_device
         if stepped:
-            parts.optimizer.step(skip_if=read.nonfinite)
+            parts.optimizer.step(skip_if=read.nonfinite, grad_divisor=divisor)
         values = read.wait()
         if values.weight <= 0:
             raise RuntimeError(
@@ -320,7 +324,7 @@ class Trainer:
             if not self._nonfinite(step, values, loss_sum):
                 return None
         elif not stepped:
-            parts.optimizer.step()
+            parts.optimizer.step(grad_divisor=divisor)
         if parts.schedulers is not None:
             with warnings.catch_warnings():
                 # A skipped first step: torch warns that the schedule moved before the optimizer did.

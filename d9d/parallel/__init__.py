@@ -7,7 +7,7 @@ whole recipe of a model family (`d9d.models.<family>`, e.g. `parallelize_qwen3`)
 """
 
 from d9d.parallel.fsdp import FSDPConfig, parallelize_fsdp, parallelize_hsdp, reshard_fsdp
-from d9d.parallel.grad_norm import clip_grad_norm_, global_grad_norm
+from d9d.parallel.grad_norm import clip_coefficient, clip_grad_norm_, global_grad_norm
 from d9d.parallel.grad_sync import (
     GradientSynchronizer,
     GradSyncConfig,
@@ -30,6 +30,7 @@ __all__ = [
     "GradientSynchronizer",
     "SyncedParam",
     "build_gradient_synchronizer",
+    "clip_coefficient",
     "clip_grad_norm_",
     "collect_synced_params",
     "compute_with_local_parameters",

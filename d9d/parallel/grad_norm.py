@@ -110,6 +110,12 @@ def _pp_device(pp_group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that clips gradients of global norm `norm` to `max_norm`: torch's `clip_grad_norm_`
+    coefficient, max_norm / (norm + 1e-6) capped at 1."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     params: Iterable[torch.Tensor],
@@ -125,7 +131,7 @@ def clip_grad_norm_(
     """
     params = list(params)
     total = global_grad_norm(params, norm_type=norm_type, pp_group=pp_group)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_coefficient(total, max_norm)
     by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for param in params:
         if param.grad is not None:

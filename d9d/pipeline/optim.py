@@ -68,23 +68,39 @@ class PipelinedOptimizer:
         """Every stage's groups, in stage order (the dicts themselves: setting `lr` here sets it there)."""
         return [group for opt in self.optimizers.values() for group in opt.param_groups]
 
-    def step(self, skip_if: torch.Tensor | None = None) -> None:
+    def step(self, skip_if: torch.Tensor | None = None, grad_divisor: torch.Tensor | None = None) -> None:
         """One update of every stage. `skip_if` (a float32 scalar on the device, 1.0 or 0.0; only where
         `skips_on_device` is true) makes the update a no-op on the device when it is 1.0, without the host
         reading it first: the fused Adam kernels' `found_inf` input, which returns before touching parameters
-        or moments and takes back the step count it added."""
-        if skip_if is None:
-            for opt in self.optimizers.values():
-                opt.step()
-            return
-        if not self.skips_on_device:
+        or moments and takes back the step count it added. `grad_divisor` (a scalar on the device; only where
+        `divides_gradients` is true): the gradients are that many times the ones to apply; the fused kernels'
+        `grad_scale` input divides each in float32 as it is read and writes the quotient back to `.grad`.
+        Both inputs are torch's GradScaler API of fused Adam."""
+        if skip_if is not None and not self.skips_on_device:
             raise RuntimeError("step(skip_if=...) needs fused Adam/AdamW stages with state (skips_on_device)")
+        if grad_divisor is not None and not self.divides_gradients:
+            raise RuntimeError("step(grad_divisor=...) needs fused Adam/AdamW stages (divides_gradients)")
+        # float32, as GradScaler's scale: the kernels read it as such
+        scale = None if grad_divisor is None else grad_divisor.to(torch.float32)
         for opt in self.optimizers.values():
-            opt.found_inf = skip_if  # type: ignore[attr-defined]  # read by Adam.step (torch's GradScaler API)
+            if skip_if is not None:
+                opt.found_inf = skip_if  # type: ignore[attr-defined]  # read by Adam.step
+            if scale is not None:
+                opt.grad_scale = scale  # type: ignore[attr-defined]  # read by Adam.step
             try:
                 opt.step()
             finally:
-                del opt.found_inf  # type: ignore[attr-defined]
+                opt.__dict__.pop("found_inf", None)
+                opt.__dict__.pop("grad_scale", None)
+
+    @property
+    def divides_gradients(self) -> bool:
+        """Whether `step(grad_divisor=...)` can divide the gradients inside the update: every stage is a
+        fused torch Adam/AdamW. The engine then leaves the division by the loss weight (and clipping's
+        factor) to it: a separate pass over every gradient costs a kernel per tensor (`_foreach_mul_` with a
+        float32 scale beside bf16 gradients): 3.9 ms of a 153 ms dense step, 8.8 ms of a 150 ms MoE step on
+        one H200."""
+        return all(_fused_adam(opt) for opt in self.optimizers.values())
 
     @property
     def skips_on_device(self) -> bool:
@@ -169,7 +185,9 @@ class PipelinedLRScheduler:
             scheduler.load_state_dict(dict(state))
 
 
+def _fused_adam(opt: Optimizer) -> bool:
+    return type(opt) in (torch.optim.Adam, torch.optim.AdamW) and bool(opt.defaults.get("fused"))
+
+
 def _fused_adam_with_state(opt: Optimizer) -> bool:
-    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or not opt.defaults.get("fused"):
-        return False
-    return all(p in opt.state for group in opt.param_groups for p in group["params"])
+    return _fused_adam(opt) and all(p in opt.state for group in opt.param_groups for p in group["params"])
