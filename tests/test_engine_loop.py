@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -295,7 +296,7 @@ def test_update_delivered_with_resume_is_applied(tmp_path: Path) -> None:
 
 
 def _train_recording_norms(
-    env: RankEnv, run_dir: Path, out: str, fused: bool, max_norm: float | None, dp: int
+    env: RankEnv, run_dir: Path, out: str, fused: bool, max_norm: float | None, mesh: dict[str, int]
 ) -> None:
     overrides: dict[str, Any] = {
         "trainer__total_steps": 6,
@@ -304,8 +305,7 @@ def _train_recording_norms(
         "optimizer__options": {"lr": 1e-2, "weight_decay": 0.01, "fused": fused},
         "gradient_clipping__max_norm": max_norm,
     }
-    if dp > 1:
-        overrides["mesh__data_parallel_replicate"] = dp
+    overrides.update({f"mesh__{k}": v for k, v in mesh.items()})
     config = parse_config(_config(run_dir, **overrides))
     points: list[Any] = []
     reporter = LocalRunReporter(config.checkpoint_dir, 1, points.append)
@@ -322,12 +322,25 @@ def test_fused_adam_divides_summed_gradients_like_a_separate_pass(
 ) -> None:
     """Fused AdamW gets the gradients as sums and the loss weight (with clipping's factor) as its divisor;
     foreach AdamW gets them divided and clipped in place first. Same losses, gradient norms and parameters
-    (float32 on CPU), on one rank and on two data-parallel ranks (the synchronizer then leaves the division
-    out too)."""
+    (float32 on CPU), on one rank and on two data-parallel ranks (replicated DTensor parameters; the
+    synchronizer then leaves the division out too)."""
+    layouts: dict[str, tuple[bool, dict[str, int]]] = {
+        "foreach": (False, {}),
+        "fused": (True, {}),
+        "fused-dp2": (True, {"data_parallel_replicate": 2}),
+    }
     runs = {}
-    for name, fused, dp in (("foreach", False, 1), ("fused", True, 1), ("fused-dp2", True, 2)):
+    for name, (fused, mesh) in layouts.items():
+        ranks = max(1, math.prod(mesh.values()))
         run_distributed(
-            _train_recording_norms, dp, tmp_path / name, f"{name}.pt", fused, max_norm, dp, tmp_dir=tmp_path
+            _train_recording_norms,
+            ranks,
+            tmp_path / name,
+            f"{name}.pt",
+            fused,
+            max_norm,
+            mesh,
+            tmp_dir=tmp_path,
         )
         runs[name] = torch.load(tmp_path / f"{name}.pt")
     reference = runs["foreach"]
