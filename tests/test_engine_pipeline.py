@@ -84,11 +84,14 @@ def _text_runs(
     env: RankEnv,
     runs: list[tuple[str, dict[str, int], str | None, str]],
     compile_section: dict[str, Any] | None = None,
+    fused_adam: bool = False,
 ) -> None:
     for name, mesh, schedule, data in runs:
         raw = _text_config(env.tmp_dir, name, mesh, schedule, data)
         if compile_section is not None:
             raw["compile"] = compile_section
+        if fused_adam:
+            raw["optimizer"]["options"]["fused"] = True
         config = parse_config(raw)
         runtime = RankRuntime(
             rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
@@ -154,7 +157,8 @@ def test_gpu_example_layout_trains_like_one_process_on_gloo(tmp_path: Path) -> N
     """The layout of examples/qwen3_moe_pretrain/gpu.yaml at 4 ranks — pp 2 × dp_shard 2 × ep 2 under ZBV,
     the text provider's padded batches — against one process on the same global batch (one dp rank with
     twice the microbatches sees the same documents; the token-weighted loss does not depend on which
-    documents share a microbatch)."""
+    documents share a microbatch). The layout steps fused AdamW, as on CUDA by default (the loss weight and
+    clipping then divide inside the optimizer), the reference foreach AdamW (divided in place)."""
     from tests.engine_fixtures import make_hf_qwen3_moe
 
     _write_corpus(tmp_path)
@@ -162,7 +166,13 @@ def test_gpu_example_layout_trains_like_one_process_on_gloo(tmp_path: Path) -> N
     run_distributed(_text_runs, 1, [("moe-one", {}, None, "padded")], tmp_dir=tmp_path, timeout=300)
     mesh = {"pipeline_parallel": 2, "data_parallel_shard": 2, "expert_parallel": 2}
     run_distributed(
-        _text_runs, 4, [("moe-pp2-fsdp2-ep2", mesh, "zbv", "padded")], tmp_dir=tmp_path, timeout=600
+        _text_runs,
+        4,
+        [("moe-pp2-fsdp2-ep2", mesh, "zbv", "padded")],
+        None,
+        True,
+        tmp_dir=tmp_path,
+        timeout=600,
     )
     reference = torch.tensor(torch.load(tmp_path / "moe-one.pt"))
     losses = torch.tensor(torch.load(tmp_path / "moe-pp2-fsdp2-ep2.pt"))
