@@ -362,3 +362,49 @@ def test_expert_bias_stays_float32_in_a_bfloat16_model() -> None:
     router.update_expert_bias()
     torch.testing.assert_close(router.expert_bias, torch.tensor([0.501, 0.499, 0.499, 0.499]))
     assert "expert_bias" in router.state_dict()
+
+
+def test_balancer_defers_the_metrics_to_the_steps_that_log_them() -> None:
+    """The expert loads go to the host without a wait at each optimizer step; the metrics are computed
+    when the reporter reads them, from the newest step (an unread step's values are replaced, not mixed)."""
+    from types import SimpleNamespace
+
+    from d9d.engine.builtin.models import ExpertLoadBalancer
+    from d9d.engine.step_metrics import StepMetrics
+
+    model = torch.nn.ModuleDict({"a": _moe(), "b": _moe()})
+    routers = [(f"{n}.gate", model[n].gate) for n in ("a", "b")]
+    metrics = StepMetrics()
+    metrics["loss"] = 1.0
+    balancer = ExpertLoadBalancer(
+        routers, SimpleNamespace(is_distributed=False), metrics, MoEMetrics([model])
+    )
+    per_step: list[dict[str, torch.Tensor]] = []
+    for step in (5, 6):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+        for name in ("a", "b"):
+            model[name](x).sum().backward()
+        per_step.append({n: r.expert_load.clone() for n, r in routers})
+        balancer.after_optimizer_step(step)
+        assert set(metrics) == {"loss"}  # nothing read yet
+    metrics.resolve()
+    want = expert_load_metrics("a", per_step[1]["a.gate"]) | expert_load_metrics("b", per_step[1]["b.gate"])
+    assert {k: v for k, v in metrics.items() if "load" in k} == pytest.approx(want)
+    assert per_step[0]["a.gate"].tolist() != per_step[1]["a.gate"].tolist()  # the steps differ
+    assert metrics["moe/a/aux_loss"] > 0 and "moe/aux_loss" in metrics
+    metrics.resolve()  # nothing pending: no change
+    assert {k: v for k, v in metrics.items() if "load" in k} == pytest.approx(want)
+
+
+def test_step_metrics_run_a_deferred_fill_once_and_the_newest_per_key() -> None:
+    from d9d.engine.step_metrics import StepMetrics
+
+    metrics = StepMetrics()
+    calls: list[str] = []
+    metrics.defer("k", lambda m: calls.append("old"))
+    metrics.defer("k", lambda m: (calls.append("new"), m.update(x=2.0)))
+    metrics.defer("other", lambda m: calls.append("other"))
+    assert calls == [] and dict(metrics) == {}
+    metrics.resolve()
+    metrics.resolve()
+    assert calls == ["new", "other"] and dict(metrics) == {"x": 2.0}

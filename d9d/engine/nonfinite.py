@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from d9d.core.context import DistributedContext
 from d9d.core.dist_ops import all_gather_object
+from d9d.core.host_copy import HostCopy
 
 
 class NonFiniteError(RuntimeError):
@@ -70,21 +71,11 @@ class StepValuesRead:
         values = torch.cat([totals.double().flatten(), grad_norm.to(totals.device, torch.float64).reshape(1)])
         # The same rule as `StepValues.finite`: the loss sum and the gradient norm.
         self.nonfinite = (~torch.isfinite(values[0::2])).any().to(torch.float32)
-        self._event: torch.cuda.Event | None = None
-        if values.device.type == "cuda":
-            # A pinned buffer and an event: the copy is queued, not waited for, and the optimizer's kernels
-            # queued after it do not delay the read.
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = values
+        # queued, not waited for: the optimizer's kernels queued after it do not delay the read
+        self._host = HostCopy(values)
 
     def wait(self) -> StepValues:
-        if self._event is not None:
-            self._event.synchronize()
-        loss_sum, weight, norm = self._host.tolist()
+        loss_sum, weight, norm = self._host.wait().tolist()
         return StepValues(loss_sum, weight, norm)
 
 

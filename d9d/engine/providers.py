@@ -20,6 +20,7 @@ from torch import nn
 from d9d.core.context import DistributedContext
 from d9d.core.types import PyTree
 from d9d.engine.events import EventBus
+from d9d.engine.step_metrics import StepMetrics
 from d9d.models.family import ModelFamily
 from d9d.pipeline.api import PipelineStageInfo
 
@@ -59,10 +60,11 @@ class ModelProvider(Protocol):
         events: EventBus,
         modules: Sequence[nn.Module],
         ctx: DistributedContext,
-        metrics: dict[str, float],
+        metrics: StepMetrics,
     ) -> None:
         """Hook the model's own step logic (e.g. MoE load balancing) to the loop's events; values written to
-        `metrics` during a step are logged with it. Training only; a model without any does nothing."""
+        `metrics` during a step (or deferred: `StepMetrics.defer`) are logged with it. Training only; a
+        model without any does nothing."""
         ...
 
 

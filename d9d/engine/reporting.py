@@ -22,6 +22,7 @@ from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.engine.providers import ModelFlops
 from d9d.engine.runtime import MetricPoint, RunReporter
+from d9d.engine.step_metrics import StepMetrics
 from d9d.metrics import AsyncMetricCollector, to_scalars
 
 # Dense bf16 tensor-core peak FLOP/s by device name (the vendors' spec sheets, no sparsity); the first
@@ -88,7 +89,7 @@ class StepReporter:
         total_steps: int,
         collector: AsyncMetricCollector[Any] | None,
         loss_pp_rank: int,
-        step_metrics: dict[str, float],
+        step_metrics: StepMetrics,
         flops: FlopsBudget | None = None,
     ) -> None:
         self.ctx = ctx
@@ -128,6 +129,7 @@ class StepReporter:
                 values["tokens_per_s"] = tokens_per_s
                 if self.flops is not None:
                     values["mfu"] = self.flops.mfu(tokens_per_s, step_time)
+            self.step_metrics.resolve()
             values.update(self.step_metrics)
             self.reporter.metrics(MetricPoint(step=step, rank=0, values=values, kind="train", wall_time=now))
         health = {

@@ -40,6 +40,7 @@ from d9d.engine.step import (
     build_gradient_reducer,
     data_group,
 )
+from d9d.engine.step_metrics import StepMetrics
 from d9d.metrics import AsyncMetricCollector, ComposeMetric
 from d9d.parallel.context import ContextParallelGroup
 from d9d.pipeline.api import PipelineStageInfo
@@ -106,7 +107,7 @@ def build_train_parts(
         activation_checkpointing=c.activation_checkpointing,
     )
     seed_everything(seeds.activations)
-    step_metrics: dict[str, float] = {}
+    step_metrics = StepMetrics()
     model.subscribe(events, stages.modules, ctx, step_metrics)
     optimizer_provider = build_optimizer(c.optimizer)
     optimizer = PipelinedOptimizer(

@@ -23,6 +23,7 @@ from d9d.engine.builtin.models import BaseModelComponent, CausalLMProvider, Mode
 from d9d.engine.errors import UNION_TAG_PREFIX
 from d9d.engine.events import EventBus
 from d9d.engine.providers import ModelProvider
+from d9d.engine.step_metrics import StepMetrics
 from d9d.models.hf import d9d_to_hf_mapper, side_files
 from d9d.peft import (
     PeftConfig,
@@ -160,6 +161,6 @@ class PeftModelProvider:
         events: EventBus,
         modules: Sequence[nn.Module],
         ctx: DistributedContext,
-        metrics: dict[str, float],
+        metrics: StepMetrics,
     ) -> None:
         self.base.subscribe(events, modules, ctx, metrics)

@@ -17,7 +17,13 @@ from d9d.modules.moe.grouped_mm import (
 from d9d.modules.moe.layer import MoELayer
 from d9d.modules.moe.local_communication import LocalMoECommunication
 from d9d.modules.moe.router import Routing, ScoreFunction, TopKRouter, route_topk
-from d9d.modules.moe.stats import MoEMetrics, expert_load_metrics, moe_layers, take_aux_loss_metrics
+from d9d.modules.moe.stats import (
+    MoEMetrics,
+    expert_load_metrics,
+    moe_layers,
+    take_aux_loss_metrics,
+    take_aux_loss_stats,
+)
 
 __all__ = [
     "GROUPED_MM_ENV",
@@ -44,5 +50,6 @@ __all__ = [
     "moe_layers",
     "route_topk",
     "take_aux_loss_metrics",
+    "take_aux_loss_stats",
     "tokens_per_expert",
 ]

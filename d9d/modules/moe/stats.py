@@ -44,18 +44,42 @@ def expert_load_metrics(layer: str, load: torch.Tensor, *, histogram: bool = Fal
     return out
 
 
-def take_aux_loss_metrics(layers: Iterable[tuple[str, MoELayer]]) -> dict[str, float]:
-    """The balancing loss of each layer averaged over its forwards since the last call (then reset), and
-    their mean over layers as `moe/aux_loss`. Layers that ran no training forward are left out."""
-    out: dict[str, float] = {}
+AuxLossStats = list[tuple[str, torch.Tensor]]
+"""Per MoE layer that ran a training forward: its name and balancing-loss [sum, forward calls]."""
+
+
+def take_aux_loss_stats(layers: Iterable[tuple[str, MoELayer]]) -> AuxLossStats:
+    """Each layer's balancing-loss statistics since the last call, as they are (on the device: nothing is
+    read), and reset."""
+    out: AuxLossStats = []
     for name, layer in layers:
         stats = layer.aux_loss_stats
         layer.reset_aux_loss_stats()
-        if stats is not None and float(stats[1]) > 0:
-            out[f"moe/{name}/aux_loss"] = float(stats[0] / stats[1])
+        if stats is not None:
+            out.append((name, stats.detach()))
+    return out
+
+
+def aux_loss_metrics(stats: AuxLossStats) -> dict[str, float]:
+    """The balancing loss of each layer averaged over its forwards, and their mean over layers as
+    `moe/aux_loss` (one read of every layer's statistics)."""
+    if not stats:
+        return {}
+    values = torch.stack([s.double() for _, s in stats]).cpu().tolist()
+    out = {
+        f"moe/{name}/aux_loss": total / calls
+        for (name, _), (total, calls) in zip(stats, values, strict=True)
+        if calls > 0
+    }
     if out:
         out["moe/aux_loss"] = sum(out.values()) / len(out)
     return out
+
+
+def take_aux_loss_metrics(layers: Iterable[tuple[str, MoELayer]]) -> dict[str, float]:
+    """The balancing loss of each layer averaged over its forwards since the last call (then reset), and
+    their mean over layers as `moe/aux_loss`. Layers that ran no training forward are left out."""
+    return aux_loss_metrics(take_aux_loss_stats(layers))
 
 
 class MoEMetrics:
@@ -68,11 +92,18 @@ class MoEMetrics:
         self.layers = moe_layers(modules)
         self.histogram_period = histogram_period
 
-    def record(self, metrics: dict[str, float], loads: Mapping[str, torch.Tensor], step: int) -> None:
-        """`loads`: MoE layer name → its (reduced) expert load for the step just finished."""
+    def record(
+        self,
+        metrics: dict[str, float],
+        loads: Mapping[str, torch.Tensor],
+        step: int,
+        aux_stats: AuxLossStats | None = None,
+    ) -> None:
+        """`loads`: MoE layer name → its (reduced) expert load for the step just finished; `aux_stats`: the
+        layers' balancing-loss statistics taken at that step (`take_aux_loss_stats`; None takes them now)."""
         histogram = step % self.histogram_period == 0
         for key in [k for k in metrics if k.startswith("moe/") and "/tokens/e" in k]:
             del metrics[key]
         for layer, load in loads.items():
             metrics.update(expert_load_metrics(layer, load, histogram=histogram))
-        metrics.update(take_aux_loss_metrics(self.layers))
+        metrics.update(aux_loss_metrics(take_aux_loss_stats(self.layers) if aux_stats is None else aux_stats))
