@@ -185,13 +185,11 @@ class LocalGradientReducer:
         grads = [_local(p.grad) for p in self.parameters if p.grad is not None]
         if not grads or global_weight is None:
             return
-        # The scale stays on the device. Reading it to the host (for `_foreach_mul_`'s one-pass fast path
-        # with a Python scalar) exposes the host work after backward (gradient norm, optimizer launches) and
-        # cost more than it saved (dense 1.01x instead of 1.02x torchtitan on one H200). A float32 scale
-        # tensor beside bf16 gradients takes `_foreach_mul_`'s per-tensor fallback (its fast path wants the
-        # scale in the gradients' dtype, which would round it to bf16): 3.9 ms of a 153 ms dense step, 8.8 ms
-        # of a 150 ms MoE step. The float32 reciprocal equals the Python float's rounding, so results are
-        # bitwise those of `grad.mul_(1 / weight)`.
+        # Used where the optimizer cannot divide (not fused Adam). The scale stays on the device: reading it
+        # to the host for `_foreach_mul_`'s Python-scalar fast path exposed the host work after backward and
+        # cost more than it saved (one H200); a float32 scale beside bf16 gradients runs a kernel per tensor
+        # (the fast path wants the gradients' dtype, which would round the scale to bf16). The float32
+        # reciprocal equals the Python float's rounding: results are bitwise `grad.mul_(1 / weight)`.
         scale = global_weight.reciprocal().to(torch.float32)
         with torch.no_grad():
             for device_grads in _by_device(grads):
