@@ -303,9 +303,9 @@ class Trainer:
         totals = global_loss(self.ctx, loss_sum, weight)
         # Where the optimizer divides gradients inside its update (fused Adam), they stay sums until then:
         # no pass over every gradient for the division, nor for clipping (its factor joins the divisor).
-        deferred = totals[1] if parts.optimizer.divides_gradients else None
-        parts.reducer.finish(None if deferred is not None else totals[1])
-        norm, divisor = parts.clipper.clip(deferred)
+        optimizer_divides = parts.optimizer.divides_gradients
+        parts.reducer.finish(None if optimizer_divides else totals[1])
+        norm, divisor = parts.clipper.clip(totals[1] if optimizer_divides else None)
         # The loss, its weight and the gradient norm reach the host in one read: the non-finite guard
         # costs no synchronization of its own. Where the optimizer can skip on the device (fused Adam with
         # state), its update is queued before that read, gated by the same values on the device, so the

@@ -159,8 +159,8 @@ def parallelize_decoder(
     else:
         # One data-parallel rank: no gradient is summed anywhere, so the parameters stay plain tensors. As
         # DTensors replicated over one rank they cost every step the views swapped around each block, a
-        # synchronizer hook and bucket copy per gradient and a DTensor per gradient after backward (on one
-        # H200, ~10 ms of a 160 ms dense step).
+        # synchronizer hook and bucket copy per gradient and a DTensor per gradient after backward (one
+        # H200: the dense step went from 0.92-0.98x to 1.02-1.03x torchtitan's, docs/benchmarks.md).
         mark_no_grad_reduction(model)
 
 
