@@ -110,7 +110,9 @@ def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     # eps well above float32 summation noise. A gradient element that cancels down to ~1e-8 (an embedding
     # row whose token occurrences pull opposite ways) carries ~1e-8 of absolute noise in either run; with
     # a small eps Adam turns it into an update of lr·g/(|g| + eps), i.e. a whole step of noise.
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, eps=1e-4)
+    # foreach as on CUDA (CPU defaults to the per-tensor loop): the multi-tensor path refuses a parameter
+    # group that mixes DTensors and plain tensors, which a layout must therefore never produce.
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, eps=1e-4, foreach=True)
 
 
 def reference_run(

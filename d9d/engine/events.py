@@ -45,6 +45,16 @@ class StepSkipped:
 
 
 @dataclass(frozen=True)
+class StepRepeated:
+    """A step's forward and backward ran again on the same microbatches before any update (an expert
+    exchange overflowed its static capacity, `d9d.engine.exchange`); state accumulated for the update in
+    the dropped pass (e.g. MoE router load) is dropped."""
+
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class StepFinished:
     step: int
     loss: float

@@ -46,11 +46,13 @@ class NonFiniteError(RuntimeError):
 
 @dataclass(frozen=True)
 class StepValues:
-    """A step's global loss sum, loss weight and gradient norm, read to the host in one transfer."""
+    """A step's global loss sum, loss weight and gradient norm, read to the host in one transfer, and
+    whether an expert exchange overflowed its static capacity on any rank (`d9d.engine.exchange`)."""
 
     loss_sum: float
     weight: float
     grad_norm: float
+    exchange_overflow: bool = False
 
     @property
     def finite(self) -> bool:
@@ -68,15 +70,25 @@ class StepValuesRead:
     """
 
     def __init__(self, totals: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        values = torch.cat([totals.double().flatten(), grad_norm.to(totals.device, torch.float64).reshape(1)])
+        """`totals`: the global [loss sum, weight] or [loss sum, weight, ranks whose exchange overflowed]
+        (`d9d.engine.step.global_loss`)."""
+        totals = totals.double().flatten()
+        values = torch.cat([totals[:2], grad_norm.to(totals.device, torch.float64).reshape(1), totals[2:]])
         # The same rule as `StepValues.finite`: the loss sum and the gradient norm.
         self.nonfinite = (~torch.isfinite(values[0::2])).any().to(torch.float32)
+        # the update a fused optimizer skips on the device: non-finite, or computed from an overflowed
+        # exchange (the step runs again)
+        self.skip = (
+            self.nonfinite
+            if totals.numel() == 2
+            else torch.maximum(self.nonfinite, (values[3] > 0).to(torch.float32))
+        )
         # queued, not waited for: the optimizer's kernels queued after it do not delay the read
         self._host = HostCopy(values)
 
     def wait(self) -> StepValues:
-        loss_sum, weight, norm = self._host.wait().tolist()
-        return StepValues(loss_sum, weight, norm)
+        loss_sum, weight, norm, *overflow = self._host.wait().tolist()
+        return StepValues(loss_sum, weight, norm, bool(overflow and overflow[0] > 0))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

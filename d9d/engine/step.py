@@ -208,8 +208,15 @@ def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def global_loss(ctx: DistributedContext, loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[loss sum, weight] (float64) summed over every rank that computes a distinct loss.
+def global_loss(
+    ctx: DistributedContext,
+    loss_sum: torch.Tensor,
+    weight: torch.Tensor,
+    exchange_overflow: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[loss sum, weight] (float64) summed over every rank that computes a distinct loss; with
+    `exchange_overflow` (this rank's 0/1 flag, `d9d.engine.exchange`) a third element, the number of ranks
+    whose expert exchange overflowed — in the same all-reduce, so the flag costs no collective of its own.
 
     Runners return zeros where no loss is computed (pipeline ranks without the last stage), and
     tensor-parallel ranks compute the same loss, so only tp coordinate 0 contributes. Context-parallel ranks
@@ -217,11 +224,12 @@ def global_loss(ctx: DistributedContext, loss_sum: torch.Tensor, weight: torch.T
     once — as do tokens/s, which divide this total by the step time.
     """
     totals = torch.stack([loss_sum, weight]).double()
-    if not ctx.is_distributed:
-        return totals
-    if ctx.coordinates(MeshDomain.REGULAR)["tp"] != 0:
+    if ctx.is_distributed and ctx.coordinates(MeshDomain.REGULAR)["tp"] != 0:
         totals = torch.zeros_like(totals)
-    dist.all_reduce(totals)
+    if exchange_overflow is not None:  # every rank's own exchange, tp ranks included
+        totals = torch.cat([totals, exchange_overflow.to(totals).reshape(1)])
+    if ctx.is_distributed:
+        dist.all_reduce(totals)
     return totals
 
 

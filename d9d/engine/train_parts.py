@@ -23,6 +23,7 @@ from d9d.engine.components import build_data, build_lr_scheduler, build_optimize
 from d9d.engine.config import TrainConfig
 from d9d.engine.evaluation import Evaluator
 from d9d.engine.events import EventBus
+from d9d.engine.exchange import ExchangeCapacityGuard
 from d9d.engine.identity import run_identity
 from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTask
 from d9d.engine.registry import build_model
@@ -43,6 +44,7 @@ from d9d.engine.step import (
 from d9d.engine.step_metrics import StepMetrics
 from d9d.metrics import AsyncMetricCollector, ComposeMetric
 from d9d.parallel.context import ContextParallelGroup
+from d9d.parallel.expert import exchange_capacities
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.optim import PipelinedLRScheduler, PipelinedOptimizer
 from d9d.pipeline.setup import PipelineSetup
@@ -65,6 +67,7 @@ class TrainParts:
     checkpointer: Checkpointer
     state: EngineState
     evaluator: Evaluator | None
+    exchange: ExchangeCapacityGuard
 
 
 def build_train_parts(
@@ -188,4 +191,5 @@ def build_train_parts(
             seed=c.determinism.seed,
             pin_memory=c.data_loading.pin_memory,
         ),
+        exchange=ExchangeCapacityGuard(ctx, [c for m in stages.modules for c in exchange_capacities(m)]),
     )

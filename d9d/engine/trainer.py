@@ -30,6 +30,7 @@ from d9d.engine.events import (
     ForwardBackwardFinished,
     OptimizerStepFinished,
     StepFinished,
+    StepRepeated,
     StepSkipped,
     StepStarted,
     TrainingFinished,
@@ -298,23 +299,39 @@ class Trainer:
             )
         pin = self.config.data_loading.pin_memory
         microbatches = [to_device(mb, self.ctx.device, pin) for mb in microbatches]
-        parts.optimizer.zero_grad(set_to_none=True)
-        loss_sum, weight = parts.runner.forward_backward(microbatches)
-        totals = global_loss(self.ctx, loss_sum, weight)
-        # Where the optimizer divides gradients inside its update (fused Adam), they stay sums until then:
-        # no pass over every gradient for the division, nor for clipping (its factor joins the divisor).
-        optimizer_divides = parts.optimizer.divides_gradients
-        parts.reducer.finish(None if optimizer_divides else totals[1])
-        norm, divisor = parts.clipper.clip(totals[1] if optimizer_divides else None)
-        # The loss, its weight and the gradient norm reach the host in one read: the non-finite guard
-        # costs no synchronization of its own. Where the optimizer can skip on the device (fused Adam with
-        # state), its update is queued before that read, gated by the same values on the device, so the
-        # host's wait ends when backward does and the next step's host work overlaps the optimizer kernels.
-        read = StepValuesRead(totals, norm)
-        stepped = parts.optimizer.skips_on_device
-        if stepped:
-            parts.optimizer.step(skip_if=read.nonfinite, grad_divisor=divisor)
-        values = read.wait()
+        exchange = parts.exchange
+        # What a rerun after an exchange overflow restores (d9d.engine.exchange): RNG streams, task metrics.
+        start_state = (
+            {k: piece.state_dict() for k, piece in parts.state.per_rank.items()} if exchange.enabled else None
+        )
+        while True:
+            parts.optimizer.zero_grad(set_to_none=True)
+            loss_sum, weight = parts.runner.forward_backward(microbatches)
+            record = exchange.take()
+            totals = global_loss(self.ctx, loss_sum, weight, None if record is None else record[0])
+            # Where the optimizer divides gradients inside its update (fused Adam), they stay sums until
+            # then: no pass over every gradient for the division, nor for clipping (its factor joins the
+            # divisor).
+            optimizer_divides = parts.optimizer.divides_gradients
+            parts.reducer.finish(None if optimizer_divides else totals[1])
+            norm, divisor = parts.clipper.clip(totals[1] if optimizer_divides else None)
+            # The loss, its weight and the gradient norm reach the host in one read: the non-finite guard
+            # costs no synchronization of its own. Where the optimizer can skip on the device (fused Adam
+            # with state), its update is queued before that read, gated by the same values on the device,
+            # so the host's wait ends when backward does and the next step's host work overlaps the
+            # optimizer kernels.
+            read = StepValuesRead(totals, norm)
+            stepped = parts.optimizer.skips_on_device
+            if stepped:
+                parts.optimizer.step(skip_if=read.skip, grad_divisor=divisor)
+            values = read.wait()
+            if record is None or not exchange.settle(step, record, values.exchange_overflow):
+                break
+            assert start_state is not None
+            for key, piece in parts.state.per_rank.items():
+                piece.load_state_dict(start_state[key])
+            self.events.publish(StepRepeated(step, "an expert exchange overflowed its capacity"))
+            parts.reports.step_metrics["exchange_reruns"] = float(exchange.reruns)
         if values.weight <= 0:
             raise RuntimeError(
                 f"step {step}: the global loss weight is {values.weight}; no sample had a target"

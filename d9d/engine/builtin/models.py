@@ -32,7 +32,7 @@ from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.core.host_copy import HostCopy
 from d9d.engine.errors import prefixed
-from d9d.engine.events import EventBus, OptimizerStepFinished, StepSkipped
+from d9d.engine.events import EventBus, OptimizerStepFinished, StepRepeated, StepSkipped
 from d9d.engine.plugins import PLUGIN_TAG, BuiltinComponent, PluginSpec, provider_tag, tag
 from d9d.engine.providers import ModelProvider
 from d9d.engine.step_metrics import StepMetrics
@@ -170,6 +170,7 @@ class CausalLMProvider:
             balancer = ExpertLoadBalancer(routers, ctx, metrics, MoEMetrics(modules))
             events.subscribe(OptimizerStepFinished, lambda event: balancer.after_optimizer_step(event.step))
             events.subscribe(StepSkipped, lambda event: balancer.drop_step())
+            events.subscribe(StepRepeated, lambda event: balancer.drop_step())
 
 
 def causal_lm_flops_per_token(config: BaseModel, seq_len: int) -> float:
@@ -277,9 +278,11 @@ class ExpertLoadBalancer:
 
     @torch.no_grad()
     def drop_step(self) -> None:
-        """A step without an update (non-finite): its load does not move the bias."""
+        """A step without an update (non-finite, or run again): its load does not move the bias, and its
+        balancing-loss statistics are not reported."""
         for _, router in self.routers:
             router.reset_expert_load()
+        take_aux_loss_stats(self.moe_metrics.layers)
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from d9d.core import DistributedContext, MeshDomain
 from d9d.models.decoder.tasks import DecoderStageModel
@@ -154,7 +155,10 @@ def parallelize_decoder(
             parallelize_fsdp(
                 model, dense["dp_cp_shard"], units=units, config=config.fsdp, mp_policy=mp_policy
             )
-    elif dense["dp_cp_replicate"].size() > 1:
+    elif dense["dp_cp_replicate"].size() > 1 or any(isinstance(p, DTensor) for p in model.parameters()):
+        # Also on one data-parallel rank when tensor or expert parallelism made some parameters DTensors:
+        # torch's multi-tensor and fused optimizers refuse a parameter group that mixes DTensors and plain
+        # tensors, so the rest become DTensors too (replicated over the one-rank mesh).
         parallelize_replicate(model, dense["dp_cp_replicate"], units=layers)
     else:
         # One data-parallel rank: no gradient is summed anywhere, so the parameters stay plain tensors. As

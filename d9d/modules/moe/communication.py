@@ -8,7 +8,8 @@ DeepEP handler (`d9d.parallel`) without the layer changing.
 Contract, for every handler:
 - `dispatch` returns the rows each *local* expert must process, grouped by local expert in ascending
   order, with `tokens_per_expert[i]` rows for local expert `i` (a handler may add zero padding rows to a
-  group, e.g. to align groups for the grouped matmul; their outputs are ignored).
+  group, e.g. to align groups for the grouped matmul, and padding rows after the last group, e.g. a
+  static-capacity exchange; the experts leave those unspecified and `combine` ignores them).
 - `combine` takes the experts' (unweighted) outputs and returns, per source token,
   out[t] = Σ_k w[t,k] · expert_{id[t,k]}(x[t]): the routing weights are applied by the handler, so each
   can fuse them into its own combine.

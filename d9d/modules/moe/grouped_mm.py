@@ -13,7 +13,10 @@ GROUPED_MM_ENV = "D9D_GROUPED_MM"
 
 
 class GroupedMM(Protocol):
-    """`x` [rows, in] grouped by expert, `weight` [experts, in, out], `counts` [experts] → [rows, out]."""
+    """`x` [rows, in] grouped by expert, `weight` [experts, in, out], `counts` [experts] → [rows, out].
+
+    Rows past `counts.sum()` are padding (an exchange with a static capacity sends them): no expert
+    computes them and their output rows are unspecified (zero in the host-sized kernels below)."""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
 
@@ -22,9 +25,11 @@ class EagerGroupedMM:
     """A Python loop of dense matmuls: the portable reference (syncs once to read the group sizes)."""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        groups = x.split(counts.tolist())
-        outs = [group @ weight[e] for e, group in enumerate(groups)]
-        return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[-1])
+        sizes = counts.tolist()
+        groups = x.split([*sizes, x.shape[0] - sum(sizes)])
+        outs = [group @ weight[e] for e, group in enumerate(groups[:-1])]
+        outs.append(x.new_zeros(groups[-1].shape[0], weight.shape[-1]))  # the padding rows
+        return torch.cat(outs)
 
 
 class TorchGroupedMM:
@@ -42,7 +47,11 @@ class GroupedGemmMM:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         from grouped_gemm.ops import gmm
 
-        out: torch.Tensor = gmm(x, weight, counts.to("cpu", torch.int64), trans_b=False)
+        sizes = counts.to("cpu", torch.int64)
+        total = int(sizes.sum())
+        out: torch.Tensor = gmm(x[:total], weight, sizes, trans_b=False)
+        if total < x.shape[0]:  # padding rows
+            out = torch.cat([out, out.new_zeros(x.shape[0] - total, out.shape[1])])
         return out
 
 

@@ -8,8 +8,9 @@ from d9d.parallel.expert.backend import (
     ExpertCommunicationConfig,
     build_moe_communication,
 )
+from d9d.parallel.expert.capacity import ExchangeCapacity, take_exchange_records
 from d9d.parallel.expert.deepep import DeepEPMoECommunication, deep_ep_available
-from d9d.parallel.expert.parallelize import parallelize_expert_parallel
+from d9d.parallel.expert.parallelize import exchange_capacities, parallelize_expert_parallel
 
 __all__ = [
     "AllToAllBackendConfig",
@@ -17,9 +18,12 @@ __all__ = [
     "AutoBackendConfig",
     "DeepEPBackendConfig",
     "DeepEPMoECommunication",
+    "ExchangeCapacity",
     "ExpertCommunicationConfig",
     "all_to_all",
     "build_moe_communication",
     "deep_ep_available",
+    "exchange_capacities",
     "parallelize_expert_parallel",
+    "take_exchange_records",
 ]

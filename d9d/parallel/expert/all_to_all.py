@@ -34,6 +34,7 @@ import torch.distributed as dist
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
 from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
+from d9d.parallel.expert.capacity import ExchangeCapacity
 
 
 class _AllToAll(torch.autograd.Function):
@@ -167,19 +168,34 @@ class AllToAllMoECommunication:
     once per destination rank and returns one weighted partial sum per (token, rank) (module docstring)."""
 
     def __init__(
-        self, group: dist.ProcessGroup, *, backend: KernelBackend = "auto", dedup: bool = False
+        self,
+        group: dist.ProcessGroup,
+        *,
+        backend: KernelBackend = "auto",
+        dedup: bool = False,
+        capacity: ExchangeCapacity | None = None,
     ) -> None:
+        if dedup and capacity is not None:
+            raise ValueError("a static exchange capacity is implemented for the copy exchange (dedup=False)")
         self.group = group
         self.size = dist.get_world_size(group)
         self.backend: KernelBackend = backend
         self.dedup = dedup
+        self.capacity = capacity
 
     # Eager even inside a compiled MoE block: traced by inductor on CUDA, this exchange trained wrong (a
     # dp 2 × ep 2 run left the one-GPU losses at the second step, 1.6e-2 apart after 8; eager, 1e-7), while
     # gloo/CPU inductor was exact. The host sync on the split sizes breaks the graph here anyway.
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def dispatch(self, routed: RoutedTokens) -> DispatchedTokens:
-        return self._dispatch_dedup(routed) if self.dedup else self._dispatch_copies(routed)
+        if self.dedup:
+            return self._dispatch_dedup(routed)
+        # Only where the engine reads the overflow flag: a training forward (evaluation and inference run
+        # without gradients and take the exact, synchronizing path).
+        capacity = self.capacity if torch.is_grad_enabled() else None
+        if capacity is not None and capacity.rows is not None:
+            return self._dispatch_copies_capacity(routed, capacity, capacity.rows)
+        return self._dispatch_copies(routed, capacity)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
@@ -241,7 +257,7 @@ class AllToAllMoECommunication:
 
     # -- one row per (token, expert) copy ----------------------------------------------------------------
 
-    def _dispatch_copies(self, routed: RoutedTokens) -> DispatchedTokens:
+    def _dispatch_copies(self, routed: RoutedTokens, capacity: ExchangeCapacity | None) -> DispatchedTokens:
         local_experts = routed.local_experts(self.size)
         perm = expert_permutation(routed.topk_ids, routed.num_experts)
         send = permute_tokens(routed.hidden_states, perm.slot_rows, perm.num_rows, backend=self.backend)
@@ -249,6 +265,8 @@ class AllToAllMoECommunication:
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src rank, local expert]
         counts = torch.stack([send_counts, recv_counts]).view(2, self.size, local_experts).sum(2)
+        if capacity is not None:  # not calibrated yet: the loads it will be sized from
+            capacity.record(counts[0], None)
         send_splits, recv_splits = counts.cpu().tolist()  # the one sync
         rows = all_to_all(send, recv_splits, send_splits, self.group)
         per_source = recv_counts.view(self.size, local_experts)
@@ -266,6 +284,41 @@ class AllToAllMoECommunication:
         state = _CopyState(perm.slot_rows, routed.topk_weights, regroup, send_splits, recv_splits)
         hidden = permute_tokens(rows, regroup, num_received, backend=self.backend)
         return DispatchedTokens(hidden_states=hidden, tokens_per_expert=grouped.rows_per_expert, state=state)
+
+    def _dispatch_copies_capacity(
+        self, routed: RoutedTokens, capacity: ExchangeCapacity, rows_per_peer: int
+    ) -> DispatchedTokens:
+        """The copy exchange with `rows_per_peer` rows to every peer: split sizes the host knows without
+        reading the counts, so nothing here synchronizes (capacity.py). Each peer's segment holds its
+        copies grouped by local expert, then zero rows; copies past the capacity are not sent (an overflow,
+        recorded for the training loop, which reruns the step)."""
+        local_experts = routed.local_experts(self.size)
+        perm = expert_permutation(routed.topk_ids, routed.num_experts)
+        send_counts = perm.rows_per_expert
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src rank, local expert]
+        per_peer = send_counts.view(self.size, local_experts).sum(1)
+        capacity.record(per_peer, rows_per_peer)
+        # Expert-sorted row → (peer, offset within the peer's copies) → row of the peer's segment.
+        peer = routed.topk_ids // local_experts
+        offset = perm.slot_rows - (per_peer.cumsum(0) - per_peer)[peer]
+        slot_rows = torch.where(offset < rows_per_peer, peer * rows_per_peer + offset, -1)
+        num_rows = self.size * rows_per_peer
+        send = permute_tokens(routed.hidden_states, slot_rows, num_rows, backend=self.backend)
+        splits = [rows_per_peer] * self.size
+        rows = all_to_all(send, splits, splits, self.group)
+        # Local expert of each received row: source s's segment holds its copies for local expert e at
+        # offsets [cum[s, e-1], cum[s, e]); offsets past its last copy are padding (group `local_experts`,
+        # after every expert's rows, which the grouped matmul leaves out).
+        cum = recv_counts.view(self.size, local_experts).cumsum(1)
+        offsets = torch.arange(rows_per_peer, device=cum.device).expand(self.size, rows_per_peer)
+        expert_of_row = torch.searchsorted(cum, offsets.contiguous(), right=True)
+        grouped = expert_permutation(expert_of_row.reshape(-1, 1), local_experts + 1)
+        state = _CopyState(slot_rows, routed.topk_weights, grouped.slot_rows, splits, splits)
+        hidden = permute_tokens(rows, grouped.slot_rows, num_rows, backend=self.backend)
+        return DispatchedTokens(
+            hidden_states=hidden, tokens_per_expert=grouped.rows_per_expert[:local_experts], state=state
+        )
 
     def _combine_copies(self, expert_outputs: torch.Tensor, state: _CopyState) -> torch.Tensor:
         received_order = combine_tokens(expert_outputs, state.regroup, backend=self.backend)  # a gather

@@ -8,10 +8,11 @@ from typing import Annotated, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from d9d.modules.moe.communication import MoECommunication
 from d9d.parallel.expert.all_to_all import AllToAllMoECommunication
+from d9d.parallel.expert.capacity import ExchangeCapacity
 from d9d.parallel.expert.deepep import INTRANODE_GROUP_SIZES, DeepEPMoECommunication, deep_ep_available
 
 _log = logging.getLogger(__name__)
@@ -31,6 +32,19 @@ class AllToAllBackendConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["all_to_all"] = "all_to_all"
     dedup: bool = False
+    #: None: every dispatch reads its split sizes to the host (exact, one host sync per MoE layer). A
+    #: number: each peer gets a static `capacity_factor` × the mean copies per peer, no host sync; an
+    #: overflow is detected and the step rerun with a larger capacity by the engine (capacity.py). Only
+    #: for the copy exchange, and only where the overflow flag is read (the engine's training step).
+    capacity_factor: float | None = Field(None, ge=1.0)
+    #: The capacity's rows per peer are a multiple of this.
+    capacity_align: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _capacity_needs_copies(self) -> AllToAllBackendConfig:
+        if self.capacity_factor is not None and self.dedup:
+            raise ValueError("capacity_factor is implemented for the copy exchange only: set dedup: false")
+        return self
 
 
 class DeepEPBackendConfig(BaseModel):
@@ -67,8 +81,9 @@ def build_moe_communication(
     """The handler for experts sharded over `group`. `device` / `dtype` are those the activations will have
     when the layer runs (the caller's device, not the parameters', which may still be on `meta`)."""
     match config:
-        case AllToAllBackendConfig(dedup=dedup):
-            return AllToAllMoECommunication(group, dedup=dedup)
+        case AllToAllBackendConfig(dedup=dedup, capacity_factor=factor, capacity_align=align):
+            capacity = None if factor is None else ExchangeCapacity(factor, align=align)
+            return AllToAllMoECommunication(group, dedup=dedup, capacity=capacity)
         case DeepEPBackendConfig(num_sms=num_sms):
             problem = _deep_ep_problem(group, device, dtype)
             if problem is not None:

@@ -8,7 +8,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from d9d.modules.moe.layer import MoELayer
+from d9d.parallel.expert.all_to_all import AllToAllMoECommunication
 from d9d.parallel.expert.backend import AutoBackendConfig, ExpertCommunicationConfig, build_moe_communication
+from d9d.parallel.expert.capacity import ExchangeCapacity
 from d9d.parallel.grad_sync import mark_grad_reduce_mesh
 from d9d.parallel.local_params import compute_with_local_parameters
 
@@ -70,3 +72,15 @@ def parallelize_expert_parallel(
         device=device,
         dtype=dtype,
     )
+
+
+def exchange_capacities(module: nn.Module) -> list[ExchangeCapacity]:
+    """The static capacities of the expert exchanges in `module`'s MoE layers, in module order: what a
+    training loop must read after each step (`take_exchange_records`) when any exist."""
+    return [
+        m.communication.capacity
+        for m in module.modules()
+        if isinstance(m, MoELayer)
+        and isinstance(m.communication, AllToAllMoECommunication)
+        and m.communication.capacity is not None
+    ]

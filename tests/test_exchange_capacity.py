@@ -1,0 +1,195 @@
+"""The expert exchange with a static per-peer capacity (d9d.parallel.expert.capacity, d9d.engine.exchange):
+against the reading exchange on gloo ranks, no host read in dispatch, overflows recorded exactly, and a
+training run whose exchanges overflow rerunning its steps to the reading exchange's losses and metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from d9d.engine.checkpoint import LocalRunReporter
+from d9d.engine.config import parse_config
+from d9d.engine.runtime import MetricPoint
+from d9d.modules.moe.communication import RoutedTokens
+from d9d.parallel.expert import AllToAllMoECommunication, ExchangeCapacity, take_exchange_records
+from tests.harness import RankEnv, run_distributed
+from tests.test_engine_builtin import ARCH
+from tests.test_engine_nonfinite import _local
+from tests.test_parallel_expert import _HostReads, _routing
+
+
+def _run(
+    comm: AllToAllMoECommunication, routed: RoutedTokens, experts: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Dispatch, tanh experts, combine, backward: (output, grad x, grad weights, grad experts, received
+    rows per expert). Padding rows after the experts' groups get NaN outputs: a result reading one fails."""
+    d = comm.dispatch(routed)
+    counts = d.tokens_per_expert.tolist()
+    valid = sum(counts)
+    outs = [torch.tanh(rows @ experts[e]) for e, rows in enumerate(d.hidden_states[:valid].split(counts))]
+    padding = torch.full((d.hidden_states.shape[0] - valid, experts.shape[-1]), float("nan"), dtype=dy.dtype)
+    out = comm.combine(torch.cat([*outs, padding]), d)
+    (out * dy).sum().backward()
+    x, w = routed.hidden_states, routed.topk_weights
+    assert x.grad is not None and w.grad is not None and experts.grad is not None
+    return out.detach(), x.grad, w.grad, experts.grad, d.tokens_per_expert
+
+
+def _capacity_exchange(env: RankEnv) -> None:
+    for ep in (2, env.world_size):
+        groups = [dist.new_group(list(range(s, s + ep))) for s in range(0, env.world_size, ep)]
+        group = groups[env.rank // ep]
+        ep_rank = env.rank % ep
+        num_experts, k = 4 * ep, 2
+        local_n = num_experts // ep
+        for case in ("one_expert", "same_rank"):  # the same token count on every rank, skewed loads
+            what = f"ep={ep} case={case}"
+            x, ids, w = _routing(env.rank, num_experts, k, case, ep)
+            g = torch.Generator().manual_seed(3)
+            experts = torch.randn(num_experts, 5, 5, generator=g, dtype=x.dtype)
+            experts = experts[ep_rank * local_n : (ep_rank + 1) * local_n]
+            dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(env.rank), dtype=x.dtype)
+
+            def routed(
+                x: torch.Tensor = x, ids: torch.Tensor = ids, w: torch.Tensor = w, n: int = num_experts
+            ) -> RoutedTokens:
+                return RoutedTokens(x.clone().requires_grad_(), ids, w.clone().requires_grad_(), n)
+
+            reading = _run(AllToAllMoECommunication(group), routed(), experts.clone().requires_grad_(), dy)
+            # Independent count: copies this rank sends to each peer, and the largest over the group.
+            sent = torch.bincount(ids.flatten() // local_n, minlength=ep).double()
+            largest = sent.clone()
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+            group_largest = int(largest.max())
+
+            # calibration: the reading exchange records the largest load it sent
+            capacity = ExchangeCapacity(1.0, align=1)
+            comm = AllToAllMoECommunication(group, capacity=capacity)
+            calibrating = _run(comm, routed(), experts.clone().requires_grad_(), dy)
+            for got, want in zip(calibrating, reading, strict=True):
+                assert torch.equal(got, want), what
+            torch.testing.assert_close(
+                take_exchange_records([capacity], x.device), torch.tensor([0.0, float(sent.max())]), msg=what
+            )
+
+            # enough room: no host read in dispatch, results bitwise the reading exchange's
+            capacity.fit(group_largest)
+            assert capacity.rows == group_largest, what
+            with _HostReads() as reads:
+                d = comm.dispatch(routed())
+            assert reads.reads == [], (what, reads.reads)
+            assert d.hidden_states.shape[0] == ep * group_largest, what  # static: peers × capacity
+            fitted = _run(comm, routed(), experts.clone().requires_grad_(), dy)
+            for got, want in zip(fitted, reading, strict=True):
+                assert torch.equal(got, want), what
+            record = take_exchange_records([capacity], x.device)
+            assert record.tolist() == [0.0, float(sent.max())], what
+
+            # one row short of the largest load: exactly the ranks that send it overflow
+            capacity.rows = group_largest - 1
+            comm.dispatch(routed())
+            record = take_exchange_records([capacity], x.device)
+            assert record.tolist() == [float(sent.max() > group_largest - 1), float(sent.max())], what
+            assert capacity.take() is None  # taken: cleared
+
+
+@pytest.mark.distributed
+def test_capacity_exchange_matches_the_reading_exchange_without_host_reads() -> None:
+    run_distributed(_capacity_exchange, 4, timeout=180)
+
+
+def test_capacity_fits_with_headroom_and_never_shrinks() -> None:
+    capacity = ExchangeCapacity(1.25, align=64)
+    assert capacity.rows is None
+    capacity.fit(100)
+    assert capacity.rows == 128  # 125 rounded up to 64 rows
+    capacity.fit(10)
+    assert capacity.rows == 128
+    capacity.fit(120)
+    assert capacity.rows == 192
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ExchangeCapacity(0.9)
+
+
+# -- through the engine: overflowing steps rerun to the reading exchange's results ----------------------
+
+
+def _config(run_dir: Path, backend: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "run": {"name": run_dir.name, "dir": str(run_dir)},
+        "mesh": {"data_parallel_replicate": 2, "expert_parallel": 2},
+        "batching": {"global_batch_size": 8, "microbatch_size": 2},
+        "trainer": {"total_steps": 6},
+        "logging": {"progress_bar": "off", "period": 1},
+        "checkpointing": {"save_at_end": False},
+        "model": {
+            "provider": "qwen3_moe",
+            "options": {"architecture": ARCH, "parallel": {"expert_backend": backend}},
+        },
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "optimizer": {"provider": "adamw", "options": {"lr": 3e-3}},
+    }
+
+
+def _train(env: RankEnv, name: str, backend: dict[str, Any]) -> None:
+    from d9d.core.context import DistributedContext
+    from d9d.engine.events import EventBus, OptimizerStepFinished, StepRepeated
+    from d9d.engine.trainer import Trainer
+    from d9d.modules.moe.router import TopKRouter
+
+    config = parse_config(_config(env.tmp_dir / name, backend))
+    ctx = DistributedContext.create(config.mesh)
+    points: list[MetricPoint] = []
+    events = EventBus()
+    trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1, points.append), events)
+    loads: list[list[int]] = []
+    routers: list[TopKRouter] = []
+    repeated: list[int] = []
+    # Subscribed before the model's balancer (which sums and clears the loads after each update): the
+    # copies each router counted for the step's update, this rank's own.
+    events.subscribe(
+        OptimizerStepFinished,
+        lambda e: loads.append([int(r.expert_load.sum()) for r in routers]),
+    )
+    events.subscribe(StepRepeated, lambda e: repeated.append(e.step))
+    trainer.setup()
+    routers.extend(m for mod in trainer.modules for m in mod.modules() if isinstance(m, TopKRouter))
+    result = trainer.train()
+    final = {n: _local(p) for m in trainer.modules for n, p in m.named_parameters()}
+    if env.rank == 0:
+        train = [p.values for p in points if p.kind == "train"]
+        torch.save(
+            {"losses": list(result.losses), "metrics": train, "loads": loads, "repeated": repeated},
+            env.tmp_dir / f"{name}.pt",
+        )
+    torch.save(final, env.tmp_dir / f"{name}-{env.rank}.params.pt")
+
+
+@pytest.mark.distributed
+def test_overflowing_steps_rerun_to_the_reading_exchange_results(tmp_path: Path) -> None:
+    """Capacity factor 1 and no rounding: after the first step the capacity is exactly its largest load, so
+    later steps overflow; each reruns. Losses, gradient norms, the MoE balance metrics and the final
+    parameters equal the reading exchange's run, bitwise on CPU, and each update counts every routed copy
+    once (the dropped pass's router loads do not add up)."""
+    reading = {"kind": "all_to_all"}
+    capacity = {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}
+    run_distributed(_train, 2, "reading", reading, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_train, 2, "capacity", capacity, tmp_dir=tmp_path, timeout=300)
+    want, got = torch.load(tmp_path / "reading.pt"), torch.load(tmp_path / "capacity.pt")
+    assert got["losses"] == want["losses"]
+    assert got["repeated"], "no step overflowed: the rerun path did not run"
+    assert got["metrics"][-1]["exchange_reruns"] == len(got["repeated"])
+    for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"], strict=True)):
+        shared = sorted(k for k in w if k.startswith("moe/") or k in ("loss", "grad_norm"))
+        assert shared and {k: g[k] for k in shared} == {k: w[k] for k in shared}, step
+    # 2 microbatches of 2 sequences of 8 tokens per rank and step, top-2: 64 copies per router
+    copies = 2 * 2 * 8 * ARCH["num_experts_per_tok"]
+    assert got["loads"] == want["loads"] == [[copies] * ARCH["num_layers"]] * 6
+    for rank in range(2):
+        a = torch.load(tmp_path / f"capacity-{rank}.params.pt")
+        b = torch.load(tmp_path / f"reading-{rank}.params.pt")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
