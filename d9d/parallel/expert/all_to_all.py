@@ -16,10 +16,12 @@ back with the permute/gather kernels (a gather in both directions of the backwar
 returns the copies and each token sums its k rows weighted by its routing weights (which never travel).
 
 Both: one small all-to-all of counts, then one device→host copy of the split sizes (the only host sync
-of a dispatch), then one all-to-all of the rows (with their weights and ids in the deduplicated exchange,
-side by side in one byte message); combine and every backward reuse the stored splits. Every step is
-differentiable: the all-to-all's backward is the reverse all-to-all, and the routing weights get their
-gradient through the combine (back across the rows' message in the deduplicated exchange).
+of a dispatch; the copy exchange with a calibrated `ExchangeCapacity` skips it and sends a fixed number of
+rows to every peer, capacity.py), then one all-to-all of the rows (with their weights and ids in the
+deduplicated exchange, side by side in one byte message); combine and every backward reuse the stored
+splits. Every step is differentiable: the all-to-all's backward is the reverse all-to-all, and the routing
+weights get their gradient through the combine (back across the rows' message in the deduplicated
+exchange).
 """
 
 from __future__ import annotations
