@@ -308,7 +308,8 @@ class Trainer:
             parts.optimizer.zero_grad(set_to_none=True)
             loss_sum, weight = parts.runner.forward_backward(microbatches)
             record = exchange.take()
-            totals = global_loss(self.ctx, loss_sum, weight, None if record is None else record[0])
+            overflow = None if record is None else exchange.overflowed(record)
+            totals = global_loss(self.ctx, loss_sum, weight, overflow)
             # Where the optimizer divides gradients inside its update (fused Adam), they stay sums until
             # then: no pass over every gradient for the division, nor for clipping (its factor joins the
             # divisor).

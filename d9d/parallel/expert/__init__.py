@@ -8,7 +8,7 @@ from d9d.parallel.expert.backend import (
     ExpertCommunicationConfig,
     build_moe_communication,
 )
-from d9d.parallel.expert.capacity import ExchangeCapacity, take_exchange_records
+from d9d.parallel.expert.capacity import ExchangeCapacity
 from d9d.parallel.expert.deepep import DeepEPMoECommunication, deep_ep_available
 from d9d.parallel.expert.parallelize import exchange_capacities, parallelize_expert_parallel
 
@@ -25,5 +25,4 @@ __all__ = [
     "deep_ep_available",
     "exchange_capacities",
     "parallelize_expert_parallel",
-    "take_exchange_records",
 ]

@@ -7,19 +7,18 @@ idle GPU per step). With a capacity every rank sends each peer exactly `rows` ro
 it, then zero padding), a size every rank of the group knows without looking at the counts.
 
 The capacity is calibrated, not guessed: until `rows` is set the exchange reads the split sizes as before
-and only records the largest per-peer load; the training loop then sets `rows` on every rank to the same
-value, `factor` × the largest load any rank saw (rounded up to `align` rows). From then on a peer that
-should get more copies than `rows` is an *overflow*: the copies past it are not sent and the step's result
-is wrong. It is never silent: each exchange records on the device whether it overflowed and its largest
-load; the loop reads the flag with the step's loss (no extra synchronization), skips the update on the
-device, grows `rows` to the largest load seen (times `factor` again) and runs the step again
-(`d9d.engine.exchange`; docs/parallelism.md, "Exchange capacity").
+and only records the largest per-peer load; the training loop then sets each layer's `rows`, the same on
+every rank, to `factor` × the largest load any rank saw in that layer (rounded up to `align` rows). From
+then on a peer that should get more copies than `rows` is an *overflow*: the copies past it are not sent
+and the step's result is wrong. It is never silent: each exchange records on the device whether it
+overflowed and its largest load; the loop reads the flag with the step's loss (no extra synchronization),
+skips the update on the device, grows the layer's `rows` to the largest load seen (times `factor` again)
+and runs the step again (`d9d.engine.exchange`; docs/parallelism.md, "Exchange capacity").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 
@@ -56,12 +55,3 @@ class ExchangeCapacity:
         """Room for `largest_load` copies per peer times `factor`; never shrinks."""
         rows = max(math.ceil(largest_load * self.factor / self.align) * self.align, self.align)
         self.rows = rows if self.rows is None else max(self.rows, rows)
-
-
-def take_exchange_records(capacities: Iterable[ExchangeCapacity], device: torch.device) -> torch.Tensor:
-    """[any overflow (0/1), largest load] over `capacities` since their last take (zeros without a
-    dispatch), float32 on `device`; clears every record."""
-    records = [r.to(device) for c in capacities if (r := c.take()) is not None]
-    if not records:
-        return torch.zeros(2, device=device)
-    return torch.stack(records).amax(0)

@@ -74,12 +74,12 @@ def parallelize_expert_parallel(
     )
 
 
-def exchange_capacities(module: nn.Module) -> list[ExchangeCapacity]:
-    """The static capacities of the expert exchanges in `module`'s MoE layers, in module order: what a
-    training loop must read after each step (`take_exchange_records`) when any exist."""
+def exchange_capacities(module: nn.Module) -> list[tuple[str, ExchangeCapacity]]:
+    """The static capacities of the expert exchanges in `module`'s MoE layers, by qualified layer name, in
+    module order: what a training loop must read after each step when any exist (`d9d.engine.exchange`)."""
     return [
-        m.communication.capacity
-        for m in module.modules()
+        (name, m.communication.capacity)
+        for name, m in module.named_modules()
         if isinstance(m, MoELayer)
         and isinstance(m.communication, AllToAllMoECommunication)
         and m.communication.capacity is not None
