@@ -118,10 +118,16 @@ def test_capacity_fits_with_headroom_and_never_shrinks() -> None:
 # -- through the engine: overflowing steps rerun to the reading exchange's results ----------------------
 
 
-def _config(run_dir: Path, backend: dict[str, Any]) -> dict[str, Any]:
+DP2_EP2 = {"data_parallel_replicate": 2, "expert_parallel": 2}
+
+
+def _config(
+    run_dir: Path, backend: dict[str, Any], mesh: dict[str, int], schedule: str | None
+) -> dict[str, Any]:
     return {
         "run": {"name": run_dir.name, "dir": str(run_dir)},
-        "mesh": {"data_parallel_replicate": 2, "expert_parallel": 2},
+        "mesh": mesh,
+        "pipelining": None if schedule is None else {"kind": schedule},
         "batching": {"global_batch_size": 8, "microbatch_size": 2},
         "trainer": {"total_steps": 6},
         "logging": {"progress_bar": "off", "period": 1},
@@ -135,13 +141,19 @@ def _config(run_dir: Path, backend: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _train(env: RankEnv, name: str, backend: dict[str, Any]) -> None:
+def _train(
+    env: RankEnv,
+    name: str,
+    backend: dict[str, Any],
+    mesh: dict[str, int] = DP2_EP2,
+    schedule: str | None = None,
+) -> None:
     from d9d.core.context import DistributedContext
     from d9d.engine.events import EventBus, OptimizerStepFinished, StepRepeated
     from d9d.engine.trainer import Trainer
     from d9d.modules.moe.router import TopKRouter
 
-    config = parse_config(_config(env.tmp_dir / name, backend))
+    config = parse_config(_config(env.tmp_dir / name, backend, mesh, schedule))
     ctx = DistributedContext.create(config.mesh)
     points: list[MetricPoint] = []
     events = EventBus()
@@ -193,3 +205,17 @@ def test_overflowing_steps_rerun_to_the_reading_exchange_results(tmp_path: Path)
         a = torch.load(tmp_path / f"capacity-{rank}.params.pt")
         b = torch.load(tmp_path / f"reading-{rank}.params.pt")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
+
+
+@pytest.mark.distributed
+def test_overflowing_steps_rerun_under_pipeline_and_expert_parallelism(tmp_path: Path) -> None:
+    """pp 2 × dp 2 × ep 2 with 1F1B: the overflow flag of either stage reaches every rank through the loss
+    all-reduce, both stages rerun together, and the losses equal the reading exchange's bitwise."""
+    mesh = {"pipeline_parallel": 2, "data_parallel_replicate": 2, "expert_parallel": 2}
+    reading = {"kind": "all_to_all"}
+    capacity = {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}
+    run_distributed(_train, 4, "pp-reading", reading, mesh, "1f1b", tmp_dir=tmp_path, timeout=400)
+    run_distributed(_train, 4, "pp-capacity", capacity, mesh, "1f1b", tmp_dir=tmp_path, timeout=400)
+    want, got = torch.load(tmp_path / "pp-reading.pt"), torch.load(tmp_path / "pp-capacity.pt")
+    assert got["repeated"], "no step overflowed: the rerun path did not run"
+    assert got["losses"] == want["losses"]
