@@ -46,7 +46,9 @@ def _capacity_exchange(env: RankEnv) -> None:
         ep_rank = env.rank % ep
         num_experts, k = 4 * ep, 2
         local_n = num_experts // ep
-        for case in ("one_expert", "same_rank"):  # the same token count on every rank, skewed loads
+        # skewed loads; different token counts per rank, and a rank without tokens: the capacity is rows
+        # per peer, not a fraction of the sender's tokens, so ranks need not agree on their batch shapes
+        for case in ("one_expert", "same_rank", "uneven", "empty_rank"):
             what = f"ep={ep} case={case}"
             x, ids, w = _routing(env.rank, num_experts, k, case, ep)
             g = torch.Generator().manual_seed(3)
