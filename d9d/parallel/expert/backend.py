@@ -33,9 +33,10 @@ class AllToAllBackendConfig(BaseModel):
     kind: Literal["all_to_all"] = "all_to_all"
     dedup: bool = False
     #: None: every dispatch reads its split sizes to the host (exact, one host sync per MoE layer). A
-    #: number: each peer gets a static `capacity_factor` × the mean copies per peer, no host sync; an
-    #: overflow is detected and the step rerun with a larger capacity by the engine (capacity.py). Only
-    #: for the copy exchange, and only where the overflow flag is read (the engine's training step).
+    #: number: after the first step each layer sends every peer a static `capacity_factor` × the largest
+    #: per-peer load that step saw, no host sync; an overflow is detected and the step rerun with a larger
+    #: capacity by the engine (capacity.py). Only for the copy exchange, and only where the overflow flag
+    #: is read (the engine's training step).
     capacity_factor: float | None = Field(None, ge=1.0)
     #: The capacity's rows per peer are a multiple of this.
     capacity_align: int = Field(64, ge=1)
