@@ -69,9 +69,8 @@ class ExchangeCapacityGuard:
             capacity.fit(max(loads.get(name, 0.0) for loads in everyone))
         rows = [c.rows or 0 for _, c in self.capacities]
         span = f"{min(rows)}-{max(rows)}" if rows else "-"
-        if overflowed:
-            self.reruns += 1
-        if overflowed and self.ctx.is_main_process:
+        self.reruns += overflowed
+        if self.ctx.is_main_process and overflowed:
             self.ctx.logger.warning(
                 "step %d: an expert exchange overflowed its capacity; capacities now %s rows per peer "
                 "(by layer) and the step runs again (%d reruns so far)",
@@ -79,7 +78,7 @@ class ExchangeCapacityGuard:
                 span,
                 self.reruns,
             )
-        elif not overflowed and self.ctx.is_main_process:
+        elif self.ctx.is_main_process:
             self.ctx.logger.info(
                 "expert exchange capacities: %s rows per peer (by layer, from step %d's loads); dispatches "
                 "no longer read their split sizes",

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from d9d.kernels.backend import KernelBackend
-from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
+from d9d.kernels.moe import ExpertPermutation, combine_tokens, expert_permutation, permute_tokens
 from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
 from d9d.parallel.expert.capacity import ExchangeCapacity
 
@@ -259,13 +259,19 @@ class AllToAllMoECommunication:
 
     # -- one row per (token, expert) copy ----------------------------------------------------------------
 
+    def _copy_counts(self, routed: RoutedTokens) -> tuple[ExpertPermutation, torch.Tensor]:
+        """The copies sorted by global expert, and the copies each source rank sends to this rank's local
+        experts ([src rank · local expert], exchanged on the device)."""
+        perm = expert_permutation(routed.topk_ids, routed.num_experts)
+        recv_counts = torch.empty_like(perm.rows_per_expert)
+        dist.all_to_all_single(recv_counts, perm.rows_per_expert, group=self.group)
+        return perm, recv_counts
+
     def _dispatch_copies(self, routed: RoutedTokens, capacity: ExchangeCapacity | None) -> DispatchedTokens:
         local_experts = routed.local_experts(self.size)
-        perm = expert_permutation(routed.topk_ids, routed.num_experts)
+        perm, recv_counts = self._copy_counts(routed)
         send = permute_tokens(routed.hidden_states, perm.slot_rows, perm.num_rows, backend=self.backend)
         send_counts = perm.rows_per_expert
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src rank, local expert]
         counts = torch.stack([send_counts, recv_counts]).view(2, self.size, local_experts).sum(2)
         if capacity is not None:  # not calibrated yet: the loads it will be sized from
             capacity.record(counts[0], None)
@@ -295,11 +301,8 @@ class AllToAllMoECommunication:
         copies grouped by local expert, then zero rows; copies past the capacity are not sent (an overflow,
         recorded for the training loop, which reruns the step)."""
         local_experts = routed.local_experts(self.size)
-        perm = expert_permutation(routed.topk_ids, routed.num_experts)
-        send_counts = perm.rows_per_expert
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src rank, local expert]
-        per_peer = send_counts.view(self.size, local_experts).sum(1)
+        perm, recv_counts = self._copy_counts(routed)
+        per_peer = perm.rows_per_expert.view(self.size, local_experts).sum(1)
         capacity.record(per_peer, rows_per_peer)
         # Expert-sorted row → (peer, offset within the peer's copies) → row of the peer's segment.
         peer = routed.topk_ids // local_experts
