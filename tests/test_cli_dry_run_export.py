@@ -29,7 +29,7 @@ from d9d.cli.main import build_parser, main
 from d9d.core.context import DistributedContext
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import parse_config
-from d9d.engine.dry_run import dry_run
+from d9d.engine.dry_run import DryRunReport, dry_run
 from d9d.engine.trainer import Trainer
 from d9d.models.hf import build_causal_lm
 from d9d.models.qwen3 import Qwen3Config
@@ -106,15 +106,16 @@ def test_dry_run_prints_config_layout_parameters_and_memory(
 
 def test_dry_run_counts_lora_parameters_and_shards_their_memory(tmp_path: Path) -> None:
     arch = {k: v for k, v in MOE_ARCH.items() if "expert" not in k and k != "moe_intermediate_size"}
-    model = {
-        "provider": "peft",
-        "options": {
-            "base": {"provider": "qwen3", "options": {"architecture": arch}},
-            "method": {"kind": "lora", "target_modules": TARGETS, "rank": RANK},
-        },
-    }
-    config = parse_config(_job(tmp_path, model=model, mesh={"data_parallel_shard": 2}))
-    report = dry_run(config)
+
+    def report(fsdp: dict[str, Any]) -> DryRunReport:
+        model = {
+            "provider": "peft",
+            "options": {
+                "base": {"provider": "qwen3", "options": {"architecture": arch, "parallel": {"fsdp": fsdp}}},
+                "method": {"kind": "lora", "target_modules": TARGETS, "rank": RANK},
+            },
+        }
+        return dry_run(parse_config(_job(tmp_path, model=model, mesh={"data_parallel_shard": 2})))
 
     a = Qwen3Config(**arch)  # type: ignore[arg-type]
     q_out, v_out = a.num_attention_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -123,15 +124,25 @@ def test_dry_run_counts_lora_parameters_and_shards_their_memory(tmp_path: Path) 
     )
     lora = a.num_layers * per_layer
     base = sum(p.numel() for p in build_causal_lm(a).parameters())
-    assert report.parameters.trainable == lora
-    assert report.parameters.total == base + lora
-    (memory,) = report.memory
+    resharding = report({"keep_gathered_gib": 0})
+    assert resharding.parameters.trainable == lora
+    assert resharding.parameters.total == base + lora
+    (memory,) = resharding.memory
     assert memory.ranks == (0, 1)
     # FSDP over two ranks halves everything; fp32 gradients of the LoRA factors; AdamW keeps two moments.
     assert memory.parameters == (base + lora) * 4 // 2
     assert memory.gradients == lora * 4 // 2
     assert memory.optimizer == 2 * memory.gradients
     assert memory.activations is not None and memory.activations > 0
+    # The default `auto` keeps a model this small gathered from forward to backward: all of it on a rank.
+    (kept,) = report({}).memory
+    assert kept.parameters == (base + lora) * 4
+    assert any("stay gathered" in note for note in kept.notes)
+    assert (kept.gradients, kept.optimizer, kept.activations) == (
+        memory.gradients,
+        memory.optimizer,
+        memory.activations,
+    )
 
 
 def test_dry_run_reports_a_bad_layout_by_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -52,8 +52,16 @@ from tests.test_pipeline_sharded import _executors, _train_and_compare
 
 # ---- every setting trains like one process, and does what it says ----------------------------------------
 
+
+def _gathered_bytes() -> int:
+    """The tiny model's parameters, unsharded (float32; tied weights once): what every rank holds when all
+    units stay gathered."""
+    return sum(p.numel() * 4 for p in _dense().parameters())
+
+
 SETTINGS: list[tuple[int, int, FSDPConfig]] = [  # (replicate, shard, settings)
-    (1, 4, FSDPConfig()),
+    (1, 4, FSDPConfig()),  # auto, under keep_gathered_gib: every unit stays gathered
+    (1, 4, FSDPConfig(keep_gathered_gib=0)),  # auto resharding all but the root and the last unit
     (1, 4, FSDPConfig(reshard_after_forward="always", forward_prefetch=1)),
     (
         1,
@@ -102,7 +110,9 @@ def _probe(model: nn.Module, units: list[nn.Module], config: FSDPConfig, what: s
     units hold gathered parameters between forward and backward."""
     n = len(units)
     policy = config.reshard_after_forward
-    resharded = [policy == "always" or (policy == "auto" and i < n - 1) for i in range(n)]
+    small = _gathered_bytes() <= config.keep_gathered_gib * 2**30
+    keep_all = policy == "never" or (policy == "auto" and small)
+    resharded = [not keep_all and (policy == "always" or i < n - 1) for i in range(n)]
     in_units = {id(p) for u in units for p in u.parameters()}
     # By name: FSDP registers other parameter objects while a group is gathered.
     root_names = [name for name, p in model.named_parameters() if id(p) not in in_units]
@@ -159,7 +169,8 @@ def _probe(model: nn.Module, units: list[nn.Module], config: FSDPConfig, what: s
 def _settings_cases(env: RankEnv) -> None:
     data = _batches(2, 8)  # the second AdamW step runs on the updated shards and the optimizer's moments
     want = reference_run(_dense(), data, _task_loss, max_norm=MAX_NORM)
-    for replicate, shard, config in SETTINGS:
+    just_over = FSDPConfig(keep_gathered_gib=(_gathered_bytes() - 1) / 2**30)  # one byte short: reshards
+    for replicate, shard, config in [*SETTINGS, (1, 4, just_over)]:
         what = f"replicate {replicate} × shard {shard} {config!r}"
         params = DeviceMeshParameters(data_parallel_replicate=replicate, data_parallel_shard=shard)
         ctx = DistributedContext.create(params, backend="gloo")

@@ -8,7 +8,10 @@ estimate from those meta parameters, their dtypes and the mesh:
 - parameters: expert weights (`GroupedExperts`) split over `expert_parallel`; for a model family's causal LM
   (a built-in provider, or a plug-in with the `ModelArchitecture` trait) the parameters its plan splits over
   `tensor_parallel` (`ModelFamily.footprint`); everything but experts split over FSDP's
-  `data_parallel_shard × context_parallel_shard`. Other models: FSDP sharding only.
+  `data_parallel_shard × context_parallel_shard`. Other models: FSDP sharding only. Where FSDP keeps every
+  unit gathered from forward to backward — pipeline steps always, otherwise `fsdp.reshard_after_forward`
+  `never`, or `auto` under `keep_gathered_gib` — the rank holds the gathered parameters too at the end of
+  forward (the one or two units gathered at a time otherwise are not counted).
 - gradients: trainable parameters, sharded alike, in `gradient_manager.grad_dtype` (default: theirs).
 - optimizer state: AdamW two moments in the parameter dtype, stochastic AdamW two in its `state_dtype`,
   SGD one momentum buffer when `momentum > 0`; a plug-in optimizer is not estimated.
@@ -38,6 +41,7 @@ from torch import nn
 
 from d9d.core.domains import MeshDomain, compute_layout
 from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.engine.builtin.models import CausalLMProvider
 from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.components import SGD, AdamW, StochasticAdamW, TextData
 from d9d.engine.config import TrainConfig
@@ -51,6 +55,7 @@ from d9d.modules.checkpointing import (
     plan_layers,
 )
 from d9d.modules.moe import GroupedExperts
+from d9d.parallel.fsdp import GIB, FSDPConfig
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.schedule.config import GPipeSchedule
 
@@ -137,6 +142,12 @@ def _footprint(architecture: ModelArchitecture | None, module: nn.Module) -> Sta
     if architecture is None:
         return None
     return architecture.family.footprint(architecture.model_config, module)
+
+
+def _fsdp_config(provider: ModelProvider) -> FSDPConfig:
+    """The built-in providers' FSDP settings (`model.options.parallel.fsdp`); the defaults for plug-ins."""
+    base = provider.base if isinstance(provider, PeftModelProvider) else provider
+    return base.options.parallel.fsdp if isinstance(base, CausalLMProvider) else FSDPConfig()
 
 
 def _expert_parameters(module: nn.Module) -> set[nn.Parameter]:
@@ -313,7 +324,7 @@ def estimate_memory(
     architecture = _architecture(provider)
     footprints = [_footprint(architecture, module) for module in modules]
     fsdp = mesh.data_parallel_shard * mesh.context_parallel_shard
-    params = grads = 0
+    params = grads = gathered = sharded = 0  # the last two: FSDP's parameters gathered, and their shards
     trainable: list[tuple[nn.Parameter, int]] = []
     notes: list[str] = []
     for module, footprint in zip(modules, footprints, strict=True):
@@ -323,11 +334,20 @@ def estimate_memory(
             if p in experts:
                 n = _local(p.numel(), mesh.expert_parallel)
             else:
-                n = _local(p.numel(), (mesh.tensor_parallel if p in tensor_parallel else 1) * fsdp)
+                whole = _local(p.numel(), mesh.tensor_parallel if p in tensor_parallel else 1)
+                n = _local(whole, fsdp)
+                gathered += whole * p.element_size()
+                sharded += n * p.element_size()
             params += n * p.element_size()
             if p.requires_grad:
                 grads += n * torch.empty((), dtype=_grad_dtype(config, p)).element_size()
                 trainable.append((p, n))
+    if fsdp > 1 and (mesh.pipeline_parallel > 1 or _fsdp_config(provider).keeps_units_gathered(gathered)):
+        params += gathered - sharded
+        notes.append(
+            f"parameters: FSDP's units stay gathered from forward to backward ({gathered / GIB:.2f} GiB "
+            "gathered, included)"
+        )
     if footprints[0] is None and mesh.tensor_parallel > 1:
         notes.append("parameters: tensor-parallel sharding of a model outside the catalogue is not modelled")
     optimizer = _optimizer_bytes(config, trainable)

@@ -17,11 +17,13 @@ passed to FSDP as ignored: they live on the expert mesh, which FSDP cannot combi
 `FSDPConfig` tunes the collectives (docs/parallelism.md, "FSDP settings"):
 
 - `reshard_after_forward` (`auto`): `always` frees every gathered unit after its forward and gathers it
-  again in backward; `never` keeps all of them gathered from forward to backward; `auto` keeps the root
-  (gathered first, reduced last) and the last unit (backward starts with it, so a re-gather could overlap
-  nothing) and reshards the others, whose backward all-gather is prefetched behind the backward of the unit
-  after them. Pipeline steps keep every unit gathered regardless (`d9d.pipeline.runtime.sharding`); the
-  policy then governs forward-only programs.
+  again in backward; `never` keeps all of them gathered from forward to backward; `auto` does what `never`
+  does when the module's gathered parameters fit in `keep_gathered_gib` (a small model: the backward
+  all-gathers cost more time than the memory is worth), and otherwise keeps the root (gathered first,
+  reduced last) and the last unit (backward starts with it, so a re-gather could overlap nothing) and
+  reshards the others, whose backward all-gather is prefetched behind the backward of the unit after them.
+  Pipeline steps keep every unit gathered regardless (`d9d.pipeline.runtime.sharding`); the policy then
+  governs forward-only programs.
 - `reduce_dtype` (None: the parameters' dtype): `float32` makes FSDP cast bf16 gradients up before its
   reduce-scatter (FSDP2 `MixedPrecisionPolicy(reduce_dtype=...)`; parameters stay as they are) and casts
   the sum back to the parameter dtype for the optimizer. The sharded parameters are recorded with that
@@ -43,6 +45,7 @@ grad that is not followed by backward (a probe), call `reshard_fsdp(module)` bef
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import Literal
 
@@ -51,19 +54,26 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_dtype, mark_grad_reduce_mesh
 
 ReshardPolicy = Literal["auto", "always", "never"]
+GIB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 class FSDPConfig(BaseModel):
     """How FSDP gathers parameters and reduces gradients (a job config's `model.options.parallel.fsdp`).
 
-    - `reshard_after_forward`: `auto` (default) keeps the root and the last unit (the head, or a
-      stage's last layer) gathered from forward to backward and frees the other units after their forward;
-      `always` frees every unit, root included (the least memory, one more all-gather per unit); `never`
-      keeps every unit gathered until its backward (no re-gather, the most memory).
+    - `reshard_after_forward`: `auto` (default) keeps every unit gathered from forward to backward when
+      the model's (pipeline stage's) gathered parameters take at most `keep_gathered_gib`, and otherwise
+      keeps the root and the last unit (the head, or a stage's last layer) gathered and frees the other
+      units after their forward; `always` frees every unit, root included (the least memory, one more
+      all-gather per unit); `never` keeps every unit gathered until its backward (no re-gather, the most
+      memory).
+    - `keep_gathered_gib`: `auto`'s size limit (GiB of parameters, gathered, on one rank: tensor-parallel
+      shards count as local; experts under expert parallelism are not FSDP's). 0 turns the rule off.
     - `reduce_dtype`: the dtype of the gradient reduce-scatter (and of HSDP's replica all-reduce);
       null (default) is the parameters' dtype. `float32` sums bf16 gradients in float32 (one rounding to
       bf16 instead of one per summand) at twice the bytes on the wire.
@@ -79,6 +89,20 @@ class FSDPConfig(BaseModel):
     reduce_dtype: Literal["bfloat16", "float32"] | None = None
     forward_prefetch: int = Field(0, ge=0)
     backward_prefetch: int = Field(1, ge=1)
+    # 4 GiB: a model of about 2B parameters in bf16. Qwen3-0.6B (1.1 GiB gathered), FSDP 4 on 4 × H200:
+    # kept gathered, 1.11× the resharding step's tokens/s for 1.1 GiB more per GPU (docs/parallelism.md).
+    keep_gathered_gib: float = Field(4.0, ge=0)
+
+    def keeps_units_gathered(self, gathered_bytes: int) -> bool:
+        """Whether every unit stays gathered from forward to backward, for a module whose FSDP parameters
+        take `gathered_bytes` on one rank once gathered."""
+        match self.reshard_after_forward:
+            case "never":
+                return True
+            case "always":
+                return False
+            case "auto":
+                return gathered_bytes <= self.keep_gathered_gib * GIB
 
     def resolve_reduce_dtype(self) -> torch.dtype | None:
         return None if self.reduce_dtype is None else getattr(torch, self.reduce_dtype)  # type: ignore[no-any-return]
@@ -107,14 +131,33 @@ def _mixed_precision(
     return dataclasses.replace(policy, reduce_dtype=reduce_dtype)
 
 
-def _reshard_units(policy: ReshardPolicy, count: int) -> tuple[list[bool], bool]:
+def gathered_bytes(params: Iterable[nn.Parameter], param_dtype: torch.dtype | None = None) -> int:
+    """Bytes `params` take on one rank once FSDP has gathered them (a tensor-parallel DTensor: its shard),
+    floating-point ones in `param_dtype` when the mixed-precision policy sets one."""
+    total = 0
+    for p in params:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        dtype = param_dtype if param_dtype is not None and local.is_floating_point() else local.dtype
+        total += local.numel() * dtype.itemsize
+    return total
+
+
+def _reshard_units(config: FSDPConfig, count: int, gathered: int) -> tuple[list[bool], bool]:
     """(reshard after forward, per unit in forward order; for the root)."""
-    if policy == "always":
-        return [True] * count, True
-    if policy == "never":
+    if config.keeps_units_gathered(gathered):
+        if config.reshard_after_forward == "auto":
+            logger.info(
+                "fsdp reshard_after_forward auto: the gathered parameters take %.2f GiB <= keep_gathered_gib "
+                "%g, so every unit stays gathered from forward to backward",
+                gathered / GIB,
+                config.keep_gathered_gib,
+            )
         return [False] * count, False
-    # auto: backward begins with the last unit; re-gathering it there could overlap nothing. The root is
-    # gathered before the first unit and reduced after it, so freeing it in between saves nothing.
+    if config.reshard_after_forward == "always":
+        return [True] * count, True
+    # auto above the size limit: backward begins with the last unit; re-gathering it there could overlap
+    # nothing. The root is gathered before the first unit and reduced after it, so freeing it in between
+    # saves nothing.
     return [i < count - 1 for i in range(count)], False
 
 
@@ -166,7 +209,10 @@ def parallelize_fsdp(
     config = config or FSDPConfig()
     units = list(units)
     policy = _mixed_precision(mp_policy, config.resolve_reduce_dtype())
-    unit_reshard, root_reshard = _reshard_units(config.reshard_after_forward, len(units))
+    decided = _decided_params(module)
+    own = (p for p in module.parameters() if p not in decided)
+    gathered = gathered_bytes(own, policy.param_dtype)
+    unit_reshard, root_reshard = _reshard_units(config, len(units), gathered)
     sharded: list[FSDPModule] = []
     for unit, reshard in [*zip(units, unit_reshard, strict=True), (module, root_reshard)]:
         fsdp_module: FSDPModule = fully_shard(

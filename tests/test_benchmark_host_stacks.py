@@ -1,0 +1,47 @@
+"""`benchmarks/throughput/host_stacks.py`: py-spy's raw stacks summarized per process under the step's frame,
+against counts made by hand for a few synthetic stacks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+from tests.bench_fixtures import import_benchmark
+
+
+@pytest.fixture(scope="module")
+def host_stacks() -> Iterator[ModuleType]:
+    yield from import_benchmark("throughput.host_stacks")
+
+
+LAUNCHER = 'process 10:"torchrun"'
+RANK0, RANK1 = 'process 11:"python -m d9d.engine.launch"', 'process 12:"python -m d9d.engine.launch"'
+STEP = "Trainer._run_step (d9d/engine/trainer.py:{})"
+
+LINES = [
+    # rank 0: 3 samples in forward (two lines of one function), 1 at the end-of-step read, 5 compiling
+    f"{LAUNCHER};{RANK0};main (launch.py:1);{STEP.format(219)};forward (step.py:70);mm (ops.py:5) 2",
+    f"{LAUNCHER};{RANK0};main (launch.py:1);{STEP.format(219)};forward (step.py:71);mm (ops.py:5) 1",
+    f"{LAUNCHER};{RANK0};main (launch.py:1);{STEP.format(230)};wait (host_copy.py:9) 1",
+    f"{LAUNCHER};{RANK0};main (launch.py:1);{STEP.format(219)};_compile (torch/_dynamo/convert_frame.py:3) 5",
+    # rank 0 outside the step (start-up) and on autograd's thread: not the step's thread
+    f"{LAUNCHER};{RANK0};main (launch.py:1);import (x.py:1) 7",
+    f"{LAUNCHER};{RANK0};backward (function.py:3) 4",
+    # rank 1: a recursive frame is counted once per stack
+    f"{LAUNCHER};{RANK1};{STEP.format(219)};f (a.py:1);f (a.py:2) 3",
+]
+
+
+def test_counts_the_step_thread_per_process_without_compilation(host_stacks: ModuleType) -> None:
+    found = host_stacks.step_samples(LINES, "Trainer._run_step")
+    assert set(found) == {"process 11", "process 12"}
+    rank0 = found["process 11"]
+    assert rank0.total == 4
+    assert rank0.inclusive["Trainer._run_step (d9d/engine/trainer.py)"] == 4
+    assert rank0.inclusive["forward (step.py)"] == 3
+    assert rank0.leaf == {"mm (ops.py)": 3, "wait (host_copy.py)": 1}
+    assert "main (launch.py)" not in rank0.inclusive  # above the root
+    rank1 = found["process 12"]
+    assert (rank1.total, rank1.inclusive["f (a.py)"], rank1.leaf["f (a.py)"]) == (3, 3, 3)
