@@ -104,17 +104,27 @@ def test_capacity_exchange_matches_the_reading_exchange_without_host_reads() -> 
     run_distributed(_capacity_exchange, 4, timeout=180)
 
 
-def test_capacity_fits_with_headroom_and_never_shrinks() -> None:
-    capacity = ExchangeCapacity(1.25, align=64)
+def test_capacity_fits_grows_geometrically_and_recalibrates_down() -> None:
+    capacity = ExchangeCapacity(1.25, align=64, growth=1.5)
     assert capacity.rows is None
     capacity.fit(100)
     assert capacity.rows == 128  # 125 rounded up to 64 rows
-    capacity.fit(10)
-    assert capacity.rows == 128
-    capacity.fit(120)
+    capacity.grow(130)  # an overflow: 1.25 × 130 = 162.5 -> 192, and 1.5 × 128 = 192
     assert capacity.rows == 192
+    capacity.grow(140)  # a load that kept rising: 1.25 × 140 -> 192, but at least 1.5 × 192 = 288 -> 320
+    assert capacity.rows == 320
+    capacity.fit(10)  # recalibration follows the loads down, to one aligned block at least
+    assert capacity.rows == 64
+    # the window: the largest load over every dispatch of the steps taken since the last window
+    for loads in ([3, 9], [12, 1], [2, 2]):
+        capacity.record(torch.tensor(loads), 64)
+        capacity.take()
+    window = capacity.take_window()
+    assert window is not None and window.item() == 12 and capacity.take_window() is None
     with pytest.raises(ValueError, match="must be >= 1"):
         ExchangeCapacity(0.9)
+    with pytest.raises(ValueError, match="growth 0.5 must be >= 1"):
+        ExchangeCapacity(1.1, growth=0.5)
 
 
 # -- through the engine: overflowing steps rerun to the reading exchange's results ----------------------
@@ -190,13 +200,24 @@ def test_overflowing_steps_rerun_to_the_reading_exchange_results(tmp_path: Path)
     parameters equal the reading exchange's run, bitwise on CPU, and each update counts every routed copy
     once (the dropped pass's router loads do not add up)."""
     reading = {"kind": "all_to_all"}
-    capacity = {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}
+    # growth 2 after an overflow, then every 2 steps back to the loads seen: capacities shrink, and overflow
+    # and rerun again
+    capacity = {
+        "kind": "all_to_all",
+        "capacity_factor": 1.0,
+        "capacity_align": 1,
+        "capacity_growth": 2.0,
+        "capacity_recalibrate_every": 2,
+    }
     run_distributed(_train, 2, "reading", reading, tmp_dir=tmp_path, timeout=300)
     run_distributed(_train, 2, "capacity", capacity, tmp_dir=tmp_path, timeout=300)
     want, got = torch.load(tmp_path / "reading.pt"), torch.load(tmp_path / "capacity.pt")
     assert got["losses"] == want["losses"]
     assert got["repeated"], "no step overflowed: the rerun path did not run"
     assert got["metrics"][-1]["exchange_reruns"] == len(got["repeated"])
+    rows = [m["exchange_capacity_rows"] for m in got["metrics"]]
+    assert any(b < a for a, b in zip(rows, rows[1:], strict=False)), f"no recalibration shrank: {rows}"
+    assert any(b > a for a, b in zip(rows, rows[1:], strict=False)), f"no overflow grew: {rows}"
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"], strict=True)):
         shared = sorted(k for k in w if k.startswith("moe/") or k in ("loss", "grad_norm"))
         assert shared and {k: g[k] for k in shared} == {k: w[k] for k in shared}, step

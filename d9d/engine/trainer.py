@@ -333,6 +333,8 @@ class Trainer:
                 piece.load_state_dict(start_state[key])
             self.events.publish(StepRepeated(step, "an expert exchange overflowed its capacity"))
             parts.reports.step_metrics["exchange_reruns"] = float(exchange.reruns)
+        if exchange.calibrated:
+            parts.reports.step_metrics["exchange_capacity_rows"] = float(exchange.largest_rows)
         if values.weight <= 0:
             raise RuntimeError(
                 f"step {step}: the global loss weight is {values.weight}; no sample had a target"

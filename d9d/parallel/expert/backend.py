@@ -40,6 +40,13 @@ class AllToAllBackendConfig(BaseModel):
     capacity_factor: float | None = Field(None, ge=1.0)
     #: The capacity's rows per peer are a multiple of this.
     capacity_align: int = Field(64, ge=1)
+    #: After an overflow a layer's capacity grows to at least this × its rows (and to `capacity_factor` ×
+    #: the load that overflowed it).
+    capacity_growth: float = Field(1.5, ge=1.0)
+    #: Every this many steps each layer's capacity is set to `capacity_factor` × the largest load of those
+    #: steps (one host read and gather of the loads): it shrinks as the routing balances. None: it only
+    #: grows.
+    capacity_recalibrate_every: int | None = Field(100, ge=1)
 
     @model_validator(mode="after")
     def _capacity_needs_copies(self) -> AllToAllBackendConfig:
@@ -82,8 +89,17 @@ def build_moe_communication(
     """The handler for experts sharded over `group`. `device` / `dtype` are those the activations will have
     when the layer runs (the caller's device, not the parameters', which may still be on `meta`)."""
     match config:
-        case AllToAllBackendConfig(dedup=dedup, capacity_factor=factor, capacity_align=align):
-            capacity = None if factor is None else ExchangeCapacity(factor, align=align)
+        case AllToAllBackendConfig(dedup=dedup, capacity_factor=factor) as c:
+            capacity = (
+                None
+                if factor is None
+                else ExchangeCapacity(
+                    factor,
+                    align=c.capacity_align,
+                    growth=c.capacity_growth,
+                    recalibrate_every=c.capacity_recalibrate_every,
+                )
+            )
             return AllToAllMoECommunication(group, dedup=dedup, capacity=capacity)
         case DeepEPBackendConfig(num_sms=num_sms):
             problem = _deep_ep_problem(group, device, dtype)
