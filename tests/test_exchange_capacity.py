@@ -4,6 +4,8 @@ training run whose exchanges overflow rerunning its steps to the reading exchang
 
 from __future__ import annotations
 
+import itertools
+
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +125,7 @@ def test_capacity_fits_grows_geometrically_and_recalibrates_down() -> None:
     assert window is not None and window.item() == 12 and capacity.take_window() is None
     with pytest.raises(ValueError, match="must be >= 1"):
         ExchangeCapacity(0.9)
-    with pytest.raises(ValueError, match="growth 0.5 must be >= 1"):
+    with pytest.raises(ValueError, match=r"growth 0\.5 must be >= 1"):
         ExchangeCapacity(1.1, growth=0.5)
 
 
@@ -216,8 +218,8 @@ def test_overflowing_steps_rerun_to_the_reading_exchange_results(tmp_path: Path)
     assert got["repeated"], "no step overflowed: the rerun path did not run"
     assert got["metrics"][-1]["exchange_reruns"] == len(got["repeated"])
     rows = [m["exchange_capacity_rows"] for m in got["metrics"]]
-    assert any(b < a for a, b in zip(rows, rows[1:], strict=False)), f"no recalibration shrank: {rows}"
-    assert any(b > a for a, b in zip(rows, rows[1:], strict=False)), f"no overflow grew: {rows}"
+    assert any(b < a for a, b in itertools.pairwise(rows)), f"no recalibration shrank: {rows}"
+    assert any(b > a for a, b in itertools.pairwise(rows)), f"no overflow grew: {rows}"
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"], strict=True)):
         shared = sorted(k for k in w if k.startswith("moe/") or k in ("loss", "grad_norm"))
         assert shared and {k: g[k] for k in shared} == {k: w[k] for k in shared}, step
