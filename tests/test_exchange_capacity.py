@@ -5,7 +5,6 @@ training run whose exchanges overflow rerunning its steps to the reading exchang
 from __future__ import annotations
 
 import itertools
-
 from pathlib import Path
 from typing import Any
 
