@@ -58,7 +58,7 @@ def train_row(
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.engine.checkpoint import LocalRunReporter
     from d9d.engine.config import parse_config
-    from d9d.engine.events import StepFinished, StepStarted
+    from d9d.engine.events import StepStarted
     from d9d.engine.trainer import Trainer
 
     cuda = torch.cuda.is_available() and not smoke
@@ -75,7 +75,7 @@ def train_row(
         {
             "run": {"name": "long-context", "dir": tempfile.mkdtemp(prefix="d9d-long-")},
             "batching": {"global_batch_size": 1, "microbatch_size": 1},
-            "trainer": {"total_steps": warmup + steps},
+            "trainer": {"total_steps": warmup + steps + 1},
             "logging": {"progress_bar": "off", "period": 1000},
             "checkpointing": {"save_at_end": False},
             "gradient_clipping": {"max_norm": None},
@@ -97,27 +97,22 @@ def train_row(
     )
     ctx = DistributedContext.create(DeviceMeshParameters(), backend="nccl" if cuda else "gloo")
     trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
-    starts: dict[int, float] = {}
-    times: list[float] = []
+    marks: dict[int, float] = {}  # step -> when it started, the device idle
 
-    def sync() -> None:
+    def mark(event: StepStarted) -> None:
+        # From one step's start to the next (the run has one step more than it times), the device
+        # synchronized at each: the optimizer kernels that run after the engine read the step's loss belong
+        # to the step.
         if cuda:
             torch.cuda.synchronize()
+        marks[event.step] = time.perf_counter()
 
-    def on_start(event: StepStarted) -> None:
-        sync()
-        starts[event.step] = time.perf_counter()
-
-    def on_finish(event: StepFinished) -> None:  # the loss is a host float: the step is done
-        if event.step > warmup:
-            times.append(time.perf_counter() - starts[event.step])
-
-    trainer.events.subscribe(StepStarted, on_start)
-    trainer.events.subscribe(StepFinished, on_finish)
+    trainer.events.subscribe(StepStarted, mark)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.setup()
     trainer.train()
+    times = [marks[s + 1] - marks[s] for s in range(warmup + 1, warmup + steps + 1)]
     step = sorted(times)[len(times) // 2]
     return {
         "seq_len": seq_len,

@@ -212,50 +212,49 @@ def run(
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.engine.checkpoint import LocalRunReporter
     from d9d.engine.config import parse_config
-    from d9d.engine.events import StepFinished, StepStarted
+    from d9d.engine.events import StepStarted
     from d9d.engine.trainer import Trainer
 
     profiled = PROFILE_STEPS if profile else 0
-    total = warmup + steps + profiled
+    first_profiled = warmup + steps + 1
+    # One step more than timed and profiled: each step ends where the next one starts.
+    total = warmup + steps + profiled + 1
     config = parse_config(job(model, variant, batch, total, ac, arch_overrides))
     ctx = DistributedContext.create(DeviceMeshParameters())
     trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
     starts: dict[int, float] = {}
-    times: list[float] = []
-    durations: dict[int, float] = {}
+    ends: dict[int, float] = {}
     # GPU activity only: host-side op recording would slow the launches and inflate the idle gaps.
     # (`profile_ops` records host ops too, to name the ATen op and shapes behind each kernel.)
     activities = [torch.profiler.ProfilerActivity.CUDA]
     if profile_ops:
         activities.append(torch.profiler.ProfilerActivity.CPU)
     prof = torch.profiler.profile(activities=activities, record_shapes=profile_ops, with_stack=profile_ops)
-    first_profiled = warmup + steps + 1
 
+    # A step is timed from its start to the next one's, the device synchronized at each: all of its work,
+    # the optimizer kernels that run after the engine has read the step's loss included (timing to the
+    # step's end left them out, ~5 ms of the dense step), as `time_loop` times the peers' steps.
     def on_start(event: StepStarted) -> None:
         torch.cuda.synchronize()
+        ends[event.step - 1] = time.perf_counter()
+        if profiled and event.step == first_profiled + profiled:
+            prof.stop()
         if profiled and event.step == first_profiled:
             prof.start()
         starts[event.step] = time.perf_counter()
 
-    def on_finish(event: StepFinished) -> None:  # the loss is already a host float: the step is done
-        durations[event.step] = time.perf_counter() - starts[event.step]
-        if warmup < event.step <= warmup + steps:
-            times.append(durations[event.step])
-        if profiled and event.step == total:
-            torch.cuda.synchronize()
-            prof.stop()
-
     trainer.events.subscribe(StepStarted, on_start)
-    trainer.events.subscribe(StepFinished, on_finish)
     setup_start = time.perf_counter()
     trainer.setup()
     setup_s = time.perf_counter() - setup_start
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
+    durations = {s: ends[s] - starts[s] for s in range(1, total)}
+    times = [durations[s] for s in range(warmup + 1, warmup + steps + 1)]
     result = summary(times, durations.get(1), model)
     result["setup_s"] = setup_s
     if profiled:
-        wall = sum(durations[s] for s in range(first_profiled, total + 1))
+        wall = sum(durations[s] for s in range(first_profiled, first_profiled + profiled))
         report = gpu_profile.breakdown(prof, wall, profiled)
         result["profile"] = report
         print(gpu_profile.render(report), flush=True)
