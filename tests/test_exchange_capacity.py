@@ -106,7 +106,7 @@ def test_capacity_exchange_matches_the_reading_exchange_without_host_reads() -> 
 
 
 def test_capacity_fits_grows_geometrically_and_recalibrates_down() -> None:
-    capacity = ExchangeCapacity(1.25, align=64, growth=1.5)
+    capacity = ExchangeCapacity(1.25, align=64, growth=1.5, recalibrate_every=100)
     assert capacity.rows is None
     capacity.fit(100)
     assert capacity.rows == 128  # 125 rounded up to 64 rows
@@ -122,6 +122,9 @@ def test_capacity_fits_grows_geometrically_and_recalibrates_down() -> None:
         capacity.take()
     window = capacity.take_window()
     assert window is not None and window.item() == 12 and capacity.take_window() is None
+    only_grows = ExchangeCapacity(1.25)  # no recalibration: no window is kept
+    only_grows.record(torch.tensor([3, 9]), None)
+    assert only_grows.take() is not None and only_grows.take_window() is None
     with pytest.raises(ValueError, match="must be >= 1"):
         ExchangeCapacity(0.9)
     with pytest.raises(ValueError, match=r"growth 0\.5 must be >= 1"):

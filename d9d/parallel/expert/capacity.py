@@ -65,10 +65,10 @@ class ExchangeCapacity:
         self._record = seen if self._record is None else torch.maximum(self._record, seen)
 
     def take(self) -> torch.Tensor | None:
-        """[overflowed, largest load] since the last take (None without a dispatch), then clear it. The load
-        also joins the window that `take_window` returns."""
+        """[overflowed, largest load] since the last take (None without a dispatch), then clear it. With
+        `recalibrate_every` set the load also joins the window that `take_window` returns."""
         record, self._record = self._record, None
-        if record is not None:
+        if record is not None and self.recalibrate_every is not None:  # else no kernel per layer and step
             self._window = record[1] if self._window is None else torch.maximum(self._window, record[1])
         return record
 
