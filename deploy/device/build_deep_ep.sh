@@ -102,6 +102,14 @@ if [ -f deep_ep/buffer.py ]; then
         # device code of another file, so they are compiled whole instead.
         grep -qF "'-rdc=true', " setup.py || die "V1 setup.py has no '-rdc=true' flag to drop (another version?)"
         sed -i "s/'-rdc=true', //" setup.py
+        # V1's last commit calls three low-latency mask-buffer kernels (internode_ll.cu, built only with
+        # NVSHMEM) outside its DISABLE_NVSHMEM guards, so the extension failed to import ("undefined
+        # symbol: ...internode_ll18update_mask_buffer..."). Guard those calls like the file's others; the
+        # methods keep their host asserts (a mask buffer exists only in low-latency shrink mode).
+        perl -0pi -e 's/(\n[ \t]*internode_ll::(?:update|query|clean)_mask_buffer\(.*?\);)/\n#ifndef DISABLE_NVSHMEM$1\n#endif/gs' \
+            csrc/deep_ep.cpp
+        guarded=$(grep -c "^#ifndef DISABLE_NVSHMEM" csrc/deep_ep.cpp)
+        echo "build_deep_ep: csrc/deep_ep.cpp has $guarded DISABLE_NVSHMEM guards"
         echo "build_deep_ep: DeepEP V1, intranode kernels only (NVSHMEM left out, no -rdc)"
     fi
 elif [ -f deep_ep/buffers/legacy.py ]; then
