@@ -65,8 +65,9 @@ class _Config:
         return (num_bytes + 127) // 128 * 128
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, /) -> int:
-        assert isinstance(hidden_bytes, int) and isinstance(num_ranks, int)
-        return 0  # intranode (at most 8 ranks): no RDMA buffer
+        # As in the intranode-only build (deploy/device/build_deep_ep.sh, no NVSHMEM), where this is a host
+        # assert; with NVSHMEM it is 0 for at most 8 ranks. d9d must not ask (it passes 0 RDMA bytes).
+        raise RuntimeError("Failed: Assertion error csrc/config.hpp:102 'NVSHMEM is disable during compilation'")
 
 
 class _EventOverlap:

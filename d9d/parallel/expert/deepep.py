@@ -175,13 +175,12 @@ class DeepEPMoECommunication:
                 buffer_cls.get_dispatch_config(self.size),
                 buffer_cls.get_combine_config(self.size),
             )
-        nvl, rdma = 0, 0
-        for config in self._configs:
-            nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, self.size))
-            rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, self.size))
+        nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, self.size) for config in self._configs)
         current = self._buffer
-        if current is None or current.num_nvl_bytes < nvl or current.num_rdma_bytes < rdma:
-            self._buffer = buffer_cls(self.group, nvl, rdma)
+        if current is None or current.num_nvl_bytes < nvl:
+            # No RDMA bytes: within one node (the group sizes above) DeepEP's RDMA hint is 0, and a build
+            # without NVSHMEM (the intranode-only one, deploy/device/build_deep_ep.sh) asserts when asked.
+            self._buffer = buffer_cls(self.group, nvl, 0)
         return self._buffer, *self._configs
 
     # Eager even inside a compiled MoE block, as the all-to-all handler: the dispatch waits on the host for
