@@ -67,7 +67,9 @@ class _Config:
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, /) -> int:
         # As in the intranode-only build (deploy/device/build_deep_ep.sh, no NVSHMEM), where this is a host
         # assert; with NVSHMEM it is 0 for at most 8 ranks. d9d must not ask (it passes 0 RDMA bytes).
-        raise RuntimeError("Failed: Assertion error csrc/config.hpp:102 'NVSHMEM is disable during compilation'")
+        raise RuntimeError(
+            "Failed: Assertion error csrc/config.hpp:102 'NVSHMEM is disable during compilation'"
+        )
 
 
 class _EventOverlap:
@@ -102,7 +104,13 @@ class _Buffer:
         assert not low_latency_mode
         self.group, self.group_size = group, NUM_RANKS
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.explicitly_destroy, self.destroyed = explicitly_destroy, False
         _Buffer.created.append(self)
+
+    def destroy(self) -> None:
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        assert not self.destroyed
+        self.destroyed = True
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -340,6 +348,24 @@ def test_buffer_grows_with_the_hidden_size_and_combine_uses_the_dispatch_buffer(
     assert out.shape == small[0].shape
 
 
+def test_buffers_are_destroyed_explicitly_by_close(stand_in: types.ModuleType) -> None:
+    """Every buffer is made with `explicitly_destroy` (DeepEP's implicit destruction is a GPU barrier run
+    by the garbage collector: a rank whose peers already exited hangs in it) and `close` destroys each
+    once, the outgrown ones included; the handler then works again on a new buffer."""
+    comm = DeepEPMoECommunication(GROUP)  # type: ignore[arg-type]
+    x, ids, weights, experts = _routing(6, 4, 2, 32)
+    _run(comm, x, ids, weights, experts)
+    large = _routing(6, 4, 2, 64)
+    comm.dispatch(RoutedTokens(large[0], large[1], large[2], 4))
+    assert len(_Buffer.created) == 2 and all(b.explicitly_destroy for b in _Buffer.created)
+    assert not any(b.destroyed for b in _Buffer.created)
+    comm.close()
+    assert all(b.destroyed for b in _Buffer.created)
+    comm.close()  # nothing left to destroy: no second destroy of a buffer
+    _run(comm, x, ids, weights, experts)
+    assert len(_Buffer.created) == 3 and not _Buffer.created[2].destroyed
+
+
 def test_unsupported_shapes_and_groups_fail_on_the_host(
     stand_in: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -361,7 +387,10 @@ def test_unsupported_shapes_and_groups_fail_on_the_host(
         build_moe_communication(DeepEPBackendConfig(), three, device=cuda, dtype=torch.bfloat16)  # type: ignore[arg-type]
     chosen = build_moe_communication(AutoBackendConfig(), three, device=cuda, dtype=torch.bfloat16)  # type: ignore[arg-type]
     assert isinstance(chosen, AllToAllMoECommunication)
+    # Where DeepEP could run, `auto` still takes the all-to-all (measured faster, docs/parallelism.md).
     chosen = build_moe_communication(AutoBackendConfig(), GROUP, device=cuda, dtype=torch.bfloat16)  # type: ignore[arg-type]
+    assert isinstance(chosen, AllToAllMoECommunication)
+    chosen = build_moe_communication(DeepEPBackendConfig(), GROUP, device=cuda, dtype=torch.bfloat16)  # type: ignore[arg-type]
     assert isinstance(chosen, DeepEPMoECommunication)
 
 

@@ -52,6 +52,7 @@ from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
 from d9d.engine.step import global_loss, to_device
 from d9d.engine.train_parts import TrainParts, build_train_parts
+from d9d.parallel.expert import release_expert_communication
 from d9d.profiling import NullProfiler, StepHook, StepProfiler
 
 
@@ -271,6 +272,8 @@ class Trainer:
                         c.storage_root,
                         durable,
                     )
+        for module in self.modules:  # every rank gets here together: the release is a barrier per EP group
+            release_expert_communication(module)
         self.parts.reports.finish()
 
     def _build_profiler(self) -> StepHook:

@@ -10,7 +10,11 @@ from d9d.parallel.expert.backend import (
 )
 from d9d.parallel.expert.capacity import ExchangeCapacity
 from d9d.parallel.expert.deepep import DeepEPMoECommunication, deep_ep_available
-from d9d.parallel.expert.parallelize import exchange_capacities, parallelize_expert_parallel
+from d9d.parallel.expert.parallelize import (
+    exchange_capacities,
+    parallelize_expert_parallel,
+    release_expert_communication,
+)
 
 __all__ = [
     "AllToAllBackendConfig",
@@ -25,4 +29,5 @@ __all__ = [
     "deep_ep_available",
     "exchange_capacities",
     "parallelize_expert_parallel",
+    "release_expert_communication",
 ]

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from d9d.kernels.backend import KernelBackend
+from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
 from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
 
 _log = logging.getLogger(__name__)
@@ -76,8 +78,9 @@ class _Dispatch(torch.autograd.Function):
         # Synchronous (async_finish=False): the current stream waits for DeepEP's communication stream, so the
         # outputs are ready for the ops queued after this call and no EventOverlap has to be kept.
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_ids, num_experts)
-        # Returns (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event).
-        recv_x, recv_ids, recv_weights, _, handle, _ = buffer.dispatch(
+        # Returns (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event);
+        # the list is on the host already (DeepEP waited for the counts), so the rows' layout needs no sync.
+        recv_x, recv_ids, recv_weights, per_expert, handle, _ = buffer.dispatch(
             x,
             num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma_rank,
@@ -90,7 +93,7 @@ class _Dispatch(torch.autograd.Function):
         ctx.buffer = buffer
         ctx.handle = handle
         ctx.combine_config = combine_config
-        handle_out.append(handle)
+        handle_out.extend((handle, per_expert))
         ctx.mark_non_differentiable(recv_ids)
         return recv_x, recv_weights, recv_ids
 
@@ -138,24 +141,26 @@ class _DeepEPState:
     buffer: Any  # the buffer the dispatch ran on: combine must use it (and its handle) too
     handle: Any
     configs: tuple[Any, Any]  # (dispatch, combine) configs of that dispatch
-    token_of_row: torch.Tensor  # [rows]: received token each row came from
-    row_weights: torch.Tensor  # [rows]: routing weight of each row
-    num_received: int
+    recv_slots: torch.Tensor  # [received tokens, k]: expert-grouped row of each local copy, -1 elsewhere
+    recv_weights: torch.Tensor  # [received tokens, k]: routing weights that came with the tokens, 0 elsewhere
 
 
 class DeepEPMoECommunication:
     """`MoECommunication` over DeepEP's normal (high-throughput) intranode kernels. The buffer is sized
     lazily for the hidden size of the first dispatch and grown when a larger one arrives (a collective:
-    every rank of the group sees the same hidden size, so they grow together).
+    every rank of the group sees the same hidden size, so they grow together); `close` releases them.
 
     `num_sms`: SMs for DeepEP's kernels (even; DeepEP's default is 20). `Buffer.set_num_sms` is a class-wide
     setting read by DeepEP's config getters, so this handler captures its dispatch and combine configs once
     (at the first dispatch) and passes them to every call: the buffer size, the forward calls and the
     backward calls then agree on the SM count whatever another handler sets later."""
 
-    def __init__(self, group: dist.ProcessGroup, *, num_sms: int | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, *, num_sms: int | None = None, backend: KernelBackend = "auto"
+    ) -> None:
         self._deep_ep = importlib.import_module("deep_ep")
         self.group = group
+        self.backend: KernelBackend = backend
         self.size = dist.get_world_size(group)
         if self.size not in INTRANODE_GROUP_SIZES:
             raise ValueError(
@@ -166,6 +171,7 @@ class DeepEPMoECommunication:
             self._deep_ep.Buffer.set_num_sms(num_sms)
         self._configs: tuple[Any, Any] | None = None
         self._buffer: Any = None
+        self._buffers: list[Any] = []  # every buffer made (an outgrown one may still serve a backward)
 
     def _buffer_for(self, hidden_bytes: int) -> tuple[Any, Any, Any]:
         """(buffer, dispatch config, combine config) for rows of `hidden_bytes`."""
@@ -180,8 +186,19 @@ class DeepEPMoECommunication:
         if current is None or current.num_nvl_bytes < nvl:
             # No RDMA bytes: within one node (the group sizes above) DeepEP's RDMA hint is 0, and a build
             # without NVSHMEM (the intranode-only one, deploy/device/build_deep_ep.sh) asserts when asked.
-            self._buffer = buffer_cls(self.group, nvl, 0)
+            # Destroyed explicitly (`close`), at a point every rank reaches together: DeepEP's implicit
+            # destruction runs a GPU barrier over the group from the garbage collector, and a rank whose peers
+            # already exited waits in it forever (a 4-GPU run finished its steps, then hung at exit).
+            self._buffer = buffer_cls(self.group, nvl, 0, explicitly_destroy=True)
+            self._buffers.append(self._buffer)
         return self._buffer, *self._configs
+
+    def close(self) -> None:
+        """Release DeepEP's buffers (a barrier over the group: every rank calls this at the same point, e.g.
+        at the end of training). The handler can dispatch again afterwards; it makes a new buffer."""
+        buffers, self._buffers, self._buffer = self._buffers, [], None
+        for buffer in buffers:
+            buffer.destroy()
 
     # Eager even inside a compiled MoE block, as the all-to-all handler: the dispatch waits on the host for
     # the received counts, and the buffer, handle and configs are opaque C++ objects dynamo cannot trace.
@@ -215,32 +232,27 @@ class DeepEPMoECommunication:
             combine_config,
             handles,
         )
-        k = recv_ids.shape[1]
-        flat_ids = recv_ids.reshape(-1)
-        selected = (flat_ids >= 0).nonzero().squeeze(1)
-        order = torch.argsort(flat_ids[selected], stable=True)
-        slots = selected[order]  # (token, k) slots grouped by local expert
-        token_of_row = slots // k
-        state = _DeepEPState(
-            buffer,
-            handles[0],
-            (dispatch_config, combine_config),
-            token_of_row,
-            recv_weights.reshape(-1)[slots],
-            recv_x.shape[0],
-        )
+        handle, per_expert = handles
+        # One row per (received token, local expert), grouped by expert (absent slots sort into a last,
+        # dropped group) by the permute kernels, as the deduplicated all-to-all's receiver does (its
+        # backward a gather, no atomics); the row count is DeepEP's host list, so nothing here syncs.
+        recv_ids = recv_ids.long()
+        grouped = expert_permutation(torch.where(recv_ids >= 0, recv_ids, local_experts), local_experts + 1)
+        recv_slots = torch.where(recv_ids >= 0, grouped.slot_rows, -1)
+        state = _DeepEPState(buffer, handle, (dispatch_config, combine_config), recv_slots, recv_weights)
         return DispatchedTokens(
-            hidden_states=recv_x[token_of_row],
-            tokens_per_expert=torch.bincount(flat_ids[selected], minlength=local_experts),
+            hidden_states=permute_tokens(recv_x, recv_slots, sum(per_expert), backend=self.backend),
+            tokens_per_expert=grouped.rows_per_expert[:local_experts],
             state=state,
         )
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         state: _DeepEPState = dispatched.state
-        weighted = expert_outputs * state.row_weights[:, None].to(expert_outputs.dtype)
-        per_token = expert_outputs.new_zeros(state.num_received, expert_outputs.shape[1])
-        per_token = per_token.index_add(0, state.token_of_row, weighted)
+        # per received token: Σ over its local copies of weight · expert output (a gather per token)
+        per_token = combine_tokens(
+            expert_outputs, state.recv_slots, weights=state.recv_weights, backend=self.backend
+        )
         out: torch.Tensor = _Combine.apply(
             per_token.to(torch.bfloat16), state.buffer, state.handle, *state.configs
         )

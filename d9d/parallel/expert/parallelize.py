@@ -11,6 +11,7 @@ from d9d.modules.moe.layer import MoELayer
 from d9d.parallel.expert.all_to_all import AllToAllMoECommunication
 from d9d.parallel.expert.backend import AutoBackendConfig, ExpertCommunicationConfig, build_moe_communication
 from d9d.parallel.expert.capacity import ExchangeCapacity
+from d9d.parallel.expert.deepep import DeepEPMoECommunication
 from d9d.parallel.grad_sync import mark_grad_reduce_mesh
 from d9d.parallel.local_params import compute_with_local_parameters
 
@@ -84,3 +85,11 @@ def exchange_capacities(module: nn.Module) -> list[tuple[str, ExchangeCapacity]]
         and isinstance(m.communication, AllToAllMoECommunication)
         and m.communication.capacity is not None
     ]
+
+
+def release_expert_communication(module: nn.Module) -> None:
+    """Release what `module`'s MoE layers' exchanges hold outside PyTorch's allocator (DeepEP's buffers). A
+    barrier over each expert-parallel group: every rank calls it at the same point (the end of training)."""
+    for m in module.modules():
+        if isinstance(m, MoELayer) and isinstance(m.communication, DeepEPMoECommunication):
+            m.communication.close()
