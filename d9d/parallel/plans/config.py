@@ -13,7 +13,7 @@ from d9d.parallel.fsdp import FSDPConfig
 
 class ParallelPlanConfig(BaseModel):
     """- `sequence_parallel`: shard the residual stream along the sequence between tensor-parallel blocks.
-    - `expert_backend`: token exchange of expert parallelism (`auto`: the all-to-all; DeepEP by `kind: deep_ep`).
+    - `expert_backend`: token exchange of expert parallelism (`auto`: all-to-all; DeepEP by `kind: deep_ep`).
     - `fsdp`: how FSDP gathers and reduces when the mesh shards (`reshard_after_forward`, `reduce_dtype`,
       `forward_prefetch`, `backward_prefetch`; see `FSDPConfig` and docs/parallelism.md).
     - `context_attention`: how attention spans a sequence split over the cp ranks (`allgather`; `ring` is
