@@ -137,7 +137,9 @@ another: 1-GPU rows share only the host's CPUs, so a 4-GPU call spends a quarter
 `core-complex`) to every torchrun row, d9d's and torchtitan's alike, binding each rank's threads to the
 CPUs near its GPU; the Ray rows are not bound. Run a command with and one without it to compare. A
 row that fails, times out or is skipped by `--budget-s` is recorded with the last lines of its output
-(`error`, `log_tail`) and the table goes on.
+(`error`, `log_tail`; of a timed-out row, the lines before torchrun's shutdown) and the table goes on; before
+a timed-out row is stopped, each of its Python processes' stacks is taken with `py-spy dump` when `py-spy` is
+on PATH (`stacks`, by pid: where it hung).
 
 Output: a markdown table on stdout and a JSON file (`--out`, default
 `benchmarks/results/multi_gpu_<device>_<N>gpu_<date>.json`; `--smoke`: a temporary file) with the
@@ -547,11 +549,67 @@ def first_exception(path: Path) -> str | None:
     return None
 
 
-def tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
+def tail(path: Path, lines: int = LOG_TAIL_LINES, *, stopped: bool = False) -> list[str]:
+    """The last `lines` lines of a row's log; of a row this script `stopped`, those before torchrun's own
+    shutdown (its "closing signal SIGTERM" and the agent's traceback would fill the tail otherwise)."""
     if not path.exists():
         return []
     text = path.read_text(errors="replace").splitlines()
+    if stopped:
+        end = next((i for i, line in enumerate(text) if "closing signal SIGTERM" in line), len(text))
+        text = text[:end]
     return [line[-400:] for line in text[-lines:]]
+
+
+def group_processes(pgid: int, proc: Path = Path("/proc")) -> list[tuple[int, str]]:
+    """(pid, command line) of each process of process group `pgid`, from /proc (Linux; none elsewhere)."""
+    found: list[tuple[int, str]] = []
+    for entry in proc.glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after its end
+            if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:
+                continue
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not readable
+        found.append((int(entry.name), cmdline))
+    return sorted(found)
+
+
+STACK_LINES = 40  # per process: py-spy prints the main thread first, the frame a hang sits in on top
+
+
+def python_stacks(
+    processes: list[tuple[int, str]], dump: Callable[[int], str] | None
+) -> dict[str, list[str]]:
+    """Each training process's Python stack (`dump(pid)`, py-spy's by default) before a timed-out row is
+    stopped, so the table says where it hung. Launchers (torchrun's agent) and compile workers are skipped."""
+    if dump is None:
+        return {}
+    stacks: dict[str, list[str]] = {}
+    for pid, cmdline in processes:
+        if "python" not in cmdline or "torch.distributed.run" in cmdline or "compile_worker" in cmdline:
+            continue
+        try:
+            text = dump(pid)
+        except (OSError, subprocess.SubprocessError) as e:
+            text = f"no stack: {e}"
+        stacks[str(pid)] = [cmdline[:200], *text.splitlines()[:STACK_LINES]]
+    return stacks
+
+
+def py_spy_dump() -> Callable[[int], str] | None:
+    """`py-spy dump --pid` (py-spy is on PATH, e.g. from the device bundle), or None without it."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return None
+
+    def dump(pid: int) -> str:
+        done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+        return done.stdout or done.stderr
+
+    return dump
 
 
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
@@ -594,9 +652,11 @@ def run_row(
             env=child_env(args, row_dir, gpu),
             start_new_session=True,
         )
+        stacks: dict[str, list[str]] = {}
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stacks = python_stacks(group_processes(proc.pid), py_spy_dump())
             stop_group(proc)
             rc = None
     result["wall_s"] = time.perf_counter() - start
@@ -609,7 +669,9 @@ def run_row(
         )
         if cause:
             result["error"] += f": {cause}"
-        result["log_tail"] = tail(log) + ray_rank_tails(row_dir)
+        result["log_tail"] = tail(log, stopped=rc is None) + ray_rank_tails(row_dir)
+        if stacks:
+            result["stacks"] = stacks
         try:
             result["partial"] = summarize(row, records, args, require_complete=False) if records else None
         except ValueError as e:
@@ -945,6 +1007,8 @@ def main_run(args: argparse.Namespace) -> int:
         print(json.dumps(brief), flush=True)
         if "log_tail" in entry:
             print("\n".join("    " + line for line in entry["log_tail"][-12:]), flush=True)
+        for pid, lines in entry.get("stacks", {}).items():
+            print(f"    stack of pid {pid}:", *("      " + line for line in lines[:16]), sep="\n", flush=True)
         if out is None:
             out = default_out(env) if "device" in env else None
         if out is not None:

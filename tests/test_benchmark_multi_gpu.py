@@ -528,3 +528,40 @@ def test_numa_binding_reaches_every_torchrun_row_and_no_ray_row(bench, tmp_path:
             if bound:
                 at = cmd.index("--numa-binding")
                 assert cmd[at + 1] == binding and at < cmd.index("-m", at), cmd  # a torchrun option
+
+
+def test_a_timed_out_row_keeps_its_own_last_lines_and_its_processes_stacks(bench, tmp_path: Path) -> None:
+    """The tail of a stopped torchrun row ends before the launcher's shutdown noise; the row's processes are
+    found by process group (a child in its own session here) and dumped, the launcher left out."""
+    log = tmp_path / "output.log"
+    log.write_text(
+        "[rank0] step 12 done\n[rank0] entering dispatch\n"
+        "W1128 elastic/multiprocessing/api.py:1012] Sending process 7 closing signal SIGTERM\n"
+        "Traceback (most recent call last):\n  File run.py\nSignalException: got signal: 15\n"
+    )
+    assert bench.tail(log, 5, stopped=True) == ["[rank0] step 12 done", "[rank0] entering dispatch"]
+    assert bench.tail(log, 1) == ["SignalException: got signal: 15"]  # exited on its own: the real end
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "d9d.engine.launch"], start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not (found := bench.group_processes(child.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid, _ in found] == [child.pid]
+        assert "time.sleep(60)" in found[0][1]
+        launcher = (child.pid + 1, "python -m torch.distributed.run --nproc-per-node 2 -m d9d.engine.launch")
+        dumped: list[int] = []
+
+        def dump(pid: int) -> str:
+            dumped.append(pid)
+            return 'Thread 1 (idle): "MainThread"\n    <module> (<string>:1)'
+
+        stacks = bench.python_stacks([*found, launcher], dump)
+        assert dumped == [child.pid]
+        assert stacks[str(child.pid)][1:] == ['Thread 1 (idle): "MainThread"', "    <module> (<string>:1)"]
+        assert bench.python_stacks(found, None) == {}
+    finally:
+        child.kill()
+        child.wait()
