@@ -31,7 +31,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from throughput.common import (  # benchmarks/ is the script's directory: on sys
     TINY,
     TINY_BATCH,
     TINY_SEQ,
+    StepMarks,
 )
 
 
@@ -97,30 +97,21 @@ def child(model: str, mode: str, save_step: int, after: int) -> dict[str, Any]:
     )
     ctx = DistributedContext.create(DeviceMeshParameters())
     trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1, metrics_sink=sink))
-    starts: dict[int, float] = {}
+    marks = StepMarks(cuda)
     committed: dict[str, Any] = {}
-
-    def on_start(event: StepStarted) -> None:
-        if cuda:
-            torch.cuda.synchronize()
-        starts[event.step] = time.perf_counter()
-
-    def on_end(event: TrainingFinished) -> None:
-        if cuda:
-            torch.cuda.synchronize()
-        starts[event.step + 1] = time.perf_counter()
 
     def on_saved(event: CheckpointSaved) -> None:
         # The step that had run when the commit happened; the last step's boundary is the final wait.
         done = trainer.progress.step
         committed["after"] = "final" if done == save_step + after else done
 
-    trainer.events.subscribe(StepStarted, on_start)
-    trainer.events.subscribe(TrainingFinished, on_end)
+    trainer.events.subscribe(StepStarted, marks)
+    trainer.events.subscribe(TrainingFinished, lambda event: marks.mark(event.step + 1))  # closes the last
     trainer.events.subscribe(CheckpointSaved, on_saved)
     trainer.setup()
     trainer.train()
-    periods = {s: starts[s + 1] - starts[s] for s in range(1, save_step + after + 1)}
+    durations = marks.durations()
+    periods = {s: durations[s] for s in range(1, save_step + after + 1)}
     # The first steps warm up (allocator, kernels): the base is the median of the later ones before the save.
     before = sorted(periods[s] for s in range(min(3, save_step - 1), save_step))
     base = before[len(before) // 2]

@@ -32,13 +32,18 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-from throughput.common import AC_MODES, ARCHS, AcMode, d9d_ac_section  # benchmarks/ is on sys.path
+from throughput.common import (  # benchmarks/ is on sys.path
+    AC_MODES,
+    ARCHS,
+    AcMode,
+    StepMarks,
+    d9d_ac_section,
+)
 
 TINY = {
     "vocab_size": 256,
@@ -97,22 +102,14 @@ def train_row(
     )
     ctx = DistributedContext.create(DeviceMeshParameters(), backend="nccl" if cuda else "gloo")
     trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
-    marks: dict[int, float] = {}  # step -> when it started, the device idle
-
-    def mark(event: StepStarted) -> None:
-        # From one step's start to the next (the run has one step more than it times), the device
-        # synchronized at each: the optimizer kernels that run after the engine read the step's loss belong
-        # to the step.
-        if cuda:
-            torch.cuda.synchronize()
-        marks[event.step] = time.perf_counter()
-
-    trainer.events.subscribe(StepStarted, mark)
+    marks = StepMarks(cuda)  # the run has one step more than it times: each ends where the next starts
+    trainer.events.subscribe(StepStarted, marks)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.setup()
     trainer.train()
-    times = [marks[s + 1] - marks[s] for s in range(warmup + 1, warmup + steps + 1)]
+    durations = marks.durations()
+    times = [durations[s] for s in range(warmup + 1, warmup + steps + 1)]
     step = sorted(times)[len(times) // 2]
     return {
         "seq_len": seq_len,

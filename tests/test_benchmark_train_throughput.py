@@ -129,3 +129,26 @@ def test_a_row_subprocess_gets_the_shape_and_the_mode(
     env = seen["env"]
     assert isinstance(env, dict) and env["D9D_BENCH_BATCH"] == "1" and env["D9D_BENCH_SEQ"] == "65536"
     assert row.spec() in seen["cmd"]  # type: ignore[operator]
+
+
+def test_step_marks_time_each_step_to_the_next_start_with_the_hook_outside() -> None:
+    """A d9d row's step runs from its start to the next step's start (`mark` closes the last one); the
+    `between` hook runs after one step's end and before the next one's start, so its time counts in none."""
+    from types import SimpleNamespace
+
+    from throughput.common import StepMarks
+
+    now = [0.0]
+    calls: list[int] = []
+
+    def between(step: int) -> None:
+        calls.append(step)
+        now[0] += 100.0  # a slow hook (a profiler start) between two steps
+
+    marks = StepMarks(cuda=False, between=between, clock=lambda: now[0])
+    for step, work in ((1, 2.0), (2, 1.0), (3, 0.5)):
+        marks(SimpleNamespace(step=step))
+        now[0] += work
+    marks.mark(4)
+    assert marks.durations() == {1: 2.0, 2: 1.0, 3: 0.5}
+    assert calls == [1, 2, 3, 4]

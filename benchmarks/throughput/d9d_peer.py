@@ -46,6 +46,7 @@ from throughput.common import (
     PROVIDERS,
     SEQ,
     AcMode,
+    StepMarks,
     d9d_ac_section,
     summary,
 )
@@ -222,8 +223,6 @@ def run(
     config = parse_config(job(model, variant, batch, total, ac, arch_overrides))
     ctx = DistributedContext.create(DeviceMeshParameters())
     trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
-    starts: dict[int, float] = {}
-    ends: dict[int, float] = {}
     # GPU activity only: host-side op recording would slow the launches and inflate the idle gaps.
     # (`profile_ops` records host ops too, to name the ATen op and shapes behind each kernel.)
     activities = [torch.profiler.ProfilerActivity.CUDA]
@@ -231,25 +230,20 @@ def run(
         activities.append(torch.profiler.ProfilerActivity.CPU)
     prof = torch.profiler.profile(activities=activities, record_shapes=profile_ops, with_stack=profile_ops)
 
-    # A step is timed from its start to the next one's, the device synchronized at each: all of its work,
-    # the optimizer kernels that run after the engine has read the step's loss included (timing to the
-    # step's end left them out, ~5 ms of the dense step), as `time_loop` times the peers' steps.
-    def on_start(event: StepStarted) -> None:
-        torch.cuda.synchronize()
-        ends[event.step - 1] = time.perf_counter()
-        if profiled and event.step == first_profiled + profiled:
+    def profile_window(step: int) -> None:  # between two timed steps: the profiler's own cost is outside
+        if profiled and step == first_profiled + profiled:
             prof.stop()
-        if profiled and event.step == first_profiled:
+        if profiled and step == first_profiled:
             prof.start()
-        starts[event.step] = time.perf_counter()
 
-    trainer.events.subscribe(StepStarted, on_start)
+    marks = StepMarks(torch.cuda.is_available(), between=profile_window)
+    trainer.events.subscribe(StepStarted, marks)
     setup_start = time.perf_counter()
     trainer.setup()
     setup_s = time.perf_counter() - setup_start
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    durations = {s: ends[s] - starts[s] for s in range(1, total)}
+    durations = marks.durations()
     times = [durations[s] for s in range(warmup + 1, warmup + steps + 1)]
     result = summary(times, durations.get(1), model)
     result["setup_s"] = setup_s
