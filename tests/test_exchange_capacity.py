@@ -63,40 +63,45 @@ def _capacity_exchange(env: RankEnv) -> None:
                 return RoutedTokens(x.clone().requires_grad_(), ids, w.clone().requires_grad_(), n)
 
             reading = _run(AllToAllMoECommunication(group), routed(), experts.clone().requires_grad_(), dy)
-            # Independent count: copies this rank sends to each peer, and the largest over the group.
+            # Independent count: copies this rank sends to each peer, and every rank's ([source][peer]).
             sent = torch.bincount(ids.flatten() // local_n, minlength=ep).double()
-            largest = sent.clone()
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-            group_largest = int(largest.max())
+            gathered = [torch.zeros_like(sent) for _ in range(ep)]
+            dist.all_gather(gathered, sent, group=group)
+            pairs = [row.tolist() for row in gathered]
 
-            # calibration: the reading exchange records the largest load it sent
-            capacity = ExchangeCapacity(1.0, align=1)
+            # calibration: the reading exchange records the copies it sent to each peer
+            capacity = ExchangeCapacity(1.0, rank=ep_rank, peers=ep, align=1)
             comm = AllToAllMoECommunication(group, capacity=capacity)
             calibrating = _run(comm, routed(), experts.clone().requires_grad_(), dy)
             for got, want in zip(calibrating, reading, strict=True):
                 assert torch.equal(got, want), what
             record = capacity.take()
-            assert record is not None and record.tolist() == [0.0, float(sent.max())], what
+            assert record is not None and record.tolist() == [0.0, *sent.tolist()], what
 
-            # enough room: no host read in dispatch, results bitwise the reading exchange's
-            capacity.fit(group_largest)
-            assert capacity.rows == group_largest, what
+            # enough room, each pair its own (at least one row): no host read in dispatch, results bitwise
+            # the reading exchange's
+            capacity.fit(pairs)
+            assert capacity.rows == [[max(int(n), 1) for n in row] for row in pairs], what
             with _HostReads() as reads:
                 d = comm.dispatch(routed())
             assert reads.reads == [], (what, reads.reads)
-            assert d.hidden_states.shape[0] == ep * group_largest, what  # static: peers × capacity
+            received = sum(capacity.rows[source][ep_rank] for source in range(ep))
+            assert d.hidden_states.shape[0] == received, what  # static: the pairs' rows into this rank
             fitted = _run(comm, routed(), experts.clone().requires_grad_(), dy)
             for got, want in zip(fitted, reading, strict=True):
                 assert torch.equal(got, want), what
             record = capacity.take()
-            assert record is not None and record.tolist() == [0.0, float(sent.max())], what
+            assert record is not None and record.tolist() == [0.0, *sent.tolist()], what
 
-            # one row short of the largest load: exactly the ranks that send it overflow
-            capacity.rows = group_largest - 1
+            # one row short on the busiest pair: exactly the rank that sends it overflows
+            busiest = max(((s, d) for s in range(ep) for d in range(ep)), key=lambda sd: pairs[sd[0]][sd[1]])
+            short = [list(row) for row in capacity.rows]
+            short[busiest[0]][busiest[1]] -= 1
+            capacity.set_rows(short)
             comm.dispatch(routed())
             record = capacity.take()
-            overflowed = float(sent.max() > group_largest - 1)
-            assert record is not None and record.tolist() == [overflowed, float(sent.max())], what
+            overflowed = float(ep_rank == busiest[0])
+            assert record is not None and record.tolist() == [overflowed, *sent.tolist()], what
             assert capacity.take() is None  # taken: cleared
 
 
@@ -105,30 +110,43 @@ def test_capacity_exchange_matches_the_reading_exchange_without_host_reads() -> 
     run_distributed(_capacity_exchange, 4, timeout=180)
 
 
-def test_capacity_fits_grows_geometrically_and_recalibrates_down() -> None:
-    capacity = ExchangeCapacity(1.25, align=64, growth=1.5, recalibrate_every=100)
+def test_capacity_fits_each_pair_grows_the_overflowing_ones_and_recalibrates_down() -> None:
+    capacity = ExchangeCapacity(1.25, rank=1, peers=2, align=64, growth=1.5, recalibrate_every=100)
     assert capacity.rows is None
-    capacity.fit(100)
-    assert capacity.rows == 128  # 125 rounded up to 64 rows
-    capacity.grow(130)  # an overflow: 1.25 × 130 = 162.5 -> 192, and 1.5 × 128 = 192
-    assert capacity.rows == 192
-    capacity.grow(140)  # a load that kept rising: 1.25 × 140 -> 192, but at least 1.5 × 192 = 288 -> 320
-    assert capacity.rows == 320
-    capacity.fit(10)  # recalibration follows the loads down, to one aligned block at least
-    assert capacity.rows == 64
-    # the window: the largest load over every dispatch of the steps taken since the last window
-    for loads in ([3, 9], [12, 1], [2, 2]):
-        capacity.record(torch.tensor(loads), 64)
+    capacity.fit([[100, 10], [300, 0]])  # each pair its own: 125 -> 128, 12.5 -> 64, 375 -> 384, 0 -> 64
+    assert capacity.rows == [[128, 64], [384, 64]]
+    assert capacity.send_splits() == [384, 64] and capacity.recv_splits() == [64, 64]  # rank 1's
+    assert (capacity.largest, capacity.smallest) == (384, 64)
+    # An overflow of two pairs: 1.25 × 130 = 162.5 -> 192 and 1.5 × 128 = 192; 1.25 × 70 -> 128 but at
+    # least 1.5 × 64 = 96 -> 128; the pairs within their rows keep them.
+    capacity.grow([[130, 70], [300, 0]])
+    assert capacity.rows == [[192, 128], [384, 64]]
+    capacity.grow([[200, 0], [0, 0]])  # kept rising: 1.25 × 200 -> 256, at least 1.5 × 192 = 288 -> 320
+    assert capacity.rows == [[320, 128], [384, 64]]
+    capacity.fit([[10, 0], [0, 0]])  # recalibration follows the loads down, to one aligned block at least
+    assert capacity.rows == [[64, 64], [64, 64]]
+    splits = capacity.splits_on(torch.device("cpu"))  # [(sent, start), (received, start)]
+    assert splits.tolist() == [[[64, 64], [0, 64]], [[64, 64], [0, 64]]]
+    with pytest.raises(ValueError, match="2 x 2"):
+        capacity.set_rows([[1, 2, 3]])
+    # the record: overflowed if any pair's copies passed its rows; the window: the largest per peer
+    capacity.record(torch.tensor([3, 70]), torch.tensor([64, 64]))
+    record = capacity.take()
+    assert record is not None and record.tolist() == [1.0, 3.0, 70.0]
+    for loads in ([12, 1], [2, 2]):
+        capacity.record(torch.tensor(loads), torch.tensor([64, 64]))
         capacity.take()
     window = capacity.take_window()
-    assert window is not None and window.item() == 12 and capacity.take_window() is None
-    only_grows = ExchangeCapacity(1.25)  # no recalibration: no window is kept
+    assert window is not None and window.tolist() == [12.0, 70.0] and capacity.take_window() is None
+    only_grows = ExchangeCapacity(1.25, rank=0, peers=2)  # no recalibration: no window is kept
     only_grows.record(torch.tensor([3, 9]), None)
     assert only_grows.take() is not None and only_grows.take_window() is None
     with pytest.raises(ValueError, match="must be >= 1"):
-        ExchangeCapacity(0.9)
+        ExchangeCapacity(0.9, rank=0, peers=2)
     with pytest.raises(ValueError, match=r"growth 0\.5 must be >= 1"):
-        ExchangeCapacity(1.1, growth=0.5)
+        ExchangeCapacity(1.1, rank=0, peers=2, growth=0.5)
+    with pytest.raises(ValueError, match="not in an expert-parallel group of 2"):
+        ExchangeCapacity(1.1, rank=2, peers=2)
 
 
 # -- through the engine: overflowing steps rerun to the reading exchange's results ----------------------

@@ -3,20 +3,20 @@
 With `expert_backend: {kind: all_to_all, capacity_factor: f}` the MoE layers' exchanges stop reading their
 split sizes to the host once they are calibrated. This guard is what makes that exact:
 
-- the first step runs the reading exchange and records the largest per-peer load of every layer; after it
-  every rank sets each layer's capacity to f × the largest load any rank saw in that layer (one gather of
-  the loads by layer name, once);
+- the first step runs the reading exchange and records every layer's copies per (source, destination)
+  pair of its expert-parallel group; after it every rank sets each pair's capacity to f × its load (the
+  largest over the group's replicas; one gather of the loads by layer name, once);
 - every later step's exchanges record on the device whether any peer got more copies than the capacity;
   the flag joins the step's loss all-reduce and host read (`global_loss`, `StepValuesRead`), so it costs no
   synchronization of its own;
 - a step whose exchange overflowed is not applied (a fused optimizer skips it on the device, others are
-  not stepped), each layer's capacity grows to f × its largest load seen and at least `capacity_growth` ×
+  not stepped), each overflowing pair's capacity grows to f × its load and at least `capacity_growth` ×
   its rows, the RNG streams and task metrics go back to where the step began, and the step runs again on
   the same microbatches. Its result equals the reading exchange's; the rerun is logged and counted
   (`exchange_reruns` in the step metrics);
-- every `capacity_recalibrate_every` steps each layer's capacity is set to f × the largest load of those
+- every `capacity_recalibrate_every` steps each pair's capacity is set to f × its largest load of those
   steps (one host read and one gather, by layer name): it follows the routing down as well as up. The
-  largest capacity of the reporting rank's layers is the `exchange_capacity_rows` step metric.
+  largest pair capacity of the reporting rank's layers is the `exchange_capacity_rows` step metric.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ import torch.distributed as dist
 from d9d.core.context import DistributedContext
 from d9d.core.dist_ops import all_gather_object
 from d9d.parallel.expert import ExchangeCapacity
+from d9d.parallel.expert.capacity import Loads
+
+RankLoads = dict[str, tuple[int, list[float]]]
+"""A rank's loads by MoE layer name: (its rank in the layer's expert-parallel group, copies to each peer)."""
 
 
 class ExchangeCapacityGuard:
@@ -51,12 +55,16 @@ class ExchangeCapacityGuard:
         self.reruns = 0
 
     def take(self) -> torch.Tensor | None:
-        """This rank's [layers, (overflowed, largest load)] since the last take, on the device (zeros for a
-        layer without a dispatch); None when disabled."""
+        """This rank's [layers, (overflowed, copies to each peer...)] since the last take, on the device
+        (zeros for a layer without a dispatch); None when disabled."""
         if not self.enabled:
             return None
-        zero = torch.zeros(2, device=self.ctx.device)
-        records = [r.to(zero.device) if (r := c.take()) is not None else zero for _, c in self.capacities]
+        width = 1 + max((c.peers for _, c in self.capacities), default=1)
+        zero = torch.zeros(width, device=self.ctx.device)
+        records = [
+            torch.cat([r.to(zero.device), zero[r.numel() :]]) if (r := c.take()) is not None else zero
+            for _, c in self.capacities
+        ]
         return torch.stack(records) if records else zero[None]
 
     @staticmethod
@@ -66,17 +74,29 @@ class ExchangeCapacityGuard:
 
     @property
     def largest_rows(self) -> int:
-        """This rank's largest capacity in rows per peer (0 before calibration)."""
-        return max((c.rows or 0 for _, c in self.capacities), default=0)
+        """This rank's largest pair capacity in rows (0 before calibration)."""
+        return max((c.largest for _, c in self.capacities), default=0)
 
-    def _everyone(self, mine: dict[str, float]) -> list[dict[str, float]]:
+    def _everyone(self, mine: RankLoads) -> list[RankLoads]:
         """Each rank's loads by layer name (ranks of other pipeline stages hold other layers; the ranks of one
         expert group hold the same ones)."""
         return all_gather_object(mine) if self.ctx.is_distributed else [mine]
 
+    def _pairs(self, capacity: ExchangeCapacity, name: str, everyone: list[RankLoads]) -> Loads | None:
+        """The layer's copies by (source, destination): each source's largest over the expert-parallel
+        replicas (other data-parallel groups run the same layer on other tokens); None when no rank saw it."""
+        seen = [loads[name] for loads in everyone if name in loads]
+        if not seen:
+            return None
+        pairs = [[0.0] * capacity.peers for _ in range(capacity.peers)]
+        for source, loads in seen:
+            pairs[source] = [max(a, b) for a, b in zip(pairs[source], loads[: capacity.peers], strict=True)]
+        return pairs
+
     def _span(self) -> str:
-        rows = [c.rows or 0 for _, c in self.capacities]
-        return f"{min(rows)}-{max(rows)}" if rows else "-"
+        if not self.capacities:
+            return "-"
+        return f"{min(c.smallest for _, c in self.capacities)}-{self.largest_rows}"
 
     def settle(self, step: int, records: torch.Tensor, overflowed: bool) -> bool:
         """After the step's values were read (`overflowed` is global, so every rank gets here alike):
@@ -86,29 +106,31 @@ class ExchangeCapacityGuard:
             if self.recalibrate_every is not None and step % self.recalibrate_every == 0:
                 self._recalibrate(step)
             return False
-        # Rare (the first step, an overflow): each layer's largest load of this step on every rank.
-        mine = dict(zip((n for n, _ in self.capacities), records[:, 1].tolist(), strict=False))
+        # Rare (the first step, an overflow): each layer's loads of this step on every rank.
+        loads = records[:, 1:].tolist()
+        mine = {name: (c.rank, loads[i]) for i, (name, c) in enumerate(self.capacities)}
         everyone = self._everyone(mine)
         for name, capacity in self.capacities:
-            load = max(loads.get(name, 0.0) for loads in everyone)
+            pairs = self._pairs(capacity, name, everyone)
+            assert pairs is not None  # this rank's own loads are among them
             if self.calibrated:
-                capacity.grow(load)
+                capacity.grow(pairs)
             else:
-                capacity.fit(load)
+                capacity.fit(pairs)
                 capacity.take_window()  # the first window begins with the calibrated capacities
         self.reruns += overflowed
         if self.ctx.is_main_process and overflowed:
             self.ctx.logger.warning(
-                "step %d: an expert exchange overflowed its capacity; capacities now %s rows per peer "
-                "(by layer) and the step runs again (%d reruns so far)",
+                "step %d: an expert exchange overflowed its capacity; capacities now %s rows per pair "
+                "(source, destination) and the step runs again (%d reruns so far)",
                 step,
                 self._span(),
                 self.reruns,
             )
         elif self.ctx.is_main_process:
             self.ctx.logger.info(
-                "expert exchange capacities: %s rows per peer (by layer, from step %d's loads); dispatches "
-                "no longer read their split sizes",
+                "expert exchange capacities: %s rows per pair (source, destination; from step %d's loads); "
+                "dispatches no longer read their split sizes",
                 self._span(),
                 step,
             )
@@ -116,18 +138,22 @@ class ExchangeCapacityGuard:
         return overflowed
 
     def _recalibrate(self, step: int) -> None:
-        windows = [(name, w) for name, c in self.capacities if (w := c.take_window()) is not None]
-        loads = torch.stack([w for _, w in windows]).tolist() if windows else []
-        everyone = self._everyone(dict(zip((name for name, _ in windows), loads, strict=True)))
+        windows = [(name, c, w) for name, c in self.capacities if (w := c.take_window()) is not None]
+        loads = torch.stack([w for _, _, w in windows]).tolist() if windows else []
+        everyone = self._everyone(
+            {name: (c.rank, window) for (name, c, _), window in zip(windows, loads, strict=True)}
+        )
         before = self._span()
         for name, capacity in self.capacities:
-            seen = [r[name] for r in everyone if name in r]
-            if seen:  # a layer without a dispatch since the last recalibration keeps its capacity
-                capacity.fit(max(seen))
+            pairs = self._pairs(capacity, name, everyone)
+            if (
+                pairs is not None
+            ):  # a layer without a dispatch since the last recalibration keeps its capacity
+                capacity.fit(pairs)
         if self.ctx.is_main_process:
             self.ctx.logger.info(
                 "step %d: expert exchange capacities recalibrated from the last %d steps' loads: %s -> %s "
-                "rows per peer (by layer)",
+                "rows per pair (source, destination)",
                 step,
                 self.recalibrate_every,
                 before,

@@ -196,7 +196,7 @@ class AllToAllMoECommunication:
         # without gradients and take the exact, synchronizing path).
         capacity = self.capacity if torch.is_grad_enabled() else None
         if capacity is not None and capacity.rows is not None:
-            return self._dispatch_copies_capacity(routed, capacity, capacity.rows)
+            return self._dispatch_copies_capacity(routed, capacity)
         return self._dispatch_copies(routed, capacity)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -293,34 +293,37 @@ class AllToAllMoECommunication:
         hidden = permute_tokens(rows, regroup, num_received, backend=self.backend)
         return DispatchedTokens(hidden_states=hidden, tokens_per_expert=grouped.rows_per_expert, state=state)
 
-    def _dispatch_copies_capacity(
-        self, routed: RoutedTokens, capacity: ExchangeCapacity, rows_per_peer: int
-    ) -> DispatchedTokens:
-        """The copy exchange with `rows_per_peer` rows to every peer: split sizes the host knows without
-        reading the counts, so nothing here synchronizes (capacity.py). Each peer's segment holds its
-        copies grouped by local expert, then zero rows; copies past the capacity are not sent (an overflow,
-        recorded for the training loop, which reruns the step)."""
+    def _dispatch_copies_capacity(self, routed: RoutedTokens, capacity: ExchangeCapacity) -> DispatchedTokens:
+        """The copy exchange with `capacity.rows[s][d]` rows from rank s to rank d: split sizes the host knows
+        without reading the counts, so nothing here synchronizes (capacity.py). Each peer's segment holds its
+        copies grouped by local expert, then zero rows; copies past the pair's rows are not sent (an
+        overflow, recorded for the training loop, which reruns the step)."""
         local_experts = routed.local_experts(self.size)
         perm, recv_counts = self._copy_counts(routed)
         per_peer = perm.rows_per_expert.view(self.size, local_experts).sum(1)
-        capacity.record(per_peer, rows_per_peer)
+        (sent_rows, sent_start), (recv_rows, recv_start) = capacity.splits_on(per_peer.device)
+        capacity.record(per_peer, sent_rows)
+        send_splits, recv_splits = capacity.send_splits(), capacity.recv_splits()
         # Expert-sorted row → (peer, offset within the peer's copies) → row of the peer's segment.
         peer = routed.topk_ids // local_experts
         offset = perm.slot_rows - (per_peer.cumsum(0) - per_peer)[peer]
-        slot_rows = torch.where(offset < rows_per_peer, peer * rows_per_peer + offset, -1)
-        num_rows = self.size * rows_per_peer
-        send = permute_tokens(routed.hidden_states, slot_rows, num_rows, backend=self.backend)
-        splits = [rows_per_peer] * self.size
-        rows = all_to_all(send, splits, splits, self.group)
+        slot_rows = torch.where(offset < sent_rows[peer], sent_start[peer] + offset, -1)
+        send = permute_tokens(routed.hidden_states, slot_rows, sum(send_splits), backend=self.backend)
+        rows = all_to_all(send, recv_splits, send_splits, self.group)
         # Local expert of each received row: source s's segment holds its copies for local expert e at
         # offsets [cum[s, e-1], cum[s, e]); offsets past its last copy are padding (group `local_experts`,
         # after every expert's rows, which the grouped matmul leaves out).
+        num_received = sum(recv_splits)
+        device = recv_counts.device
         cum = recv_counts.view(self.size, local_experts).cumsum(1)
-        offsets = torch.arange(rows_per_peer, device=cum.device).expand(self.size, rows_per_peer)
-        expert_of_row = torch.searchsorted(cum, offsets.contiguous(), right=True)
-        grouped = expert_permutation(expert_of_row.reshape(-1, 1), local_experts + 1)
-        state = _CopyState(slot_rows, routed.topk_weights, grouped.slot_rows, splits, splits)
-        hidden = permute_tokens(rows, grouped.slot_rows, num_rows, backend=self.backend)
+        source = torch.repeat_interleave(  # output_size given: no host sync
+            torch.arange(self.size, device=device), recv_rows, output_size=num_received
+        )
+        offsets = torch.arange(num_received, device=device) - recv_start[source]
+        expert_of_row = (cum[source] <= offsets[:, None]).sum(1)  # experts whose rows end at or before it
+        grouped = expert_permutation(expert_of_row[:, None], local_experts + 1)
+        state = _CopyState(slot_rows, routed.topk_weights, grouped.slot_rows, send_splits, recv_splits)
+        hidden = permute_tokens(rows, grouped.slot_rows, num_received, backend=self.backend)
         return DispatchedTokens(
             hidden_states=hidden, tokens_per_expert=grouped.rows_per_expert[:local_experts], state=state
         )

@@ -33,17 +33,17 @@ class AllToAllBackendConfig(BaseModel):
     kind: Literal["all_to_all"] = "all_to_all"
     dedup: bool = False
     #: None: every dispatch reads its split sizes to the host (exact, one host sync per MoE layer). A
-    #: number: after the first step each layer sends every peer a static `capacity_factor` × the largest
-    #: per-peer load that step saw, no host sync; an overflow is detected and the step rerun with a larger
-    #: capacity by the engine (capacity.py). Only for the copy exchange, and only where the overflow flag
-    #: is read (the engine's training step).
+    #: number: after the first step rank s sends rank d of each layer a static `capacity_factor` × the
+    #: copies that pair had that step, no host sync; an overflow is detected and the step rerun with a
+    #: larger capacity by the engine (capacity.py). Only for the copy exchange, and only where the overflow
+    #: flag is read (the engine's training step).
     capacity_factor: float | None = Field(None, ge=1.0)
-    #: The capacity's rows per peer are a multiple of this.
+    #: The capacity's rows per (source, destination) pair are a multiple of this.
     capacity_align: int = Field(64, ge=1)
-    #: After an overflow a layer's capacity grows to at least this × its rows (and to `capacity_factor` ×
+    #: After an overflow a pair's capacity grows to at least this × its rows (and to `capacity_factor` ×
     #: the load that overflowed it).
     capacity_growth: float = Field(1.5, ge=1.0)
-    #: Every this many steps each layer's capacity is set to `capacity_factor` × the largest load of those
+    #: Every this many steps each pair's capacity is set to `capacity_factor` × its largest load of those
     #: steps (one host read and gather of the loads): it shrinks as the routing balances. None: it only
     #: grows.
     capacity_recalibrate_every: int | None = Field(100, ge=1)
@@ -97,6 +97,8 @@ def build_moe_communication(
                 if factor is None
                 else ExchangeCapacity(
                     factor,
+                    rank=dist.get_rank(group),
+                    peers=dist.get_world_size(group),
                     align=c.capacity_align,
                     growth=c.capacity_growth,
                     recalibrate_every=c.capacity_recalibrate_every,

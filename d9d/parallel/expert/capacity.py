@@ -1,22 +1,23 @@
-"""A static per-peer capacity for the expert exchange, so a dispatch needs no host synchronization.
+"""A static capacity per (source, destination) pair for the expert exchange, so a dispatch needs no host
+synchronization.
 
 Without it every dispatch reads the split sizes to the host (`all_to_all_single` takes them as Python
 ints): the host blocks until the GPU has caught up to that layer, cannot queue work ahead, and the GPU then
 waits for its launches (docs/benchmarks.md, the FSDP 4 × EP 4 profile: ~75 ms of host syncs and ~135 ms of
-idle GPU per step). With a capacity every rank sends each peer exactly `rows` rows (the copies bound for
-it, then zero padding), a size every rank of the group knows without looking at the counts.
+idle GPU per step). With a capacity rank s sends peer d exactly `rows[s][d]` rows (the copies bound for it,
+then zero padding), sizes every rank of the group knows without looking at the counts.
 
 The capacity is calibrated, not guessed: until `rows` is set the exchange reads the split sizes as before
-and only records the largest per-peer load; the training loop then sets each layer's `rows`, the same on
-every rank, to `factor` × the largest load any rank saw in that layer (rounded up to `align` rows). From
-then on a peer that should get more copies than `rows` is an *overflow*: the copies past it are not sent
-and the step's result is wrong. It is never silent: each exchange records on the device whether it
-overflowed and its largest load; the loop reads the flag with the step's loss (no extra synchronization),
-skips the update on the device, grows the layer's `rows` — to `factor` × the largest load seen, and at
-least `growth` × its rows, so a load that keeps rising (routing early in training) overflows a few times,
-not every step — and runs the step again. Every `recalibrate_every` steps the loop sets `rows` to `factor` ×
-the largest load of those steps, which also shrinks a capacity that the first steps' unbalanced routing made
-large (`d9d.engine.exchange`; docs/parallelism.md, "Exchange capacity").
+and only records each pair's load; the training loop then sets each layer's `rows`, the same on every rank
+of the group, to `factor` × the largest load of each pair (over the expert-parallel replicas, rounded up to
+`align` rows). From then on a pair with more copies than its rows is an *overflow*: the copies past them are
+not sent and the step's result is wrong. It is never silent: each exchange records on the device whether it
+overflowed and its loads; the loop reads the flag with the step's loss (no extra synchronization), skips
+the update on the device, grows the overflowing pairs' rows — to `factor` × their load, and at least
+`growth` × their rows, so a load that keeps rising (routing early in training) overflows a few times, not
+every step — and runs the step again. Every `recalibrate_every` steps the loop sets `rows` to `factor` ×
+the largest loads of those steps, which also shrinks a capacity that the first steps' unbalanced routing
+made large (`d9d.engine.exchange`; docs/parallelism.md, "Exchange capacity").
 """
 
 from __future__ import annotations
@@ -31,13 +32,25 @@ GROWTH = 1.5
 """After an overflow the rows grow to at least this × what they were, by default."""
 
 
+Loads = list[list[float]]
+"""One MoE layer's copies by (source rank, destination rank) of its expert-parallel group."""
+
+
 class ExchangeCapacity:
-    """One MoE layer's per-peer capacity in rows (None until calibrated) and its load record."""
+    """One MoE layer's capacity in rows for each (source, destination) pair of its expert-parallel group
+    (None until calibrated; the same on every rank of the group), this rank's place in that group, and its
+    load record.
+
+    Per pair rather than one number for all: routing that favours some experts loads the peers that host
+    them from every source, and one capacity sized for the busiest pair pads every other pair to it (at the
+    2.4x imbalance measured after 100 steps, more than twice the rows the reading exchange sends)."""
 
     def __init__(
         self,
         factor: float,
         *,
+        rank: int,
+        peers: int,
         align: int = ALIGN,
         growth: float = GROWTH,
         recalibrate_every: int | None = None,
@@ -46,46 +59,101 @@ class ExchangeCapacity:
             raise ValueError(f"capacity factor {factor} must be >= 1 (headroom over the largest load seen)")
         if growth < 1:
             raise ValueError(f"capacity growth {growth} must be >= 1")
+        if not 0 <= rank < peers:
+            raise ValueError(f"rank {rank} is not in an expert-parallel group of {peers}")
         self.factor = factor
+        self.rank = rank
+        self.peers = peers
         self.align = align
         self.growth = growth
         self.recalibrate_every = recalibrate_every
-        self.rows: int | None = None
-        # [overflowed (0/1), largest copies sent to one peer] since the last `take`, on the device
+        self.rows: list[list[int]] | None = None  # [source][destination]
+        self._splits: dict[torch.device, torch.Tensor] = {}  # `splits_on`, by device
+        # [overflowed (0/1), copies sent to each peer...] since the last `take` (largest), on the device
         self._record: torch.Tensor | None = None
-        # the largest copies sent to one peer since the last `take_window`, on the device
+        # the copies sent to each peer since the last `take_window` (largest), on the device
         self._window: torch.Tensor | None = None
 
-    def record(self, per_peer: torch.Tensor, rows: int | None) -> None:
-        """Note one dispatch's copies per peer ([peers], on the device), sent with `rows` per peer (None:
-        sizes read from the counts, nothing can overflow). No host synchronization."""
-        largest = per_peer.max().float()
-        overflowed = largest > rows if rows is not None else torch.zeros_like(largest)
-        seen = torch.stack([overflowed.float(), largest])
+    def set_rows(self, rows: list[list[int]]) -> None:
+        if len(rows) != self.peers or any(len(row) != self.peers for row in rows):
+            raise ValueError(f"capacity rows must be {self.peers} x {self.peers}, got {rows}")
+        self.rows = [list(row) for row in rows]
+        self._splits = {}
+
+    def send_splits(self) -> list[int]:
+        """Rows this rank sends each peer (calibrated only)."""
+        assert self.rows is not None
+        return list(self.rows[self.rank])
+
+    def recv_splits(self) -> list[int]:
+        """Rows this rank receives from each peer (calibrated only)."""
+        assert self.rows is not None
+        return [row[self.rank] for row in self.rows]
+
+    def splits_on(self, device: torch.device) -> torch.Tensor:
+        """[(rows sent to each peer, where each one's segment starts), (rows received from each peer, where
+        each one's segment starts)] as a [2, 2, peers] tensor on `device`: made once per capacity change,
+        from pinned memory without a blocking copy (a dispatch must not wait for the device)."""
+        cached = self._splits.get(device)
+        if cached is None:
+            sent, received = torch.tensor(self.send_splits()), torch.tensor(self.recv_splits())
+            host = torch.stack([torch.stack([r, r.cumsum(0) - r]) for r in (sent, received)])
+            if device.type == "cuda":
+                host = host.pin_memory()
+            cached = self._splits[device] = host.to(device, non_blocking=True)
+        return cached
+
+    def record(self, per_peer: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Note one dispatch's copies per peer ([peers], on the device), sent with `rows` [peers] rows to each
+        (None: sizes read from the counts, nothing can overflow). No host synchronization."""
+        loads = per_peer.float()
+        overflowed = (loads > rows).any() if rows is not None else torch.zeros((), device=loads.device)
+        seen = torch.cat([overflowed.float()[None], loads])
         self._record = seen if self._record is None else torch.maximum(self._record, seen)
 
     def take(self) -> torch.Tensor | None:
-        """[overflowed, largest load] since the last take (None without a dispatch), then clear it. With
-        `recalibrate_every` set the load also joins the window that `take_window` returns."""
+        """[overflowed, copies to each peer] since the last take (the largest; None without a dispatch), then
+        clear it. With `recalibrate_every` set the loads also join the window that `take_window` returns."""
         record, self._record = self._record, None
         if record is not None and self.recalibrate_every is not None:  # else no kernel per layer and step
-            self._window = record[1] if self._window is None else torch.maximum(self._window, record[1])
+            self._window = record[1:] if self._window is None else torch.maximum(self._window, record[1:])
         return record
 
     def take_window(self) -> torch.Tensor | None:
-        """The largest load of the steps taken since the last call (None without a dispatch); clears it."""
+        """The largest copies to each peer over the steps taken since the last call (None without a
+        dispatch); clears it."""
         window, self._window = self._window, None
         return window
 
     def _aligned(self, rows: float) -> int:
         return max(math.ceil(rows / self.align) * self.align, self.align)
 
-    def fit(self, largest_load: float) -> None:
-        """Room for `largest_load` copies per peer times `factor` (calibration and recalibration: it may
+    def fit(self, loads: Loads) -> None:
+        """Room for each pair's `loads` copies times `factor` (calibration and recalibration: it may
         shrink)."""
-        self.rows = self._aligned(largest_load * self.factor)
+        self.set_rows([[self._aligned(load * self.factor) for load in row] for row in loads])
 
-    def grow(self, largest_load: float) -> None:
-        """After an overflow: room for `largest_load` times `factor`, and at least `growth` × the rows."""
-        grown = self._aligned((self.rows or 0) * self.growth)
-        self.rows = max(self._aligned(largest_load * self.factor), grown)
+    def grow(self, loads: Loads) -> None:
+        """After an overflow: each pair that overflowed gets room for its load times `factor`, and at least
+        `growth` × its rows; the others keep theirs."""
+        assert self.rows is not None
+        self.set_rows(
+            [
+                [
+                    max(self._aligned(load * self.factor), self._aligned(rows * self.growth))
+                    if load > rows
+                    else rows
+                    for load, rows in zip(load_row, rows_row, strict=True)
+                ]
+                for load_row, rows_row in zip(loads, self.rows, strict=True)
+            ]
+        )
+
+    @property
+    def largest(self) -> int:
+        """The largest pair's rows (0 before calibration)."""
+        return max((max(row) for row in self.rows), default=0) if self.rows is not None else 0
+
+    @property
+    def smallest(self) -> int:
+        return min((min(row) for row in self.rows), default=0) if self.rows is not None else 0
