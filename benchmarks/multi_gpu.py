@@ -71,7 +71,8 @@ that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
 Measured per row, from every rank (d9d: `throughput/probe.py`, installed by the data provider in each rank
 process, whichever launcher; torchtitan: the recording metrics processor):
 - step time: a rank's wall time from the start of one step to the start of the next (torchtitan: between
-  two consecutive logs); per step the slowest rank; the median over the `--steps` steps after `--warmup`.
+  two consecutive logs); per step the slowest rank; the median over the `--steps` steps after `--warmup`
+  (the JSON also has their mean and the slowest: stalled steps show there, not in the median).
 - tok/s = global tokens per step / step time; per GPU = tok/s / GPUs.
 - MFU = tok/s per GPU × (6 × active parameters incl. the LM head + causal attention at the row's sequence
   length) / 989 TFLOP/s (H100/H200 dense bf16), the formula of `throughput/common.py`.
@@ -722,6 +723,10 @@ def summarize(
         "device": records[0]["device"],
         "median_step_s": step_s,
         "step_s": per_step,
+        # What a run feels is the mean: a few stalled steps (a rank's garbage collection holding the others
+        # at the next collective) leave the median alone.
+        "mean_step_s": statistics.mean(per_step),
+        "max_step_s": max(per_step),
         "tokens_per_step": tokens,
         "tokens_per_s": tps,
         "tokens_per_s_per_gpu": tps / row.gpus,

@@ -110,6 +110,8 @@ def test_smoke_runs_rows_on_two_gloo_ranks(tmp_path: Path) -> None:
         for key in ("tokens_per_s", "tokens_per_s_per_gpu", "median_step_s", "mfu", "peak_gib"):
             assert key in row, (row["id"], key)
         assert row["tokens_per_s"] > 0 and len(row["step_s"]) == 2  # --smoke: 2 timed steps
+        assert row["mean_step_s"] == pytest.approx(sum(row["step_s"]) / 2)
+        assert row["max_step_s"] == max(row["step_s"])
         assert ("scaling" in row) == (row["model"] == "dense")  # no moe-1gpu row ran
     moe = rows["moe-fsdp-ep"]
     assert moe["tokens_per_s_per_gpu"] == pytest.approx(moe["tokens_per_s"] / 2)

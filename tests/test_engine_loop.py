@@ -357,3 +357,38 @@ def test_fused_adam_divides_summed_gradients_like_a_separate_pass(
         ref_params, params = _final_params(tmp_path / "foreach"), _final_params(tmp_path / name)
         for k in ref_params:
             torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-6)
+
+
+def _freeze_counts(env: RankEnv, run_dir: Path, freeze: bool) -> None:
+    import gc
+
+    from d9d.core.context import DistributedContext
+    from d9d.engine.events import EventBus, StepStarted
+    from d9d.engine.trainer import Trainer
+
+    overrides = {"trainer__total_steps": 4, "checkpointing__period": None, "gc__freeze": freeze}
+    config = parse_config(_config(run_dir, mesh__data_parallel_replicate=2, **overrides))
+    events = EventBus()
+    counts: list[int] = []
+    events.subscribe(StepStarted, lambda e: counts.append(gc.get_freeze_count()))
+    reporter = LocalRunReporter(config.checkpoint_dir, 1)
+    trainer = Trainer(config, DistributedContext.create(config.mesh), reporter, events)
+    trainer.setup()
+    result = trainer.train()
+    counts.append(gc.get_freeze_count())
+    out = env.tmp_dir / f"freeze-{freeze}-{env.rank}.pt"
+    torch.save({"counts": counts, "losses": list(result.losses)}, out)
+
+
+def test_live_objects_leave_the_collectors_scans_after_the_first_step(tmp_path: Path) -> None:
+    """`gc.freeze` (default on): nothing is frozen before the first step, the live heap is from the second
+    step on (a full collection then skips it), and it is released when training ends; off, nothing is
+    frozen. Losses are the same either way."""
+    for freeze in (True, False):
+        run_distributed(_freeze_counts, 2, tmp_path / f"run-{freeze}", freeze, tmp_dir=tmp_path, timeout=180)
+    for rank in range(2):
+        on, off = (torch.load(tmp_path / f"freeze-{f}-{rank}.pt") for f in (True, False))
+        assert on["counts"][0] == 0 and all(n > 1000 for n in on["counts"][1:-1]), on["counts"]
+        assert on["counts"][-1] == 0  # unfrozen at the end of training
+        assert off["counts"] == [0] * 5
+        assert on["losses"] == off["losses"]

@@ -217,6 +217,13 @@ class DeterminismConfig(_Section):
 class GCConfig(_Section):
     # Run gc.collect() every N steps with automatic GC disabled (avoids random pauses on some ranks).
     period: int | None = Field(None, ge=1)
+    # After the first step (model, optimizer state and compiled graphs built) move every object then alive
+    # out of the cyclic collector's scans (`gc.freeze()`; undone when training ends). A full collection of a
+    # compiled rank otherwise walks ~0.5M objects (276 ms on a 2-core VM for a 28-layer model; 0 ms frozen),
+    # and in a multi-rank job one rank's pause stalls every other at the next collective (dense FSDP 4 steps
+    # of 0.5-0.8 s against a 0.19 s median). Frozen objects are still freed by reference counting; only
+    # reference cycles among them wait for the end of training.
+    freeze: bool = True
 
 
 class ProfilingConfig(_Section):

@@ -56,6 +56,17 @@ from d9d.parallel.expert import release_expert_communication
 from d9d.profiling import NullProfiler, StepHook, StepProfiler
 
 
+def freeze_heap(ctx: DistributedContext) -> None:
+    """Collect once, then move every live object out of the cyclic collector's scans (`gc.freeze`): the
+    automatic collections that follow walk only what later steps allocate (`GCConfig.freeze`)."""
+    gc.collect()
+    gc.freeze()
+    if ctx.is_main_process:
+        ctx.logger.info(
+            "froze %d objects out of the garbage collector's scans (gc.freeze)", gc.get_freeze_count()
+        )
+
+
 class Trainer:
     def __init__(
         self,
@@ -188,6 +199,8 @@ class Trainer:
                         self.ctx.set_timeout(timedelta(seconds=c.timeouts.step_s))
                         log_compile_warmup(self.ctx, self.parts.stages)
                         self._reserve_checkpoint_buffers()
+                        if c.gc.freeze:
+                            freeze_heap(self.ctx)
                         first_step = False
                     if advanced:
                         self._after_step(self.progress.step)
@@ -198,6 +211,8 @@ class Trainer:
         finally:
             self.parts.data.close()  # also after an error: the prefetch thread must not outlive the run
             progress.close()
+            if c.gc.freeze:
+                gc.unfreeze()  # back into the collector's reach: cycles of this run's objects can go now
             if c.gc.period is not None:
                 gc.enable()
         status = "finished" if finished else "stopped"
