@@ -252,6 +252,8 @@ def summary(times: list[float], first_step_s: float | None, model: str) -> dict[
     tps = BATCH * SEQ / step
     return {
         "median_step_s": step,
+        "mean_step_s": sum(times) / len(times),  # stalled steps show here, not in the median
+        "max_step_s": max(times),
         "tokens_per_s": tps,
         "mfu": tps * model_flops_per_token(model, SEQ) / (PEAK_TFLOPS * 1e12),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
