@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +41,7 @@ from throughput.common import (  # benchmarks/ is the script's directory: on sys
     TINY_BATCH,
     TINY_SEQ,
     StepMarks,
+    one_rank_env,
 )
 
 
@@ -89,12 +88,7 @@ def child(model: str, mode: str, save_step: int, after: int) -> dict[str, Any]:
         if point.step == save_step:
             metrics.update({k: v for k, v in point.values.items() if k.startswith("checkpoint/")})
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    one_rank_env()
     ctx = DistributedContext.create(DeviceMeshParameters())
     trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1, metrics_sink=sink))
     marks = StepMarks(cuda)

@@ -10,8 +10,6 @@ with fewer layers and a short sequence, and prints dynamo's recompile and graph-
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import tempfile
 
 import torch
@@ -26,12 +24,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    common.one_rank_env()
     torch._logging.set_logs(recompiles=True, graph_breaks=True)
     common.SEQ = d9d_peer.SEQ = args.seq
     from d9d.core import DeviceMeshParameters, DistributedContext

@@ -17,26 +17,20 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from throughput.common import one_rank_env  # benchmarks/ is the script's directory: on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _timed(collect: Any) -> float:
+def _timed(collect: Callable[[], object]) -> float:
     start = time.perf_counter()
     collect()
     return (time.perf_counter() - start) * 1e3
@@ -50,9 +44,7 @@ def measure(layers: int, width: int, compiled: bool) -> dict[str, Any]:
     from d9d.engine.events import StepStarted
     from d9d.engine.trainer import Trainer
 
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-    )
+    one_rank_env()
     heads = max(width // 16, 1)
     config = parse_config(
         {

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from throughput.common import (  # benchmarks/ is on sys.path
     AcMode,
     StepMarks,
     d9d_ac_section,
+    one_rank_env,
 )
 
 TINY = {
@@ -70,12 +70,7 @@ def train_row(
     if not cuda and not smoke:
         raise RuntimeError("this benchmark needs CUDA (or --cpu-smoke)")
     arch = TINY if smoke else ARCHS["dense"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    one_rank_env()
     config = parse_config(
         {
             "run": {"name": "long-context", "dir": tempfile.mkdtemp(prefix="d9d-long-")},

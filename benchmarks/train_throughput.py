@@ -54,7 +54,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,7 +63,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from throughput.common import AC_MODES, MODEL_NAMES, PROFILE_STEPS, TITAN_AC_MODES, AcMode
+from throughput.common import AC_MODES, MODEL_NAMES, PROFILE_STEPS, TITAN_AC_MODES, AcMode, one_rank_env
 
 D9D_VARIANTS = ("compiled", "compiled-kernels", "eager", "eager-legacy")
 D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
@@ -151,12 +150,7 @@ def run_row(row: Row, args: argparse.Namespace) -> dict[str, Any]:
         case "d9d":
             from throughput import d9d_peer
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            os.environ.update(
-                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-            )
+            one_rank_env()
             variant = cast(d9d_peer.D9dVariant, row.variant)
             batch = cast(d9d_peer.D9dBatch, row.batch)
             return d9d_peer.run(

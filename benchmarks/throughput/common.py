@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -21,6 +22,17 @@ SEQ = int(os.environ.get("D9D_BENCH_SEQ", "2048"))
 AcMode = Literal["none", "full", "selective", "selective-op", "selective-mix"]
 AC_MODES: tuple[AcMode, ...] = ("none", "full", "selective", "selective-op", "selective-mix")
 TITAN_AC_MODES: tuple[AcMode, ...] = ("none", "full", "selective", "selective-op")
+
+
+def one_rank_env() -> None:
+    """Describe a one-rank process group as torchrun would (rank 0 of 1, a free port on 127.0.0.1), for a
+    script that drives the engine's `Trainer` in its own process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 class StepMarks:
