@@ -142,6 +142,12 @@ row that fails, times out or is skipped by `--budget-s` is recorded with the las
 a timed-out row is stopped, each of its Python processes' stacks is taken with `py-spy dump` when `py-spy` is
 on PATH (`stacks`, by pid: where it hung).
 
+`--py-spy GLOB[,GLOB]`: those rows run under `py-spy record --gil --threads --subprocesses` (py-spy on
+PATH), which samples whichever thread holds each process's GIL; the row's entry gets `host_threads` (per
+rank process, each thread's samples, those under `Trainer._run_step`, its commonest frames) and the raw
+file lands beside `--out`. For the launchers' difference: the Ray actor runs threads torchrun's ranks do
+not (the reporter's courier, Ray's own), and a step that waits on the GPU many times feels each of them.
+
 Output: a markdown table on stdout and a JSON file (`--out`, default
 `benchmarks/results/multi_gpu_<device>_<N>gpu_<date>.json`; `--smoke`: a temporary file) with the
 environment (device name as the ranks saw it, GPU count, torch / torchtitan versions, date), the arguments
@@ -176,6 +182,7 @@ from typing import Any
 
 import yaml
 from throughput.common import ARCHS, BATCH, LR, MODEL_NAMES, PEAK_TFLOPS, SEQ, SMOKE_ARCHS, flops_per_token
+from throughput.host_stacks import thread_samples
 from throughput.probe import read_profiles, read_records
 from throughput.profile import across_ranks, render_ranks
 
@@ -613,6 +620,51 @@ def py_spy_dump() -> Callable[[int], str] | None:
     return dump
 
 
+PY_SPY_RATE = 100  # samples per second
+
+
+def start_recorder(row: Row, args: argparse.Namespace, pid: int, raw: Path) -> subprocess.Popen[bytes] | None:
+    """`py-spy record --gil --threads` of the row's whole process tree (`--py-spy` rows; py-spy on PATH):
+    which thread holds each rank's GIL, and for how long (throughput/host_stacks.py)."""
+    exe = shutil.which("py-spy")
+    if exe is None or not any(fnmatch.fnmatchcase(row.id, g) for g in _globs(args.py_spy)):
+        return None
+    cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--threads", "--gil"]
+    cmd += ["--rate", str(PY_SPY_RATE), "--format", "raw", "--output", str(raw)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def finish_recorder(
+    recorder: subprocess.Popen[bytes], row: Row, args: argparse.Namespace, raw: Path
+) -> dict[str, Any]:
+    """Stop py-spy (it writes its file on SIGINT), keep its raw file beside `--out`, and summarize it: per
+    rank process, each thread's GIL samples, those under the step, and its three commonest frames."""
+    if recorder.poll() is None:
+        recorder.send_signal(signal.SIGINT)
+    try:
+        recorder.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        recorder.kill()
+        return {"error": "py-spy did not stop"}
+    if not raw.exists():
+        return {"error": f"py-spy wrote nothing (exit code {recorder.returncode})"}
+    if args.out:
+        keep = Path(args.out).with_suffix(f".{re.sub(r'[^A-Za-z0-9._-]', '_', row.id)}.py-spy.txt")
+        shutil.copyfile(raw, keep)
+    with raw.open(errors="replace") as f:
+        per_process = thread_samples(f, "Trainer._run_step")
+    return {
+        "rate_hz": PY_SPY_RATE,
+        "processes": {
+            pid: {
+                name: {"samples": t.total, "in_step": t.in_step, "top": t.leaf.most_common(3)}
+                for name, t in sorted(by_thread.items(), key=lambda item: -item[1].total)
+            }
+            for pid, by_thread in per_process.items()
+        },
+    }
+
+
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the row's process group (`d9d train` stops its ranks, torchrun its workers), then SIGKILL to
     what is left of it after 20 s. The group is the row's own session (`start_new_session`)."""
@@ -653,6 +705,7 @@ def run_row(
             env=child_env(args, row_dir, gpu),
             start_new_session=True,
         )
+        recorder = start_recorder(row, args, proc.pid, row_dir / "py-spy.txt")
         stacks: dict[str, list[str]] = {}
         try:
             rc = proc.wait(timeout=timeout)
@@ -662,6 +715,8 @@ def run_row(
             rc = None
     result["wall_s"] = time.perf_counter() - start
     stop_group(proc)  # whatever the launcher left behind in its group (e.g. Ray daemons)
+    if recorder is not None:
+        result["host_threads"] = finish_recorder(recorder, row, args, row_dir / "py-spy.txt")
     records = read_records(row_dir / "probe")
     if rc != 0:
         result["error"] = f"timed out after {timeout:.0f} s" if rc is None else f"exited with code {rc}"
@@ -1097,6 +1152,12 @@ def main() -> int:
         default="",
         metavar="GLOB[,GLOB]",
         help="d9d rows to profile on every rank after their timed steps (module docs)",
+    )
+    parser.add_argument(
+        "--py-spy",
+        default="",
+        metavar="GLOB[,GLOB]",
+        help="rows whose processes `py-spy record --gil --threads` samples (module docs)",
     )
     parser.add_argument("--profile-steps", type=int, default=3, help="steps the profiler records (>= 1)")
     parser.add_argument(

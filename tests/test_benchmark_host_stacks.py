@@ -45,3 +45,33 @@ def test_counts_the_step_thread_per_process_without_compilation(host_stacks: Mod
     assert "main (launch.py)" not in rank0.inclusive  # above the root
     rank1 = found["process 12"]
     assert (rank1.total, rank1.inclusive["f (a.py)"], rank1.leaf["f (a.py)"]) == (3, 3, 3)
+
+
+THREAD_LINES = [
+    # rank 0: the step's thread holds the GIL 5 samples in the step and 2 outside, the courier 3
+    f"{RANK0};thread (11): MainThread;main (launch.py:1);{STEP.format(219)};forward (step.py:70) 5",
+    f"{RANK0};thread (11): MainThread;main (launch.py:1);log (x.py:3) 2",
+    f"{RANK0};thread (13): d9d-courier;_carry (reporter.py:1);remote (actor.py:9) 2",
+    f"{RANK0};thread (13): d9d-courier;_carry (reporter.py:1);pickle (ser.py:2) 1",
+    # a thread without a Python name, with no frames: counted, no leaf
+    f"{RANK0};thread (14) 4",
+    # start-up (compilation, imports): left out
+    f"{RANK0};thread (11): MainThread;{STEP.format(219)};_compile (torch/_dynamo/convert_frame.py:3) 9",
+    f"{RANK0};thread (13): d9d-courier;_find (<frozen importlib._bootstrap>:1) 9",
+    # a process that never ran the step (Ray's dashboard): left out
+    'process 30:"dashboard";thread (30): MainThread;serve (d.py:1) 50',
+]
+
+
+def test_counts_each_threads_gil_samples_in_processes_that_run_the_step(host_stacks: ModuleType) -> None:
+    found = host_stacks.thread_samples(THREAD_LINES, "Trainer._run_step")
+    assert set(found) == {"process 11"}
+    by_thread = found["process 11"]
+    assert set(by_thread) == {"MainThread (11)", "d9d-courier (13)", "(14)"}
+    main = by_thread["MainThread (11)"]
+    assert (main.total, main.in_step) == (7, 5)
+    assert main.leaf == {"forward (step.py)": 5, "log (x.py)": 2}
+    courier = by_thread["d9d-courier (13)"]
+    assert (courier.total, courier.in_step) == (3, 0)
+    assert courier.leaf == {"remote (actor.py)": 2, "pickle (ser.py)": 1}
+    assert (by_thread["(14)"].total, by_thread["(14)"].leaf) == (4, {})

@@ -8,6 +8,12 @@ For each process whose samples contain ROOT_FRAME (d9d: `Trainer._run_step`, tor
 step is counted: backward runs on autograd's own thread, whose stacks do not pass through ROOT_FRAME.
 `py-spy record --subprocesses` names each process in the stack (`process PID:"cmdline"`); the innermost one
 is the process sampled.
+
+`--threads` (for `py-spy record --threads --gil`, as `benchmarks/multi_gpu.py --py-spy` records): per
+process that runs ROOT, the samples of each thread (`thread (TID): NAME` in the stack), those of them under
+ROOT, and each thread's most frequent innermost frames. Under `--gil` a thread is sampled only while it holds
+the GIL, so the other threads' counts are the time they took it from the step's thread (a step that waits
+on the GPU many times per step, such as the expert-parallel exchange's host reads, feels each of them).
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ def _frame(text: str) -> str:
     return re.sub(r":\d+\)", ")", text)  # one entry per function, whatever the line
 
 
+def _start_up(frames: list[str]) -> bool:
+    """Imports and compilation: start-up, not the steps the table times."""
+    return any("convert_frame.py" in fr or "<frozen importlib" in fr for fr in frames)
+
+
 def step_samples(lines: Iterable[str], root: str) -> dict[str, StepSamples]:
     """Per process: the samples under `root`, by frame (each counted once per stack) and by leaf."""
     out: dict[str, StepSamples] = collections.defaultdict(StepSamples)
@@ -38,7 +49,7 @@ def step_samples(lines: Iterable[str], root: str) -> dict[str, StepSamples]:
         frames = stack.split(";")
         starts = [i for i, fr in enumerate(frames) if fr.startswith(root + " ")]
         processes = [fr for fr in frames if fr.startswith("process ")]
-        if not starts or not processes or any("convert_frame.py" in fr for fr in frames):
+        if not starts or not processes or _start_up(frames):
             continue
         samples, n = out[processes[-1].split(":")[0]], int(count)
         samples.total += n
@@ -48,12 +59,55 @@ def step_samples(lines: Iterable[str], root: str) -> dict[str, StepSamples]:
     return dict(out)
 
 
+@dataclass
+class ThreadSamples:
+    total: int = 0
+    in_step: int = 0  # under ROOT
+    leaf: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+def thread_samples(lines: Iterable[str], root: str) -> dict[str, dict[str, ThreadSamples]]:
+    """Per process that ran `root` at least once: its samples by thread (`NAME (TID)`, or the TID), leaving
+    out imports and compilation."""
+    out: dict[str, dict[str, ThreadSamples]] = collections.defaultdict(
+        lambda: collections.defaultdict(ThreadSamples)
+    )
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        frames = stack.split(";")
+        processes = [fr for fr in frames if fr.startswith("process ")]
+        threads = [fr for fr in frames if fr.startswith("thread (")]
+        if not processes or not threads or not count.isdigit() or _start_up(frames):
+            continue
+        tid, _, name = threads[-1].removeprefix("thread ").partition(": ")
+        samples = out[processes[-1].split(":")[0]][f"{name} {tid}" if name else tid]
+        n = int(count)
+        samples.total += n
+        if any(fr.startswith(root + " ") for fr in frames):
+            samples.in_step += n
+        if frames[-1] is not threads[-1]:
+            samples.leaf[_frame(frames[-1])] += n
+    return {
+        pid: dict(by_thread) for pid, by_thread in out.items() if any(t.in_step for t in by_thread.values())
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("profile")
     parser.add_argument("root")
     parser.add_argument("--top", type=int, default=60)
+    parser.add_argument("--threads", action="store_true", help="samples per thread (module docs)")
     args = parser.parse_args()
+    if args.threads:
+        with open(args.profile, errors="replace") as f:
+            per_process = thread_samples(f, args.root)
+        for pid, by_thread in per_process.items():
+            print(f"== {pid}")
+            for name, t in sorted(by_thread.items(), key=lambda item: -item[1].total):
+                leaves = ", ".join(f"{leaf[:80]} {n}" for leaf, n in t.leaf.most_common(3))
+                print(f"{t.total:8d} {t.in_step:8d} in step  {name[:60]}  {leaves}")
+        return
     with open(args.profile, errors="replace") as f:
         found = step_samples(f, args.root)
     for pid, s in sorted(found.items(), key=lambda item: -item[1].total):
