@@ -293,6 +293,86 @@ def test_exchange_reads_the_host_once_per_dispatch_and_never_in_combine_or_backw
     run_distributed(_host_syncs, 2, timeout=60)
 
 
+class _LoggedDist:
+    """`torch.distributed` for `d9d.parallel.expert.overlap`, noting each all-to-all's launch and wait."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
+        n = sum(e.startswith("launch") for e in self.events)
+        self.events.append(f"launch {n}")
+        work = dist.all_to_all_single(*args, **kwargs)
+        events = self.events
+
+        class Logged:
+            def wait(self) -> None:
+                work.wait()
+                events.append(f"wait {n}")
+
+        return Logged()
+
+
+class _NoteBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, events: list[str], what: str) -> torch.Tensor:
+        ctx.note = (events, what)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        events, what = ctx.note
+        events.append(what)
+        return grad, None, None
+
+
+def _overlap_order(env: RankEnv) -> None:
+    import d9d.parallel.expert.overlap as overlap
+
+    group = dist.new_group(list(range(env.world_size)))
+    num_experts, k = 2 * env.world_size, 2
+    events: list[str] = []
+    overlap.dist = _LoggedDist(events)  # type: ignore[assignment]  # this rank's process only
+    comm = AllToAllMoECommunication(group, overlap_chunks=2)
+    x, ids, w = _routing(env.rank, num_experts, k, "uneven", env.world_size)
+    x.requires_grad_()
+    calls: list[int] = []
+
+    def experts(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        chunk = len(calls)
+        calls.append(chunk)
+        events.append(f"experts {chunk}")
+        # in backward the note comes just before this chunk's expert gradients (made after them in forward)
+        return _NoteBackward.apply(torch.tanh(rows), events, f"experts backward {chunk}")
+
+    with _HostReads() as reads:
+        out = comm.exchange(RoutedTokens(x, ids, w, num_experts), experts)
+    assert reads.reads == ["Tensor.cpu"], reads.reads  # both chunks' split sizes in one read
+    with _HostReads() as reads:
+        out.pow(2).sum().backward()
+    assert reads.reads == [], reads.reads
+
+    def in_flight_during(what: str) -> list[int]:
+        at = events.index(what)
+        launched = {int(e.split()[1]) for e in events[:at] if e.startswith("launch")}
+        return sorted(n for n in launched if f"wait {n}" in events[at:])
+
+    # forward: chunk 1's rows travel while chunk 0's experts run, chunk 0's results while chunk 1's run
+    assert in_flight_during("experts 0") == [1], events
+    assert in_flight_during("experts 1") == [2], events
+    # backward: each chunk's expert gradients are computed while a gradient of the other chunk travels
+    assert in_flight_during("experts backward 1") == [5], events  # chunk 0's combine gradient
+    assert in_flight_during("experts backward 0") == [6], events  # chunk 1's dispatch gradient
+    assert sum(e.startswith("launch") for e in events) == 8, events  # 2 chunks x (dispatch, combine) x 2
+
+
+@pytest.mark.distributed
+def test_overlapped_exchange_keeps_a_transfer_in_flight_while_each_chunks_experts_run() -> None:
+    """`overlap_chunks: 2`: the order of launches, waits and expert compute in forward and backward (its
+    results are checked against one process in the float64 layer test below)."""
+    run_distributed(_overlap_order, 2, timeout=60)
+
+
 def _cuda_syncs(env: RankEnv) -> None:
     """The same on NCCL with CUDA's own sync detector, for both exchanges: one synchronizing call in
     dispatch, none after; and the deduplicated exchange against the copy exchange in bf16."""
@@ -378,18 +458,19 @@ def _layer_against_single_process(env: RankEnv) -> None:
             DeviceMeshParameters(data_parallel_replicate=env.world_size, expert_parallel=ep), backend="gloo"
         )
         expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
-        for dedup in (True, False):
-            what = f"ep={ep} ep_replicate={env.world_size // ep} dedup={dedup}"
+        # chunks 3 on rank 2's 3 tokens: one each; rank 3 has none, so every chunk is empty
+        for dedup, chunks in ((True, 1), (False, 1), (False, 2), (False, 3)):
+            what = f"ep={ep} ep_replicate={env.world_size // ep} dedup={dedup} overlap_chunks={chunks}"
             layer = _moe_layer(num_experts, k, hidden)
             parallelize_expert_parallel(
                 layer,
                 expert_mesh,
                 device=ctx.device,
                 dtype=torch.float64,
-                backend=AllToAllBackendConfig(dedup=dedup),
+                backend=AllToAllBackendConfig(dedup=dedup, overlap_chunks=chunks),
             )
             assert isinstance(layer.communication, AllToAllMoECommunication), what
-            assert layer.communication.dedup == dedup, what
+            assert (layer.communication.dedup, layer.communication.overlap_chunks) == (dedup, chunks), what
             x = _layer_tokens(env.rank, hidden).requires_grad_()
             out = layer(x)
             dy = torch.randn(
@@ -414,6 +495,7 @@ def _layer_against_single_process(env: RankEnv) -> None:
 
 @pytest.mark.distributed
 def test_moe_layer_under_expert_parallel_matches_single_process_in_float64() -> None:
+    """Every exchange (deduplicated, copies, copies overlapped in 2 and 3 chunks) at ep 2 and 4."""
     run_distributed(_layer_against_single_process, 4, timeout=180)
 
 

@@ -13,10 +13,14 @@ Contract, for every handler:
 - `combine` takes the experts' (unweighted) outputs and returns, per source token,
   out[t] = Σ_k w[t,k] · expert_{id[t,k]}(x[t]): the routing weights are applied by the handler, so each
   can fuse them into its own combine.
+- `exchange` is what the layer calls: dispatch, the experts, combine. Most handlers do exactly that
+  (`sequential_exchange`); one may overlap its communication with the experts' compute there instead (the
+  all-to-all handler's `overlap_chunks`), with the same result.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,3 +59,20 @@ class MoECommunication(Protocol):
     def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         """`expert_outputs` [rows, hidden], unweighted → [tokens, hidden], weighted sum per token."""
         ...
+
+    def exchange(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
+        """[tokens, hidden]: `combine` of `experts` run on what `dispatch` sent this rank."""
+        ...
+
+
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""The local experts: (rows grouped by local expert, rows per local expert) → their unweighted outputs."""
+
+
+def sequential_exchange(
+    communication: MoECommunication, routed: RoutedTokens, experts: ExpertsFn
+) -> torch.Tensor:
+    """Dispatch, run the experts, combine: one after the other."""
+    dispatched = communication.dispatch(routed)
+    rows = experts(dispatched.hidden_states, dispatched.tokens_per_expert)
+    return communication.combine(rows, dispatched)

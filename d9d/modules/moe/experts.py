@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from d9d.kernels.swiglu import swiglu
 from d9d.modules.moe.grouped_mm import GroupedMM, build_grouped_mm
 
 
@@ -43,7 +44,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """`x` [rows, hidden] grouped by expert with `tokens_per_expert` rows each → [rows, hidden]."""
         gate, up = self.grouped_mm(x, self.gate_up_proj, tokens_per_expert).chunk(2, dim=-1)
-        return self.grouped_mm(F.silu(gate) * up, self.down_proj, tokens_per_expert)
+        if torch.compiler.is_compiling():
+            act = F.silu(gate) * up  # inductor fuses it with the split and, in backward, the concatenation
+        else:  # eagerly (an overlapped exchange runs the experts outside the compiled block): one kernel
+            act = swiglu(gate, up)
+        return self.grouped_mm(act, self.down_proj, tokens_per_expert)
 
     def extra_repr(self) -> str:
         experts, intermediate, hidden = self.down_proj.shape

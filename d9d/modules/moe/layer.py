@@ -77,11 +77,9 @@ class MoELayer(nn.Module):
         keeps padding out of the balancing loss and out of its per-token scale."""
         flat = x.reshape(-1, x.shape[-1])
         routing = self.gate(flat)
-        dispatched = self.communication.dispatch(
-            RoutedTokens(flat, routing.topk_ids, routing.topk_weights, self.gate.num_experts)
+        out = self.communication.exchange(
+            RoutedTokens(flat, routing.topk_ids, routing.topk_weights, self.gate.num_experts), self.experts
         )
-        rows = self.experts(dispatched.hidden_states, dispatched.tokens_per_expert)
-        out = self.communication.combine(rows, dispatched)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:

@@ -8,7 +8,7 @@ import torch
 
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
-from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
+from d9d.modules.moe.communication import DispatchedTokens, ExpertsFn, RoutedTokens, sequential_exchange
 
 
 @dataclass(frozen=True)
@@ -34,3 +34,6 @@ class LocalMoECommunication:
     def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         state: _LocalState = dispatched.state
         return combine_tokens(expert_outputs, state.slot_rows, weights=state.weights, backend=self.backend)
+
+    def exchange(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
+        return sequential_exchange(self, routed, experts)

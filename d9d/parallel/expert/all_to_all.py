@@ -35,8 +35,9 @@ import torch.distributed as dist
 
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import ExpertPermutation, combine_tokens, expert_permutation, permute_tokens
-from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
+from d9d.modules.moe.communication import DispatchedTokens, ExpertsFn, RoutedTokens, sequential_exchange
 from d9d.parallel.expert.capacity import ExchangeCapacity
+from d9d.parallel.expert.overlap import land, launch
 
 
 class _AllToAll(torch.autograd.Function):
@@ -167,7 +168,9 @@ class AllToAllMoECommunication:
     """`MoECommunication` over an expert-parallel process group with plain all-to-all collectives.
 
     `dedup=False` (default) sends and returns one row per (token, expert) copy; `dedup=True` sends a token
-    once per destination rank and returns one weighted partial sum per (token, rank) (module docstring)."""
+    once per destination rank and returns one weighted partial sum per (token, rank) (module docstring).
+    `overlap_chunks > 1` (copy exchange, reading its split sizes): `exchange` splits the tokens into that many
+    chunks whose transfers overlap the other chunks' expert compute (`_exchange_overlapped`)."""
 
     def __init__(
         self,
@@ -176,14 +179,28 @@ class AllToAllMoECommunication:
         backend: KernelBackend = "auto",
         dedup: bool = False,
         capacity: ExchangeCapacity | None = None,
+        overlap_chunks: int = 1,
     ) -> None:
         if dedup and capacity is not None:
             raise ValueError("a static exchange capacity is implemented for the copy exchange (dedup=False)")
+        if overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks={overlap_chunks} must be >= 1")
+        if overlap_chunks > 1 and (dedup or capacity is not None):
+            raise ValueError(
+                "overlap_chunks > 1 is implemented for the copy exchange that reads its split sizes: "
+                "dedup=False and no capacity"
+            )
         self.group = group
         self.size = dist.get_world_size(group)
         self.backend: KernelBackend = backend
         self.dedup = dedup
         self.capacity = capacity
+        self.overlap_chunks = overlap_chunks
+
+    def exchange(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
+        if self.overlap_chunks == 1:
+            return sequential_exchange(self, routed, experts)
+        return self._exchange_overlapped(routed, experts)
 
     # Eager even inside a compiled MoE block: traced by inductor on CUDA, this exchange trained wrong (a
     # dp 2 × ep 2 run left the one-GPU losses at the second step, 1.6e-2 apart after 8; eager, 1e-7), while
@@ -277,20 +294,9 @@ class AllToAllMoECommunication:
             capacity.record(counts[0], None)
         send_splits, recv_splits = counts.cpu().tolist()  # the one sync
         rows = all_to_all(send, recv_splits, send_splits, self.group)
-        per_source = recv_counts.view(self.size, local_experts)
-        num_received = sum(recv_splits)
-        expert_of_row = torch.repeat_interleave(  # output_size given: no second host sync
-            torch.arange(local_experts, device=send_counts.device).repeat(self.size),
-            per_source.reshape(-1),
-            output_size=num_received,
-        )
-        # Received rows arrive grouped by (source rank, expert); the experts want them grouped by expert.
-        # The permute kernel moves them (its backward a gather): an index `rows[order]` here had a backward
-        # of atomic index-adds, ~11 ms of an FSDP 4 × EP 4 step on H200.
-        grouped = expert_permutation(expert_of_row[:, None], local_experts)
-        regroup = grouped.slot_rows
-        state = _CopyState(perm.slot_rows, routed.topk_weights, regroup, send_splits, recv_splits)
-        hidden = permute_tokens(rows, regroup, num_received, backend=self.backend)
+        grouped = _by_local_expert(recv_counts.view(self.size, local_experts), sum(recv_splits))
+        state = _CopyState(perm.slot_rows, routed.topk_weights, grouped.slot_rows, send_splits, recv_splits)
+        hidden = permute_tokens(rows, grouped.slot_rows, sum(recv_splits), backend=self.backend)
         return DispatchedTokens(hidden_states=hidden, tokens_per_expert=grouped.rows_per_expert, state=state)
 
     def _dispatch_copies_capacity(self, routed: RoutedTokens, capacity: ExchangeCapacity) -> DispatchedTokens:
@@ -332,3 +338,72 @@ class AllToAllMoECommunication:
         received_order = combine_tokens(expert_outputs, state.regroup, backend=self.backend)  # a gather
         back = all_to_all(received_order, state.send_splits, state.recv_splits, self.group)
         return combine_tokens(back, state.slot_rows, weights=state.weights, backend=self.backend)
+
+    # -- the copy exchange in chunks, their transfers overlapping the experts --------------------------------
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _exchange_overlapped(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
+        """The copy exchange on `overlap_chunks` contiguous chunks of the tokens. One all-to-all of every
+        chunk's counts and one host read of their split sizes, then every chunk's rows are launched; chunk
+        c's experts run while chunk c + 1's rows travel, and chunk c's results travel back while chunk
+        c + 1's experts run. In backward the same (`overlap.py`): each chunk's gradient travels while the
+        other chunk's experts compute theirs. Only the first chunk's dispatch and the last chunk's combine
+        are exposed. Each chunk's result equals the copy exchange's for those tokens (the same rows meet
+        the same experts; a grouped matmul over fewer rows may tile them differently on GPUs).
+
+        Eager as a whole (the in-flight handles are Python objects), so inside a compiled block the experts
+        run eagerly here (their activation one fused kernel, `GroupedExperts`)."""
+        local_experts = routed.local_experts(self.size)
+        chunks = list(
+            zip(
+                routed.hidden_states.tensor_split(self.overlap_chunks),
+                routed.topk_ids.tensor_split(self.overlap_chunks),
+                routed.topk_weights.tensor_split(self.overlap_chunks),
+                strict=True,
+            )
+        )
+        perms = [expert_permutation(ids, routed.num_experts) for _, ids, _ in chunks]
+        # [peer, chunk, local expert]: what this rank sends each peer; the reply, what each source sends it
+        send_counts = torch.stack([p.rows_per_expert for p in perms])
+        send_counts = send_counts.view(len(chunks), self.size, local_experts).transpose(0, 1).contiguous()
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        sends = [
+            permute_tokens(hidden, p.slot_rows, p.num_rows, backend=self.backend)
+            for (hidden, _, _), p in zip(chunks, perms, strict=True)
+        ]
+        # [(sent, received), chunk, peer]: the one sync
+        splits = torch.stack([send_counts.sum(2), recv_counts.sum(2)]).transpose(1, 2).cpu().tolist()
+        outbound = [
+            launch(send, recv_splits, send_splits, self.group)
+            for send, send_splits, recv_splits in zip(sends, *splits, strict=True)
+        ]
+        inbound = []
+        for c, (rows, flight) in enumerate(outbound):
+            send_splits, recv_splits = splits[0][c], splits[1][c]
+            received = land(rows, flight)
+            grouped = _by_local_expert(recv_counts[:, c], sum(recv_splits))
+            hidden = permute_tokens(received, grouped.slot_rows, sum(recv_splits), backend=self.backend)
+            out = experts(hidden, grouped.rows_per_expert)
+            received_order = combine_tokens(out, grouped.slot_rows, backend=self.backend)  # a gather
+            inbound.append(launch(received_order, send_splits, recv_splits, self.group))
+        return torch.cat(
+            [
+                combine_tokens(land(rows, flight), p.slot_rows, weights=weights, backend=self.backend)
+                for (rows, flight), p, (_, _, weights) in zip(inbound, perms, chunks, strict=True)
+            ]
+        )
+
+
+def _by_local_expert(per_source: torch.Tensor, num_received: int) -> ExpertPermutation:
+    """Where each received row goes when the rows are regrouped by local expert: they arrive grouped by
+    (source rank, local expert), `per_source` [sources, local experts] rows each."""
+    sources, local_experts = per_source.shape
+    expert_of_row = torch.repeat_interleave(  # output_size given: no host sync
+        torch.arange(local_experts, device=per_source.device).repeat(sources),
+        per_source.reshape(-1),
+        output_size=num_received,
+    )
+    # The permute kernel moves them (its backward a gather): an index `rows[order]` here had a backward of
+    # atomic index-adds, ~11 ms of an FSDP 4 × EP 4 step on H200.
+    return expert_permutation(expert_of_row[:, None], local_experts)

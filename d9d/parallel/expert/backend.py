@@ -47,18 +47,28 @@ class AllToAllBackendConfig(BaseModel):
     #: steps (one host read and gather of the loads): it shrinks as the routing balances. None: it only
     #: grows.
     capacity_recalibrate_every: int | None = Field(100, ge=1)
+    #: 1: dispatch, experts, combine, one after the other. C > 1: each MoE layer's tokens in C chunks whose
+    #: transfers overlap the other chunks' expert compute, in forward and backward (one host read of the
+    #: split sizes per layer still; only the first chunk's dispatch and the last one's combine are exposed).
+    #: The experts then run eagerly inside a compiled block. Copy exchange that reads its split sizes only.
+    overlap_chunks: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _capacity_needs_copies(self) -> AllToAllBackendConfig:
         if self.capacity_factor is not None and self.dedup:
             raise ValueError("capacity_factor is implemented for the copy exchange only: set dedup: false")
+        if self.overlap_chunks > 1 and (self.dedup or self.capacity_factor is not None):
+            raise ValueError(
+                f"overlap_chunks={self.overlap_chunks} is implemented for the copy exchange that reads its "
+                "split sizes: set dedup: false and capacity_factor: null, or overlap_chunks: 1"
+            )
         return self
 
 
 class DeepEPBackendConfig(BaseModel):
     """DeepEP's intranode kernels: CUDA, bf16 activations, an expert-parallel group of 2, 4 or 8 ranks,
-    `deep_ep` installed (built from source: deploy/device/build_deep_ep.sh, docs/parallelism.md). Not built
-    on the project's GPU machines yet: this path is tested against stand-in modules only.
+    `deep_ep` installed (built from source: deploy/device/build_deep_ep.sh, docs/parallelism.md; checked
+    against the all-to-all exchange on 2 × H200 and timed on 4, docs/benchmarks.md).
 
     `num_sms`: SMs DeepEP's kernels use (even; None keeps DeepEP's default, 20)."""
 
@@ -91,7 +101,7 @@ def build_moe_communication(
     """The handler for experts sharded over `group`. `device` / `dtype` are those the activations will have
     when the layer runs (the caller's device, not the parameters', which may still be on `meta`)."""
     match config:
-        case AllToAllBackendConfig(dedup=dedup, capacity_factor=factor) as c:
+        case AllToAllBackendConfig(dedup=dedup, capacity_factor=factor, overlap_chunks=chunks) as c:
             capacity = (
                 None
                 if factor is None
@@ -104,7 +114,7 @@ def build_moe_communication(
                     recalibrate_every=c.capacity_recalibrate_every,
                 )
             )
-            return AllToAllMoECommunication(group, dedup=dedup, capacity=capacity)
+            return AllToAllMoECommunication(group, dedup=dedup, capacity=capacity, overlap_chunks=chunks)
         case DeepEPBackendConfig(num_sms=num_sms):
             problem = _deep_ep_problem(group, device, dtype)
             if problem is not None:

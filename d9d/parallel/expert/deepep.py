@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
-from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
+from d9d.modules.moe.communication import DispatchedTokens, ExpertsFn, RoutedTokens, sequential_exchange
 
 _log = logging.getLogger(__name__)
 
@@ -257,3 +257,6 @@ class DeepEPMoECommunication:
             per_token.to(torch.bfloat16), state.buffer, state.handle, *state.configs
         )
         return out.to(expert_outputs.dtype)
+
+    def exchange(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
+        return sequential_exchange(self, routed, experts)
