@@ -111,8 +111,13 @@ LAYOUTS = {
     # the exchange with a static capacity, sized exactly to the first step's largest load: later steps
     # overflow and rerun (d9d.engine.exchange)
     "dp2xep2-capacity": ({"data_parallel_replicate": 2, "expert_parallel": 2}, None),
+    # the exchange in 2 chunks whose NCCL transfers overlap the other chunk's experts (async all-to-alls)
+    "fsdp2xep2-overlap": ({"data_parallel_shard": 2, "expert_parallel": 2}, None),
 }
-BACKENDS = {"dp2xep2-capacity": {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}}
+BACKENDS = {
+    "dp2xep2-capacity": {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1},
+    "fsdp2xep2-overlap": {"kind": "all_to_all", "overlap_chunks": 2},
+}
 
 
 @pytest.fixture(scope="module")

@@ -181,13 +181,16 @@ def _train(
     backend: dict[str, Any],
     mesh: dict[str, int] = DP2_EP2,
     schedule: str | None = None,
+    sections: dict[str, Any] | None = None,
 ) -> None:
+    """Train the job (`sections` replace whole sections of it, e.g. `compile`) and save its losses, step
+    metrics, router loads, repeated steps and this rank's final parameters under the rank's tmp dir."""
     from d9d.core.context import DistributedContext
     from d9d.engine.events import EventBus, OptimizerStepFinished, StepRepeated
     from d9d.engine.trainer import Trainer
     from d9d.modules.moe.router import TopKRouter
 
-    config = parse_config(_config(env.tmp_dir / name, backend, mesh, schedule))
+    config = parse_config({**_config(env.tmp_dir / name, backend, mesh, schedule), **(sections or {})})
     ctx = DistributedContext.create(config.mesh)
     points: list[MetricPoint] = []
     events = EventBus()
