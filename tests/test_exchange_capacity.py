@@ -267,3 +267,32 @@ def test_overflowing_steps_rerun_under_pipeline_and_expert_parallelism(tmp_path:
     want, got = torch.load(tmp_path / "pp-reading.pt"), torch.load(tmp_path / "pp-capacity.pt")
     assert got["repeated"], "no step overflowed: the rerun path did not run"
     assert got["losses"] == want["losses"]
+
+
+@pytest.mark.distributed
+def test_a_resumed_run_keeps_the_capacities_of_the_uninterrupted_one(tmp_path: Path) -> None:
+    """Capacities grow on overflows and shrink every 2 steps; a run stopped after step 3 and resumed equals
+    the uninterrupted run in each step's capacity, rerun count and loss: the capacities and the loads since
+    the last recalibration come back from the checkpoint, so the resumed run neither reads its split sizes
+    to calibrate anew nor recalibrates from fewer steps' loads."""
+    capacity = {
+        "kind": "all_to_all",
+        "capacity_factor": 1.0,
+        "capacity_align": 1,
+        "capacity_growth": 2.0,
+        "capacity_recalibrate_every": 2,
+    }
+    stop = {"checkpointing": {"save_at_end": True}, "run": {"name": "split", "dir": str(tmp_path / "split")}}
+    run_distributed(_train, 2, "straight", capacity, DP2_EP2, None, None, tmp_dir=tmp_path, timeout=300)
+    first = {**stop, "trainer": {"total_steps": 3}}
+    run_distributed(_train, 2, "first", capacity, DP2_EP2, None, first, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_train, 2, "resumed", capacity, DP2_EP2, None, stop, tmp_dir=tmp_path, timeout=300)
+    straight, resumed = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
+    assert straight["repeated"], "no step overflowed: the capacities never grew"
+    assert resumed["losses"] == straight["losses"]
+    keys = ("exchange_capacity_rows", "exchange_reruns", "loss")
+
+    def steps(metrics: list[dict[str, float]]) -> list[dict[str, float | None]]:
+        return [{k: m.get(k) for k in keys} for m in metrics if "loss" in m]
+
+    assert steps(resumed["metrics"]) == steps(straight["metrics"])[3:]

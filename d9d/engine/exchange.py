@@ -17,11 +17,17 @@ split sizes to the host once they are calibrated. This guard is what makes that 
 - every `capacity_recalibrate_every` steps each pair's capacity is set to f × its largest load of those
   steps (one host read and one gather, by layer name): it follows the routing down as well as up. The
   largest pair capacity of the reporting rank's layers is the `exchange_capacity_rows` step metric.
+
+The capacities are saved with each rank's checkpoint state (`rank-<r>.pt`, `state_dict`): a resumed run
+exchanges, recalibrates and counts reruns exactly as the uninterrupted run, rather than reading its split
+sizes on its first step and calibrating anew. A checkpoint written with another `capacity_factor` (or
+without the capacity) leaves the run to calibrate on its first step, as a new run does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -136,6 +142,32 @@ class ExchangeCapacityGuard:
             )
         self.calibrated = True
         return overflowed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "calibrated": self.calibrated,
+            "reruns": self.reruns,
+            "layers": {name: c.state_dict() for name, c in self.capacities},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the capacities (the per-rank state of the same world size, so of the same layers). Every
+        rank decides alike: the checkpoint and the configuration are the same on all."""
+        layers = state["layers"]
+        mine = {name for name, _ in self.capacities}
+        try:
+            if set(layers) != mine:
+                raise ValueError(f"saved for MoE layers {sorted(layers)}, this rank holds {sorted(mine)}")
+            for name, capacity in self.capacities:
+                capacity.load_state_dict(layers[name], self.ctx.device)
+        except ValueError as e:
+            for _, capacity in self.capacities:  # nothing half-restored
+                capacity.reset()
+            if self.ctx.is_main_process:
+                self.ctx.logger.info("expert exchange capacities not restored (%s): calibrating anew", e)
+            return
+        self.calibrated = bool(state["calibrated"])
+        self.reruns = int(state["reruns"])
 
     def _recalibrate(self, step: int) -> None:
         windows = [(name, c, w) for name, c in self.capacities if (w := c.take_window()) is not None]

@@ -4,8 +4,9 @@ A checkpoint holds, besides model and optimizer (DCP, `d9d.engine.checkpoint`):
 
 - `engine.pt` (written by rank 0, read by every rank): the training progress (`step`, `losses`), the world
   size it was written under, the LR schedulers' states and the data position;
-- `rank-<r>.pt` (one per rank): RNG streams and the task metrics' accumulators, restored only under the same
-  world size (an elastic restart cannot map RNG streams onto a new set of ranks).
+- `rank-<r>.pt` (one per rank): RNG streams, the task metrics' accumulators and the expert exchange's
+  capacities, restored only under the same world size (an elastic restart cannot map RNG streams onto a new
+  set of ranks).
 
 Each piece is `Stateful`-like (`state_dict` / `load_state_dict`); `EngineState` only assembles them under
 their keys, so adding a piece never touches the others.
@@ -97,6 +98,7 @@ class EngineState:
         schedulers: PipelinedLRScheduler | None,
         data: Piece,
         metrics: Piece | None,
+        exchange: Piece | None = None,
     ) -> None:
         self.progress = progress
         self.world_size = world_size
@@ -105,9 +107,12 @@ class EngineState:
             "schedulers": SchedulerStates(schedulers),
             "data": data,
         }
+        # What a rerun of a step after an exchange overflow restores too (d9d.engine.exchange).
         self.per_rank: dict[str, Piece] = {"rng": RngState()}
         if metrics is not None:
             self.per_rank["metrics"] = metrics
+        # Per rank too, but kept through a rerun (the capacities it grew are the point of the rerun).
+        self.per_rank_checkpointed: dict[str, Piece] = {} if exchange is None else {"exchange": exchange}
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.progress.state_dict(), **{k: p.state_dict() for k, p in self.shared.items()}}
@@ -119,9 +124,10 @@ class EngineState:
                 piece.load_state_dict(state[key])
 
     def rank_state_dict(self) -> dict[str, Any]:
-        return {k: p.state_dict() for k, p in self.per_rank.items()}
+        pieces = {**self.per_rank, **self.per_rank_checkpointed}
+        return {k: p.state_dict() for k, p in pieces.items()}
 
     def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
-        for key, piece in self.per_rank.items():
+        for key, piece in {**self.per_rank, **self.per_rank_checkpointed}.items():
             if key in state:
                 piece.load_state_dict(state[key])

@@ -143,6 +143,7 @@ def build_train_parts(
         collector = AsyncMetricCollector(ComposeMetric(metrics), group=data_group(ctx))
     if ctx.params.context_parallel > 1:
         runner = ContextShardedStepRunner(runner, ContextParallelGroup.from_context(ctx))
+    exchange = ExchangeCapacityGuard(ctx, [c for m in stages.modules for c in exchange_capacities(m)])
     return TrainParts(
         seeds=seeds,
         grad_accumulation=grad_accumulation,
@@ -179,6 +180,7 @@ def build_train_parts(
             schedulers,
             data,
             collector.metric if collector is not None else None,
+            exchange if exchange.enabled else None,
         ),
         evaluator=None
         if c.eval is None
@@ -191,5 +193,5 @@ def build_train_parts(
             seed=c.determinism.seed,
             pin_memory=c.data_loading.pin_memory,
         ),
-        exchange=ExchangeCapacityGuard(ctx, [c for m in stages.modules for c in exchange_capacities(m)]),
+        exchange=exchange,
     )

@@ -350,9 +350,9 @@ class Trainer:
             for key, piece in parts.state.per_rank.items():
                 piece.load_state_dict(start_state[key])
             self.events.publish(StepRepeated(step, "an expert exchange overflowed its capacity"))
-            parts.reports.step_metrics["exchange_reruns"] = float(exchange.reruns)
         if exchange.calibrated:
             parts.reports.step_metrics["exchange_capacity_rows"] = float(exchange.largest_rows)
+            parts.reports.step_metrics["exchange_reruns"] = float(exchange.reruns)  # since the run began
         if values.weight <= 0:
             raise RuntimeError(
                 f"step {step}: the global loss weight is {values.weight}; no sample had a target"

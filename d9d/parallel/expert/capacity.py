@@ -23,6 +23,8 @@ made large (`d9d.engine.exchange`; docs/parallelism.md, "Exchange capacity").
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -148,6 +150,26 @@ class ExchangeCapacity:
                 for load_row, rows_row in zip(loads, self.rows, strict=True)
             ]
         )
+
+    def reset(self) -> None:
+        """Back to uncalibrated, nothing recorded."""
+        self.rows, self._splits, self._record, self._window = None, {}, None, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to exchange exactly as the uninterrupted one: the rows, the factor they
+        were sized with, and the loads since the last recalibration (host lists)."""
+        window = None if self._window is None else self._window.tolist()
+        return {"factor": self.factor, "peers": self.peers, "rows": self.rows, "window": window}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device) -> None:
+        if state["factor"] != self.factor or state["peers"] != self.peers:
+            raise ValueError(
+                f"saved for capacity_factor={state['factor']} over {state['peers']} peers, this run has "
+                f"{self.factor} over {self.peers}"
+            )
+        if state["rows"] is not None:
+            self.set_rows(state["rows"])
+        self._window = None if state["window"] is None else torch.tensor(state["window"], device=device)
 
     @property
     def largest(self) -> int:
