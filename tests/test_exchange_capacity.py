@@ -153,6 +153,15 @@ def test_capacity_fits_each_pair_grows_the_overflowing_ones_and_recalibrates_dow
 
 
 DP2_EP2 = {"data_parallel_replicate": 2, "expert_parallel": 2}
+# Sized exactly to the loads seen, growth 2 after an overflow, then every 2 steps back to the loads seen:
+# capacities shrink, and overflow and rerun again.
+GROWING_AND_SHRINKING = {
+    "kind": "all_to_all",
+    "capacity_factor": 1.0,
+    "capacity_align": 1,
+    "capacity_growth": 2.0,
+    "capacity_recalibrate_every": 2,
+}
 
 
 def _config(
@@ -225,15 +234,7 @@ def test_overflowing_steps_rerun_to_the_reading_exchange_results(tmp_path: Path)
     parameters equal the reading exchange's run, bitwise on CPU, and each update counts every routed copy
     once (the dropped pass's router loads do not add up)."""
     reading = {"kind": "all_to_all"}
-    # growth 2 after an overflow, then every 2 steps back to the loads seen: capacities shrink, and overflow
-    # and rerun again
-    capacity = {
-        "kind": "all_to_all",
-        "capacity_factor": 1.0,
-        "capacity_align": 1,
-        "capacity_growth": 2.0,
-        "capacity_recalibrate_every": 2,
-    }
+    capacity = GROWING_AND_SHRINKING
     run_distributed(_train, 2, "reading", reading, tmp_dir=tmp_path, timeout=300)
     run_distributed(_train, 2, "capacity", capacity, tmp_dir=tmp_path, timeout=300)
     want, got = torch.load(tmp_path / "reading.pt"), torch.load(tmp_path / "capacity.pt")
@@ -275,13 +276,7 @@ def test_a_resumed_run_keeps_the_capacities_of_the_uninterrupted_one(tmp_path: P
     the uninterrupted run in each step's capacity, rerun count and loss: the capacities and the loads since
     the last recalibration come back from the checkpoint, so the resumed run neither reads its split sizes
     to calibrate anew nor recalibrates from fewer steps' loads."""
-    capacity = {
-        "kind": "all_to_all",
-        "capacity_factor": 1.0,
-        "capacity_align": 1,
-        "capacity_growth": 2.0,
-        "capacity_recalibrate_every": 2,
-    }
+    capacity = GROWING_AND_SHRINKING
     stop = {"checkpointing": {"save_at_end": True}, "run": {"name": "split", "dir": str(tmp_path / "split")}}
     run_distributed(_train, 2, "straight", capacity, DP2_EP2, None, None, tmp_dir=tmp_path, timeout=300)
     first = {**stop, "trainer": {"total_steps": 3}}

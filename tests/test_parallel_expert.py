@@ -374,8 +374,9 @@ def test_overlapped_exchange_keeps_a_transfer_in_flight_while_each_chunks_expert
 
 
 def _cuda_syncs(env: RankEnv) -> None:
-    """The same on NCCL with CUDA's own sync detector, for both exchanges: one synchronizing call in
-    dispatch, none after; and the deduplicated exchange against the copy exchange in bf16."""
+    """The same on NCCL with CUDA's own sync detector, for both exchanges and the overlapped one: one
+    synchronizing call in dispatch (in the overlapped exchange's forward), none after; and the deduplicated
+    and overlapped exchanges against the copy exchange in bf16."""
     torch.cuda.set_device(env.rank)
     group = dist.new_group(list(range(env.world_size)), backend="nccl")
     device = torch.device("cuda", env.rank)
@@ -408,6 +409,29 @@ def _cuda_syncs(env: RankEnv) -> None:
         assert x.grad is not None and w.grad is not None
         results[dedup] = (d.tokens_per_expert, out.float(), x.grad.float(), w.grad.float())
         x.grad = w.grad = None
+    # The copy exchange overlapped in 2 chunks (async NCCL all-to-alls, waits on the compute stream): one
+    # synchronizing call for the whole exchange, none in backward, and the copy exchange's results.
+    comm = AllToAllMoECommunication(group, overlap_chunks=2)
+    comm.exchange(RoutedTokens(x, ids, w, num_experts), lambda rows, _counts: rows * 2)  # warm-up
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as exchange_warnings:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = comm.exchange(RoutedTokens(x, ids, w, num_experts), lambda rows, _counts: rows * 2)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [m for m in exchange_warnings if "called a synchronizing CUDA operation" in str(m.message)]
+    assert len(syncs) == 1, [str(m.message) for m in syncs]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out.float().pow(2).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and w.grad is not None
+    for got, want in zip((out, x.grad, w.grad), results[False][1:], strict=True):
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    x.grad = w.grad = None
     # both exchanges give the same in bf16 (up to the rounding of each rank's partial)
     (counts, out, *grads), (counts2, out2, *grads2) = results[True], results[False]
     assert torch.equal(counts, counts2)
