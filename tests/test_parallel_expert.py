@@ -365,11 +365,26 @@ def _overlap_order(env: RankEnv) -> None:
     assert in_flight_during("experts backward 0") == [6], events  # chunk 1's dispatch gradient
     assert sum(e.startswith("launch") for e in events) == 8, events  # 2 chunks x (dispatch, combine) x 2
 
+    # With a shared expert: it runs while chunk 0's rows travel (the first dispatch no longer exposed), and
+    # its gradient while chunk 0's dispatch gradient travels.
+    events.clear()
+    calls.clear()
+
+    def shared() -> torch.Tensor:
+        events.append("shared")
+        return _NoteBackward.apply(x * 3, events, "shared backward")
+
+    out = comm.exchange(RoutedTokens(x, ids, w, num_experts), experts, shared)
+    out.pow(2).sum().backward()
+    assert in_flight_during("shared") == [0, 1], events
+    assert in_flight_during("experts 0") == [1], events
+    assert in_flight_during("shared backward") == [6, 7], events
+
 
 @pytest.mark.distributed
 def test_overlapped_exchange_keeps_a_transfer_in_flight_while_each_chunks_experts_run() -> None:
-    """`overlap_chunks: 2`: the order of launches, waits and expert compute in forward and backward (its
-    results are checked against one process in the float64 layer test below)."""
+    """`overlap_chunks: 2`: the order of launches, waits and expert (and shared-expert) compute in forward
+    and backward (its results are checked against one process in the float64 layer test below)."""
     run_distributed(_overlap_order, 2, timeout=60)
 
 
@@ -451,8 +466,14 @@ def test_exchange_host_syncs_on_gpus() -> None:
 
 
 def _moe_layer(num_experts: int, k: int, hidden: int) -> MoELayer:
+    """With a gated shared expert: the overlapped exchange runs it while the first chunk's rows travel."""
     torch.manual_seed(31)
-    layer = MoELayer(TopKRouter(hidden, num_experts, k), GroupedExperts(num_experts, hidden, 4))
+    layer = MoELayer(
+        TopKRouter(hidden, num_experts, k),
+        GroupedExperts(num_experts, hidden, 4),
+        shared_expert=SwiGLU(hidden, 3),
+        shared_expert_gate=True,
+    )
     return layer.double()
 
 
@@ -475,6 +496,8 @@ def _layer_against_single_process(env: RankEnv) -> None:
         dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(90 + r), dtype=torch.float64)
         (out * dy).sum().backward()
         ref_grads[r] = {"out": out.detach(), "x": xr.grad, "router": ref.gate.weight.grad.clone()}
+        ref_grads[r]["shared"] = ref.shared_expert.gate_proj.weight.grad.clone()
+        ref_grads[r]["shared_gate"] = ref.shared_expert_gate.weight.grad.clone()
         for name in ("gate_up_proj", "down_proj"):
             ref_grads[r][name] = getattr(ref.experts, name).grad.clone()
     for ep in (2, env.world_size):  # ep 2 runs with ep_replicate 2
@@ -507,6 +530,8 @@ def _layer_against_single_process(env: RankEnv) -> None:
             torch.testing.assert_close(x.grad, mine["x"], **tight)
             # the router's gradient comes only through the routing weights (no balancing loss here)
             torch.testing.assert_close(layer.gate.weight.grad, mine["router"], **tight)
+            torch.testing.assert_close(layer.shared_expert.gate_proj.weight.grad, mine["shared"], **tight)
+            torch.testing.assert_close(layer.shared_expert_gate.weight.grad, mine["shared_gate"], **tight)
             local_n = num_experts // ep
             shard = ctx.mesh_for(MeshDomain.EXPERT)["ep_shard"].get_local_rank()
             for name in ("gate_up_proj", "down_proj"):
@@ -519,7 +544,8 @@ def _layer_against_single_process(env: RankEnv) -> None:
 
 @pytest.mark.distributed
 def test_moe_layer_under_expert_parallel_matches_single_process_in_float64() -> None:
-    """Every exchange (deduplicated, copies, copies overlapped in 2 and 3 chunks) at ep 2 and 4."""
+    """Every exchange (deduplicated, copies, copies overlapped in 2 and 3 chunks) at ep 2 and 4, the layer
+    with a gated shared expert."""
     run_distributed(_layer_against_single_process, 4, timeout=180)
 
 

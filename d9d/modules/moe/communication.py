@@ -13,9 +13,10 @@ Contract, for every handler:
 - `combine` takes the experts' (unweighted) outputs and returns, per source token,
   out[t] = Σ_k w[t,k] · expert_{id[t,k]}(x[t]): the routing weights are applied by the handler, so each
   can fuse them into its own combine.
-- `exchange` is what the layer calls: dispatch, the experts, combine. Most handlers do exactly that
-  (`sequential_exchange`); one may overlap its communication with the experts' compute there instead (the
-  all-to-all handler's `overlap_chunks`), with the same result.
+- `exchange` is what the layer calls: dispatch, the experts, combine, plus the result of `shared` (the
+  layer's shared expert, which needs no exchange). Most handlers do exactly that, in that order
+  (`sequential_exchange`); one may overlap its communication with the experts' and the shared expert's
+  compute instead (the all-to-all handler's `overlap_chunks`), with the same result.
 """
 
 from __future__ import annotations
@@ -60,19 +61,24 @@ class MoECommunication(Protocol):
         """`expert_outputs` [rows, hidden], unweighted → [tokens, hidden], weighted sum per token."""
         ...
 
-    def exchange(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
-        """[tokens, hidden]: `combine` of `experts` run on what `dispatch` sent this rank."""
+    def exchange(
+        self, routed: RoutedTokens, experts: ExpertsFn, shared: SharedFn | None = None
+    ) -> torch.Tensor:
+        """[tokens, hidden]: `combine` of `experts` run on what `dispatch` sent this rank, plus `shared()`."""
         ...
 
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """The local experts: (rows grouped by local expert, rows per local expert) → their unweighted outputs."""
+SharedFn = Callable[[], torch.Tensor]
+"""Work on this rank's own tokens that needs no exchange (the shared expert): [tokens, hidden], added."""
 
 
 def sequential_exchange(
-    communication: MoECommunication, routed: RoutedTokens, experts: ExpertsFn
+    communication: MoECommunication, routed: RoutedTokens, experts: ExpertsFn, shared: SharedFn | None
 ) -> torch.Tensor:
-    """Dispatch, run the experts, combine: one after the other."""
+    """Dispatch, run the experts, combine, then add `shared()`: one after the other."""
     dispatched = communication.dispatch(routed)
     rows = experts(dispatched.hidden_states, dispatched.tokens_per_expert)
-    return communication.combine(rows, dispatched)
+    out = communication.combine(rows, dispatched)
+    return out if shared is None else out + shared()

@@ -3,6 +3,8 @@ expert."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -78,16 +80,22 @@ class MoELayer(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         routing = self.gate(flat)
         out = self.communication.exchange(
-            RoutedTokens(flat, routing.topk_ids, routing.topk_weights, self.gate.num_experts), self.experts
+            RoutedTokens(flat, routing.topk_ids, routing.topk_weights, self.gate.num_experts),
+            self.experts,
+            None if self.shared_expert is None else functools.partial(self._shared, flat),
         )
-        if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
-            out = out + shared
         if torch.is_grad_enabled():  # training: the balancing loss is tracked even when not optimized
             out = self._balancing_loss(out, routing, token_mask)
         return out.view_as(x)
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared expert on every token (gated), added to the routed experts' output by `exchange`,
+        which may run it while tokens travel."""
+        assert self.shared_expert is not None
+        shared: torch.Tensor = self.shared_expert(flat)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+        return shared
 
     def _balancing_loss(
         self, out: torch.Tensor, routing: Routing, token_mask: torch.Tensor | None

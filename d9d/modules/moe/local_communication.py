@@ -8,7 +8,13 @@ import torch
 
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
-from d9d.modules.moe.communication import DispatchedTokens, ExpertsFn, RoutedTokens, sequential_exchange
+from d9d.modules.moe.communication import (
+    DispatchedTokens,
+    ExpertsFn,
+    RoutedTokens,
+    SharedFn,
+    sequential_exchange,
+)
 
 
 @dataclass(frozen=True)
@@ -35,5 +41,7 @@ class LocalMoECommunication:
         state: _LocalState = dispatched.state
         return combine_tokens(expert_outputs, state.slot_rows, weights=state.weights, backend=self.backend)
 
-    def exchange(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
-        return sequential_exchange(self, routed, experts)
+    def exchange(
+        self, routed: RoutedTokens, experts: ExpertsFn, shared: SharedFn | None = None
+    ) -> torch.Tensor:
+        return sequential_exchange(self, routed, experts, shared)

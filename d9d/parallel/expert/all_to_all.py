@@ -35,7 +35,13 @@ import torch.distributed as dist
 
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import ExpertPermutation, combine_tokens, expert_permutation, permute_tokens
-from d9d.modules.moe.communication import DispatchedTokens, ExpertsFn, RoutedTokens, sequential_exchange
+from d9d.modules.moe.communication import (
+    DispatchedTokens,
+    ExpertsFn,
+    RoutedTokens,
+    SharedFn,
+    sequential_exchange,
+)
 from d9d.parallel.expert.capacity import ExchangeCapacity
 from d9d.parallel.expert.overlap import land, launch
 
@@ -197,10 +203,12 @@ class AllToAllMoECommunication:
         self.capacity = capacity
         self.overlap_chunks = overlap_chunks
 
-    def exchange(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
+    def exchange(
+        self, routed: RoutedTokens, experts: ExpertsFn, shared: SharedFn | None = None
+    ) -> torch.Tensor:
         if self.overlap_chunks == 1:
-            return sequential_exchange(self, routed, experts)
-        out: torch.Tensor = self._exchange_overlapped(routed, experts)  # typed Any by the decorator
+            return sequential_exchange(self, routed, experts, shared)
+        out: torch.Tensor = self._exchange_overlapped(routed, experts, shared)  # typed Any by the decorator
         return out
 
     # Eager even inside a compiled MoE block: traced by inductor on CUDA, this exchange trained wrong (a
@@ -343,14 +351,17 @@ class AllToAllMoECommunication:
     # -- the copy exchange in chunks, their transfers overlapping the experts --------------------------------
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def _exchange_overlapped(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
+    def _exchange_overlapped(
+        self, routed: RoutedTokens, experts: ExpertsFn, shared: SharedFn | None
+    ) -> torch.Tensor:
         """The copy exchange on `overlap_chunks` contiguous chunks of the tokens. One all-to-all of every
-        chunk's counts and one host read of their split sizes, then every chunk's rows are launched; chunk
-        c's experts run while chunk c + 1's rows travel, and chunk c's results travel back while chunk
-        c + 1's experts run. In backward the same (`overlap.py`): each chunk's gradient travels while the
-        other chunk's experts compute theirs. Only the first chunk's dispatch and the last chunk's combine
-        are exposed. Each chunk's result equals the copy exchange's for those tokens (the same rows meet
-        the same experts; a grouped matmul over fewer rows may tile them differently on GPUs).
+        chunk's counts and one host read of their split sizes, then every chunk's rows are launched; the
+        shared expert runs while the first chunk's rows travel, chunk c's experts while chunk c + 1's rows
+        travel, and chunk c's results travel back while chunk c + 1's experts run. In backward the same
+        (`overlap.py`): each gradient travels while other work computes. Exposed: the first chunk's dispatch
+        (without a shared expert) and the last chunk's combine. Each chunk's result equals the copy
+        exchange's for those tokens (the same rows meet the same experts; a grouped matmul over fewer rows
+        may tile them differently on GPUs).
 
         Eager as a whole (the in-flight handles are Python objects), so inside a compiled block the experts
         run eagerly here (their activation one fused kernel, `GroupedExperts`)."""
@@ -379,6 +390,7 @@ class AllToAllMoECommunication:
             launch(send, recv_splits, send_splits, self.group)
             for send, send_splits, recv_splits in zip(sends, *splits, strict=True)
         ]
+        alongside = None if shared is None else shared()
         inbound = []
         for c, (rows, flight) in enumerate(outbound):
             send_splits, recv_splits = splits[0][c], splits[1][c]
@@ -388,12 +400,13 @@ class AllToAllMoECommunication:
             out = experts(hidden, grouped.rows_per_expert)
             received_order = combine_tokens(out, grouped.slot_rows, backend=self.backend)  # a gather
             inbound.append(launch(received_order, send_splits, recv_splits, self.group))
-        return torch.cat(
+        out = torch.cat(
             [
                 combine_tokens(land(rows, flight), p.slot_rows, weights=weights, backend=self.backend)
                 for (rows, flight), p, (_, _, weights) in zip(inbound, perms, chunks, strict=True)
             ]
         )
+        return out if alongside is None else out + alongside
 
 
 def _by_local_expert(per_source: torch.Tensor, num_received: int) -> ExpertPermutation:

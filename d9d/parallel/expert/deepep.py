@@ -26,7 +26,13 @@ import torch.distributed as dist
 
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
-from d9d.modules.moe.communication import DispatchedTokens, ExpertsFn, RoutedTokens, sequential_exchange
+from d9d.modules.moe.communication import (
+    DispatchedTokens,
+    ExpertsFn,
+    RoutedTokens,
+    SharedFn,
+    sequential_exchange,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -258,5 +264,7 @@ class DeepEPMoECommunication:
         )
         return out.to(expert_outputs.dtype)
 
-    def exchange(self, routed: RoutedTokens, experts: ExpertsFn) -> torch.Tensor:
-        return sequential_exchange(self, routed, experts)
+    def exchange(
+        self, routed: RoutedTokens, experts: ExpertsFn, shared: SharedFn | None = None
+    ) -> torch.Tensor:
+        return sequential_exchange(self, routed, experts, shared)
