@@ -1,5 +1,6 @@
 """The expert-parallel token exchange alone: deduplicated (one row per token and destination rank) against
-one row per (token, expert) copy, the two modes of `AllToAllMoECommunication`.
+one row per (token, expert) copy, the two modes of `AllToAllMoECommunication`, and the copy exchange in
+two chunks whose transfers overlap the experts (`overlap`, `overlap_chunks: 2`).
 
 Every rank routes `--tokens` random tokens (hidden `--hidden`, `--dtype`) to `--top-k` of `--experts`
 distinct experts drawn uniformly (a balanced router), then times, per mode, with the device synchronized
@@ -10,6 +11,11 @@ wire by wrapping `dist.all_to_all_single`: hidden-state rows sent by all ranks (
 rank), and bytes of every message (metadata and counts included), against the expected distinct ranks
 per token, ep · (1 − C(E − E/ep, k) / C(E, k)).
 
+Then, per mode, the whole MoE exchange with this rank's real experts (`GroupedExperts`, `--intermediate`):
+`exchange` forward (dispatch, experts, combine) and its backward, timed as above (`layer forward`,
+`layer backward`). That is where overlapping can show: the overlapped exchange has no separate dispatch
+and combine phases, so it has only these two; its wire is counted on this pass.
+
     torchrun --standalone --nproc-per-node 4 benchmarks/ep_exchange.py          # the issue-28 shape
     torchrun --standalone --nproc-per-node 2 benchmarks/ep_exchange.py --smoke  # tiny, gloo on CPU
 
@@ -19,13 +25,14 @@ NCCL on CUDA when available (the rank's `LOCAL_RANK` GPU), gloo on CPU otherwise
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +41,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from d9d.modules.moe.communication import RoutedTokens
+from d9d.modules.moe.experts import GroupedExperts
 from d9d.parallel.expert import AllToAllMoECommunication
+
+MODES = ("dedup", "copies", "overlap")
 
 
 class WireCounter:
@@ -100,35 +110,51 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
 class Mode:
     """One exchange mode on this rank's batch (the same batch for every mode: the seed is the rank's)."""
 
-    def __init__(
-        self, args: argparse.Namespace, dedup: bool, device: torch.device, dtype: torch.dtype
-    ) -> None:
-        self.args, self.device, self.name = args, device, "dedup" if dedup else "copies"
-        self.comm = AllToAllMoECommunication(dist.group.WORLD, dedup=dedup)
+    def __init__(self, args: argparse.Namespace, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        self.args, self.device, self.name = args, device, name
+        self.comm = AllToAllMoECommunication(
+            dist.group.WORLD, dedup=name == "dedup", overlap_chunks=2 if name == "overlap" else 1
+        )
+        local_experts = args.experts // dist.get_world_size()
+        torch.manual_seed(99 + dist.get_rank())
+        self.experts = GroupedExperts(local_experts, args.hidden, args.intermediate).to(device, dtype)
         g = torch.Generator().manual_seed(1234 + dist.get_rank())
         tokens, hidden = args.tokens, args.hidden
         self.x = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
         self.ids = torch.rand(tokens, args.experts, generator=g).topk(args.top_k, dim=1).indices.to(device)
         self.w = torch.rand(tokens, args.top_k, generator=g).to(device, dtype).requires_grad_()
         self.grad_out = torch.randn(tokens, hidden, generator=g).to(device, dtype)
-        self.phases: dict[str, list[float]] = {"dispatch": [], "combine": [], "backward": []}
+        phases = ("dispatch", "combine", "backward") if name != "overlap" else ()
+        self.phases: dict[str, list[float]] = {p: [] for p in (*phases, "layer forward", "layer backward")}
         self.wire: WireCounter | None = None
 
     def step(self, timed_step: bool) -> None:
-        self.x.grad = self.w.grad = None
-        counter = WireCounter(self.args.hidden) if self.wire is None else None
-        if counter is not None:
-            counter.__enter__()
+        times: dict[str, float] = {}
         routed = RoutedTokens(self.x, self.ids, self.w, self.args.experts)
-        d, t_dispatch = timed(lambda: self.comm.dispatch(routed), self.device)
-        out, t_combine = timed(lambda: self.comm.combine(d.hidden_states * 2, d), self.device)
-        _, t_backward = timed(lambda: out.backward(self.grad_out), self.device)
-        if counter is not None:
-            counter.__exit__()
-            self.wire = counter
+        with self._counted(layer=False):
+            if "dispatch" in self.phases:
+                self.x.grad = self.w.grad = None
+                d, times["dispatch"] = timed(lambda: self.comm.dispatch(routed), self.device)
+                out, times["combine"] = timed(lambda: self.comm.combine(d.hidden_states * 2, d), self.device)
+                _, times["backward"] = timed(lambda: out.backward(self.grad_out), self.device)
+        with self._counted(layer=True):
+            self.x.grad = self.w.grad = None
+            self.experts.zero_grad(set_to_none=True)
+            out, times["layer forward"] = timed(lambda: self.comm.exchange(routed, self.experts), self.device)
+            _, times["layer backward"] = timed(lambda: out.backward(self.grad_out), self.device)
         if timed_step:
-            for name, t in (("dispatch", t_dispatch), ("combine", t_combine), ("backward", t_backward)):
+            for name, t in times.items():
                 self.phases[name].append(t)
+
+    @contextlib.contextmanager
+    def _counted(self, *, layer: bool) -> Iterator[None]:
+        """The wire, once: on the phases' pass, or on the layer's for the mode without phases."""
+        if self.wire is not None or layer != (self.name == "overlap"):
+            yield
+            return
+        with WireCounter(self.args.hidden) as counter:
+            yield
+        self.wire = counter
 
     def result(self) -> dict[str, Any]:
         assert self.wire is not None
@@ -148,7 +174,9 @@ class Mode:
             "bytes_per_step": sent_bytes,
             "bytes_per_step_off_rank": bytes_off,
             "median_s": median,
-            "total_s": sum(median.values()),
+            # the exchange alone (its phases; none for the overlapped mode), and with the experts
+            "total_s": sum(v for k, v in median.items() if not k.startswith("layer")),
+            "layer_s": median["layer forward"] + median["layer backward"],
         }
 
 
@@ -163,12 +191,14 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--modes", default="dedup,copies", help="comma-separated: dedup, copies")
+    parser.add_argument("--intermediate", type=int, default=512, help="each expert's SwiGLU width")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 warm-up and 2 timed steps")
     parser.add_argument("--out", type=Path, help="write the results as JSON (rank 0)")
     args = parser.parse_args()
     if args.smoke:
         args.tokens, args.hidden, args.experts, args.top_k, args.warmup, args.steps = 64, 32, 16, 4, 1, 2
+        args.intermediate = 16
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -178,7 +208,10 @@ def main() -> None:
     dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     dtype = getattr(torch, args.dtype)
     ep = dist.get_world_size()
-    modes = [Mode(args, name == "dedup", device, dtype) for name in args.modes.split(",")]
+    names = args.modes.split(",")
+    if unknown := set(names) - set(MODES):
+        parser.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
+    modes = [Mode(args, name, device, dtype) for name in names]
     for step in range(args.warmup + args.steps):  # modes take turns, so drift on the machine hits both
         for mode in modes:
             mode.step(timed_step=step >= args.warmup)
@@ -189,7 +222,9 @@ def main() -> None:
             "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
             "ep": ep,
             "torch": torch.__version__,
-            "shape": {k: getattr(args, k) for k in ("tokens", "hidden", "experts", "top_k", "dtype")},
+            "shape": {
+                k: getattr(args, k) for k in ("tokens", "hidden", "intermediate", "experts", "top_k", "dtype")
+            },
             "expected_distinct_ranks_per_token": expected,
             "results": results,
         }
@@ -198,16 +233,17 @@ def main() -> None:
             f"{args.experts} experts top-{args.top_k}, {args.dtype}; expected distinct ranks per token "
             f"{expected:.3f} (copies: {args.top_k})"
         )
+        phases = ("dispatch", "combine", "backward", "layer forward", "layer backward")
         columns = ["mode", "rows/token", "off-rank rows/token", "MB sent/step"]
-        columns += ["dispatch ms", "combine ms", "backward ms", "total ms"]
+        columns += [f"{p} ms" for p in phases] + ["layer ms"]
         print("| " + " | ".join(columns) + " |")
         print("|---" * len(columns) + "|")
         for r in results:
             m = r["median_s"]
+            cells = [f"{m[p] * 1e3:.2f}" if p in m else "-" for p in phases]
             print(
                 f"| {r['mode']} | {r['rows_per_token']:.3f} | {r['rows_per_token_off_rank']:.3f} | "
-                f"{r['bytes_per_step'] / 1e6:.1f} | {m['dispatch'] * 1e3:.2f} | {m['combine'] * 1e3:.2f} | "
-                f"{m['backward'] * 1e3:.2f} | {r['total_s'] * 1e3:.2f} |"
+                f"{r['bytes_per_step'] / 1e6:.1f} | " + " | ".join(cells) + f" | {r['layer_s'] * 1e3:.2f} |"
             )
         if args.out is not None:
             args.out.write_text(json.dumps(report, indent=2))

@@ -41,12 +41,17 @@ def test_smoke_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert report["device"] == "cpu" and report["ep"] == 2
     k = report["shape"]["top_k"]
     rows = {r["mode"]: r for r in report["results"]}
-    assert set(rows) == {"dedup", "copies"}
+    assert set(rows) == {"dedup", "copies", "overlap"}
     assert rows["copies"]["rows_per_token"] == k  # one row per copy, exactly
+    # the overlapped exchange sends the same rows, in two chunks' messages (counted on its layer pass)
+    assert rows["overlap"]["rows_per_token"] == k
+    assert rows["overlap"]["rows_per_token_off_rank"] == rows["copies"]["rows_per_token_off_rank"]
     # one row per (token, rank): at least one, at most ep, and fewer than the copies at this shape
     assert 1 <= rows["dedup"]["rows_per_token"] <= 2 < k
     assert rows["dedup"]["bytes_per_step"] < rows["copies"]["bytes_per_step"]
-    for r in rows.values():
+    layer = {"layer forward", "layer backward"}
+    for name, r in rows.items():
         assert 0 < r["rows_per_token_off_rank"] < r["rows_per_token"]
-        assert set(r["median_s"]) == {"dispatch", "combine", "backward"} and r["total_s"] > 0
-    assert "| dedup |" in proc.stdout and "| copies |" in proc.stdout
+        phases = layer if name == "overlap" else {"dispatch", "combine", "backward", *layer}
+        assert set(r["median_s"]) == phases and r["layer_s"] > 0
+        assert f"| {name} |" in proc.stdout
