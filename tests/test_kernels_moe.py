@@ -89,34 +89,6 @@ def test_custom_ops_pass_opcheck_and_gradcheck() -> None:
     torch.autograd.gradcheck(lambda a, b: gather(a, b, perm.slot_rows, "torch"), (rows, w))
 
 
-def test_eager_calls_skip_the_custom_op_and_equal_it() -> None:
-    """Eagerly, `permute_tokens` / `combine_tokens` run plain autograd functions (no custom-op dispatch):
-    outputs and every gradient equal the custom ops' bitwise (dense slots and absent ones, with and without
-    weights), and a second derivative is refused rather than silently zero."""
-    g = torch.Generator().manual_seed(5)
-    perm = expert_permutation(_IDS, _EXPERTS, align=2)
-    cases = [(perm.slot_rows, perm.num_rows, 7), (_SPARSE_SLOTS, 6, 4)]
-    for slots, num_rows, tokens in cases:
-        for weighted in (False, True):
-            x = torch.randn(tokens, 3, generator=g, dtype=torch.float64, requires_grad=True)
-            w = torch.rand(slots.shape, generator=g, dtype=torch.float64, requires_grad=True)
-            weights = w if weighted else None
-            rows = permute_tokens(x, slots, num_rows, weights=weights, backend="torch")
-            assert "EagerScatterRows" in type(rows.grad_fn).__name__
-            out = combine_tokens(torch.tanh(rows), slots, weights=weights, backend="torch")
-            assert "EagerGatherSum" in type(out.grad_fn).__name__
-            grads = torch.autograd.grad(out.pow(2).sum(), (x, w) if weighted else (x,))
-            op_rows = torch.ops.d9d.moe_scatter_rows.default(x, weights, slots, num_rows, "torch")
-            op_out = torch.ops.d9d.moe_gather_sum.default(torch.tanh(op_rows), weights, slots, "torch")
-            op_grads = torch.autograd.grad(op_out.pow(2).sum(), (x, w) if weighted else (x,))
-            assert torch.equal(rows, op_rows) and torch.equal(out, op_out)
-            assert all(torch.equal(a, b) for a, b in zip(grads, op_grads, strict=True))
-    rows = permute_tokens(x, slots, num_rows, backend="torch")
-    (grad_x,) = torch.autograd.grad(rows.pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        grad_x.sum().backward()
-
-
 # Absent (negative) slots, as the expert-parallel exchange passes them: 4 received rows, k = 3, 6 present
 # copies over a 6-row buffer; row 3 is named by one slot, one row has all its slots present.
 _SPARSE_SLOTS = torch.tensor([[4, -1, 0], [-1, -1, 5], [1, 2, 3], [-1, -1, -1]])

@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
-from d9d.kernels.moe import reference as moe_reference
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe.communication import RoutedTokens
 from d9d.modules.moe.experts import GroupedExperts
@@ -220,19 +219,15 @@ _SYNCING_OPS = {
 
 
 class _HostReads(TorchDispatchMode):
-    """Counts device→host reads: `Tensor.cpu()` / `.tolist()` calls, and the aten ops above. The token
-    movement's PyTorch reference runs its CUDA form (dense, sync-free) meanwhile: on CPU it compacts the
-    present slots with a `nonzero` (no device to wait for there), which would hide what CUDA runs."""
+    """Counts device→host reads: `Tensor.cpu()` / `.tolist()` calls, and the aten ops above."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
         self._saved = (torch.Tensor.cpu, torch.Tensor.tolist)
-        self._compact = moe_reference._compact
 
     def __enter__(self) -> _HostReads:
         cpu, tolist = self._saved
-        moe_reference._compact = lambda slot_rows, compact: bool(compact)  # type: ignore[assignment]
 
         def counted_cpu(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             self.reads.append("Tensor.cpu")
@@ -252,7 +247,6 @@ class _HostReads(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         torch.Tensor.cpu, torch.Tensor.tolist = self._saved  # type: ignore[method-assign]
-        moe_reference._compact = self._compact  # type: ignore[assignment]
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

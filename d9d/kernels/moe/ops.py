@@ -7,11 +7,6 @@ breaks: each has a fake (shape) implementation and an autograd formula written w
 They are each other's backward; the weight gradient is `slot_dot`. Every output element is written by
 one program from values it reads, so results do not depend on scheduling (no atomics).
 
-Called eagerly (not while dynamo traces), `permute_tokens` / `combine_tokens` skip the custom-op machinery
-and run the same kernels through plain autograd functions: the custom op's Python dispatch costs tens of
-microseconds of host time per call, and the expert-parallel exchange, eager by design, makes several per
-layer and step (docs/benchmarks.md, session 16: that layer is bound by its host).
-
 A negative slot row marks an absent copy (the expert-parallel exchange names only the copies a rank holds):
 scatter writes nothing for it, gather adds nothing, and its weight gradient is 0.
 """
@@ -21,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from d9d.kernels.backend import KernelBackend, resolve_backend
 from d9d.kernels.moe.reference import accumulation_dtype, gather_sum_torch, scatter_rows_torch, slot_dot_torch
@@ -33,7 +27,8 @@ def _use_triton(backend: str, x: torch.Tensor) -> bool:
     return backend == "triton" and x.dtype in _KERNEL_DTYPES
 
 
-def _scatter_impl(
+@torch.library.custom_op("d9d::moe_scatter_rows", mutates_args=())
+def _scatter_rows(
     x: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, num_rows: int, backend: str
 ) -> torch.Tensor:
     if _use_triton(backend, x):
@@ -41,33 +36,6 @@ def _scatter_impl(
 
         return scatter_rows_triton(x, weights, slot_rows, num_rows)
     return scatter_rows_torch(x, weights, slot_rows, num_rows)
-
-
-def _gather_impl(
-    rows: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, backend: str
-) -> torch.Tensor:
-    if _use_triton(backend, rows):
-        from d9d.kernels.moe.triton_kernels import gather_sum_triton
-
-        return gather_sum_triton(rows, weights, slot_rows)
-    return gather_sum_torch(rows, weights, slot_rows)
-
-
-def _slot_dot_impl(
-    rows: torch.Tensor, grad: torch.Tensor, slot_rows: torch.Tensor, backend: str
-) -> torch.Tensor:
-    if _use_triton(backend, rows):
-        from d9d.kernels.moe.triton_kernels import slot_dot_triton
-
-        return slot_dot_triton(rows, grad, slot_rows)
-    return slot_dot_torch(rows, grad, slot_rows)
-
-
-@torch.library.custom_op("d9d::moe_scatter_rows", mutates_args=())
-def _scatter_rows(
-    x: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, num_rows: int, backend: str
-) -> torch.Tensor:
-    return _scatter_impl(x, weights, slot_rows, num_rows, backend)
 
 
 @_scatter_rows.register_fake
@@ -81,7 +49,11 @@ def _(
 def _gather_sum(
     rows: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, backend: str
 ) -> torch.Tensor:
-    return _gather_impl(rows, weights, slot_rows, backend)
+    if _use_triton(backend, rows):
+        from d9d.kernels.moe.triton_kernels import gather_sum_triton
+
+        return gather_sum_triton(rows, weights, slot_rows)
+    return gather_sum_torch(rows, weights, slot_rows)
 
 
 @_gather_sum.register_fake
@@ -93,7 +65,11 @@ def _(
 
 @torch.library.custom_op("d9d::moe_slot_dot", mutates_args=())
 def _slot_dot(rows: torch.Tensor, grad: torch.Tensor, slot_rows: torch.Tensor, backend: str) -> torch.Tensor:
-    return _slot_dot_impl(rows, grad, slot_rows, backend)
+    if _use_triton(backend, rows):
+        from d9d.kernels.moe.triton_kernels import slot_dot_triton
+
+        return slot_dot_triton(rows, grad, slot_rows)
+    return slot_dot_torch(rows, grad, slot_rows)
 
 
 @_slot_dot.register_fake
@@ -117,15 +93,13 @@ def _weight_grad(
 ) -> torch.Tensor | None:
     if weights is None or not ctx.needs_input_grad[1]:
         return None
-    dot = _slot_dot if ctx.traced else _slot_dot_impl
-    grad: torch.Tensor = dot(rows, grad_tokens, slot_rows, ctx.backend)
+    grad: torch.Tensor = _slot_dot(rows, grad_tokens, slot_rows, ctx.backend)
     return grad.to(weights.dtype)
 
 
 def _scatter_backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weights, slot_rows = ctx.saved_tensors
-    gather = _gather_sum if ctx.traced else _gather_impl
-    grad_x = gather(grad_rows, weights, slot_rows, ctx.backend) if ctx.needs_input_grad[0] else None
+    grad_x = _gather_sum(grad_rows, weights, slot_rows, ctx.backend) if ctx.needs_input_grad[0] else None
     # ⟨grad_rows[slot], x[t]⟩: the rows operand is the gradient, the per-token operand the input
     grad_w = _weight_grad(ctx, grad_rows, x, slot_rows, weights) if x is not None else None
     return grad_x, grad_w, None, None, None
@@ -133,9 +107,8 @@ def _scatter_backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor |
 
 def _gather_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     rows, weights, slot_rows = ctx.saved_tensors
-    scatter = _scatter_rows if ctx.traced else _scatter_impl
     grad_rows = (
-        scatter(grad_out, weights, slot_rows, ctx.num_source_rows, ctx.backend)
+        _scatter_rows(grad_out, weights, slot_rows, ctx.num_source_rows, ctx.backend)
         if ctx.needs_input_grad[0]
         else None
     )
@@ -143,54 +116,8 @@ def _gather_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | N
     return grad_rows, grad_w, None, None
 
 
-def _setup_traced(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    _setup(ctx, inputs, output)
-    ctx.traced = True  # the backward calls the custom ops too (traced into the compiled backward)
-
-
-_scatter_rows.register_autograd(_scatter_backward, setup_context=_setup_traced)
-_gather_sum.register_autograd(_gather_backward, setup_context=_setup_traced)
-
-
-class _EagerScatterRows(torch.autograd.Function):
-    """`_scatter_rows` without the custom-op dispatch, for eager callers; the same kernels and backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weights: torch.Tensor | None,
-        slot_rows: torch.Tensor,
-        num_rows: int,
-        backend: str,
-    ) -> torch.Tensor:
-        out = _scatter_impl(x, weights, slot_rows, num_rows, backend)
-        _setup(ctx, (x, weights, slot_rows, num_rows, backend), out)
-        ctx.traced = False
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _scatter_backward(ctx, grad_rows)
-
-
-class _EagerGatherSum(torch.autograd.Function):
-    """`_gather_sum` without the custom-op dispatch, for eager callers; the same kernels and backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, rows: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, backend: str
-    ) -> torch.Tensor:
-        out = _gather_impl(rows, weights, slot_rows, backend)
-        _setup(ctx, (rows, weights, slot_rows, backend), out)
-        ctx.traced = False
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _gather_backward(ctx, grad_out)
+_scatter_rows.register_autograd(_scatter_backward, setup_context=_setup)
+_gather_sum.register_autograd(_gather_backward, setup_context=_setup)
 
 
 def permute_tokens(
@@ -205,11 +132,7 @@ def permute_tokens(
     `slot_rows[t, j]` (times `weights[t, j]` when given; nowhere when the slot is negative); rows no slot
     names are zero. `num_rows == slot_rows.numel()` must mean every slot is present: the Triton path then
     skips clearing the buffer."""
-    resolved = resolve_backend(backend, x.device)
-    if torch.compiler.is_compiling():
-        rows: torch.Tensor = _scatter_rows(x, weights, slot_rows, num_rows, resolved)
-    else:
-        rows = _EagerScatterRows.apply(x, weights, slot_rows, num_rows, resolved)
+    rows: torch.Tensor = _scatter_rows(x, weights, slot_rows, num_rows, resolve_backend(backend, x.device))
     return rows
 
 
@@ -223,9 +146,5 @@ def combine_tokens(
     """Expert-grouped `rows` → [tokens, hidden]: token t sums its k rows (times `weights[t, j]` when given),
     skipping negative (absent) slots. A gather per token: deterministic, unlike a scatter-add of rows into
     tokens."""
-    resolved = resolve_backend(backend, rows.device)
-    if torch.compiler.is_compiling():
-        out: torch.Tensor = _gather_sum(rows, weights, slot_rows, resolved)
-    else:
-        out = _EagerGatherSum.apply(rows, weights, slot_rows, resolved)
+    out: torch.Tensor = _gather_sum(rows, weights, slot_rows, resolve_backend(backend, rows.device))
     return out
