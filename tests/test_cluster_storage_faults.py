@@ -5,6 +5,7 @@ uncommitted steps, then fails with a clear error."""
 from __future__ import annotations
 
 import io
+import re
 import time
 from pathlib import Path
 
@@ -97,7 +98,9 @@ def test_a_stalled_store_is_named_on_the_console_while_it_stalls(tmp_path: Path)
     assert summary.status == "finished" and summary.restarts == 0, summary.error
     shard = tmp_path / "checkpoints" / "step-00000004" / "shard-00001.pt"
     out = console.getvalue()
-    assert f"rank 1: storage stalled: writing {shard} (local disk) for 1s, still waiting" in out
+    # "for 1s" when the courier looks on time; on a loaded machine its look can come a second later
+    named = re.escape(f"rank 1: storage stalled: writing {shard} (local disk) for ")
+    assert re.search(named + r"[12]s, still waiting", out), out
     assert f"rank 1: storage: writing {shard} (local disk) done after about " in out
     assert any(n.startswith("rank 1: storage stalled: writing") for n in summary.notices)
 
