@@ -45,6 +45,8 @@ from d9d.modules.moe.experts import GroupedExperts
 from d9d.parallel.expert import AllToAllMoECommunication
 
 MODES = ("dedup", "copies", "overlap")
+EXCHANGE_PHASES = ("dispatch", "combine", "backward")  # timed apart; not for the overlapped mode
+LAYER_PHASES = ("layer forward", "layer backward")
 
 
 class WireCounter:
@@ -124,8 +126,8 @@ class Mode:
         self.ids = torch.rand(tokens, args.experts, generator=g).topk(args.top_k, dim=1).indices.to(device)
         self.w = torch.rand(tokens, args.top_k, generator=g).to(device, dtype).requires_grad_()
         self.grad_out = torch.randn(tokens, hidden, generator=g).to(device, dtype)
-        phases = ("dispatch", "combine", "backward") if name != "overlap" else ()
-        self.phases: dict[str, list[float]] = {p: [] for p in (*phases, "layer forward", "layer backward")}
+        phases = EXCHANGE_PHASES if name != "overlap" else ()
+        self.phases: dict[str, list[float]] = {p: [] for p in (*phases, *LAYER_PHASES)}
         self.wire: WireCounter | None = None
 
     def step(self, timed_step: bool) -> None:
@@ -175,8 +177,8 @@ class Mode:
             "bytes_per_step_off_rank": bytes_off,
             "median_s": median,
             # the exchange alone (its phases; none for the overlapped mode), and with the experts
-            "total_s": sum(v for k, v in median.items() if not k.startswith("layer")),
-            "layer_s": median["layer forward"] + median["layer backward"],
+            "total_s": sum(median[p] for p in EXCHANGE_PHASES if p in median),
+            "layer_s": sum(median[p] for p in LAYER_PHASES),
         }
 
 
@@ -233,7 +235,7 @@ def main() -> None:
             f"{args.experts} experts top-{args.top_k}, {args.dtype}; expected distinct ranks per token "
             f"{expected:.3f} (copies: {args.top_k})"
         )
-        phases = ("dispatch", "combine", "backward", "layer forward", "layer backward")
+        phases = (*EXCHANGE_PHASES, *LAYER_PHASES)
         columns = ["mode", "rows/token", "off-rank rows/token", "MB sent/step"]
         columns += [f"{p} ms" for p in phases] + ["layer ms"]
         print("| " + " | ".join(columns) + " |")

@@ -41,17 +41,28 @@ def _start_up(frames: list[str]) -> bool:
     return any("convert_frame.py" in fr or "<frozen importlib" in fr for fr in frames)
 
 
+def _sample(line: str) -> tuple[list[str], str, int] | None:
+    """One raw line: (its frames, root first; the sampled process, `process PID`; its count), or None for a
+    line without a process or a count, or from start-up."""
+    stack, _, count = line.rstrip("\n").rpartition(" ")
+    frames = stack.split(";")
+    processes = [fr for fr in frames if fr.startswith("process ")]
+    if not processes or not count.isdigit() or _start_up(frames):
+        return None
+    return frames, processes[-1].split(":")[0], int(count)
+
+
 def step_samples(lines: Iterable[str], root: str) -> dict[str, StepSamples]:
     """Per process: the samples under `root`, by frame (each counted once per stack) and by leaf."""
     out: dict[str, StepSamples] = collections.defaultdict(StepSamples)
     for line in lines:
-        stack, _, count = line.rstrip("\n").rpartition(" ")
-        frames = stack.split(";")
-        starts = [i for i, fr in enumerate(frames) if fr.startswith(root + " ")]
-        processes = [fr for fr in frames if fr.startswith("process ")]
-        if not starts or not processes or _start_up(frames):
+        if (sample := _sample(line)) is None:
             continue
-        samples, n = out[processes[-1].split(":")[0]], int(count)
+        frames, process, n = sample
+        starts = [i for i, fr in enumerate(frames) if fr.startswith(root + " ")]
+        if not starts:
+            continue
+        samples = out[process]
         samples.total += n
         for name in {_frame(fr) for fr in frames[starts[0] :]}:
             samples.inclusive[name] += n
@@ -73,15 +84,14 @@ def thread_samples(lines: Iterable[str], root: str) -> dict[str, dict[str, Threa
         lambda: collections.defaultdict(ThreadSamples)
     )
     for line in lines:
-        stack, _, count = line.rstrip("\n").rpartition(" ")
-        frames = stack.split(";")
-        processes = [fr for fr in frames if fr.startswith("process ")]
+        if (sample := _sample(line)) is None:
+            continue
+        frames, process, n = sample
         threads = [fr for fr in frames if fr.startswith("thread (")]
-        if not processes or not threads or not count.isdigit() or _start_up(frames):
+        if not threads:
             continue
         tid, _, name = threads[-1].removeprefix("thread ").partition(": ")
-        samples = out[processes[-1].split(":")[0]][f"{name} {tid}" if name else tid]
-        n = int(count)
+        samples = out[process][f"{name} {tid}" if name else tid]
         samples.total += n
         if any(fr.startswith(root + " ") for fr in frames):
             samples.in_step += n

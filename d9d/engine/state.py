@@ -123,11 +123,13 @@ class EngineState:
             if key in state:
                 piece.load_state_dict(state[key])
 
+    def _rank_pieces(self) -> dict[str, Piece]:
+        return {**self.per_rank, **self.per_rank_checkpointed}
+
     def rank_state_dict(self) -> dict[str, Any]:
-        pieces = {**self.per_rank, **self.per_rank_checkpointed}
-        return {k: p.state_dict() for k, p in pieces.items()}
+        return {k: p.state_dict() for k, p in self._rank_pieces().items()}
 
     def load_rank_state_dict(self, state: Mapping[str, Any]) -> None:
-        for key, piece in {**self.per_rank, **self.per_rank_checkpointed}.items():
+        for key, piece in self._rank_pieces().items():
             if key in state:
                 piece.load_state_dict(state[key])

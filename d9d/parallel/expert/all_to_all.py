@@ -303,9 +303,10 @@ class AllToAllMoECommunication:
             capacity.record(counts[0], None)
         send_splits, recv_splits = counts.cpu().tolist()  # the one sync
         rows = all_to_all(send, recv_splits, send_splits, self.group)
-        grouped = _by_local_expert(recv_counts.view(self.size, local_experts), sum(recv_splits))
+        num_received = sum(recv_splits)
+        grouped = _by_local_expert(recv_counts.view(self.size, local_experts), num_received)
         state = _CopyState(perm.slot_rows, routed.topk_weights, grouped.slot_rows, send_splits, recv_splits)
-        hidden = permute_tokens(rows, grouped.slot_rows, sum(recv_splits), backend=self.backend)
+        hidden = permute_tokens(rows, grouped.slot_rows, num_received, backend=self.backend)
         return DispatchedTokens(hidden_states=hidden, tokens_per_expert=grouped.rows_per_expert, state=state)
 
     def _dispatch_copies_capacity(self, routed: RoutedTokens, capacity: ExchangeCapacity) -> DispatchedTokens:
@@ -392,13 +393,12 @@ class AllToAllMoECommunication:
         ]
         alongside = None if shared is None else shared()
         inbound = []
-        for c, (rows, flight) in enumerate(outbound):
-            send_splits, recv_splits = splits[0][c], splits[1][c]
-            received = land(rows, flight)
-            grouped = _by_local_expert(recv_counts[:, c], sum(recv_splits))
-            hidden = permute_tokens(received, grouped.slot_rows, sum(recv_splits), backend=self.backend)
-            out = experts(hidden, grouped.rows_per_expert)
-            received_order = combine_tokens(out, grouped.slot_rows, backend=self.backend)  # a gather
+        for c, ((rows, flight), send_splits, recv_splits) in enumerate(zip(outbound, *splits, strict=True)):
+            num_received = sum(recv_splits)
+            grouped = _by_local_expert(recv_counts[:, c], num_received)
+            hidden = permute_tokens(land(rows, flight), grouped.slot_rows, num_received, backend=self.backend)
+            expert_out = experts(hidden, grouped.rows_per_expert)
+            received_order = combine_tokens(expert_out, grouped.slot_rows, backend=self.backend)  # a gather
             inbound.append(launch(received_order, send_splits, recv_splits, self.group))
         out = torch.cat(
             [

@@ -1,12 +1,13 @@
 """An all-to-all in flight: launched now, waited for later, in forward and in backward.
 
-`launch(x, ...)` starts `all_to_all_single` asynchronously and returns an `InFlight`; `land(flight)` waits
-for it and returns the received rows. Whatever the caller queues between the two runs while the rows
-travel (on NCCL the collective has its own stream; `Work.wait()` makes the compute stream wait, not the
-host). Both are autograd functions whose roles swap in backward: `land`'s backward *launches* the reverse
-all-to-all of the gradient and `launch`'s backward waits for it. Autograd runs ready nodes latest-created
-first, so the nodes created between the two calls in forward (another chunk's experts) run in backward
-between them too, while the gradient travels. Used by the all-to-all exchange's `overlap_chunks`.
+`launch(x, ...)` starts `all_to_all_single` asynchronously and returns the receive buffer with its
+`InFlight`; `land(rows, flight)` waits for it and returns the received rows. Whatever the caller queues
+between the two runs while the rows travel (on NCCL the collective has its own stream; `Work.wait()` makes
+the compute stream wait, not the host). Both are autograd functions whose roles swap in backward: `land`'s
+backward *launches* the reverse all-to-all of the gradient and `launch`'s backward waits for it. Autograd
+runs ready nodes latest-created first, so the nodes created between the two calls in forward (another
+chunk's experts) run in backward between them too, while the gradient travels. Used by the all-to-all
+exchange's `overlap_chunks`.
 """
 
 from __future__ import annotations
