@@ -1,7 +1,8 @@
 """Training throughput of the d9d engine against its peers, one GPU, same shapes, one invocation.
 
     python benchmarks/train_throughput.py [--model dense|moe|llama3|both] [--steps 10] [--warmup 3]
-        [--peers d9d,transformers,torchtitan] [--d9d-variants compiled,eager] [--d9d-batches ...]
+        [--peers d9d,transformers,torchtitan] [--d9d-variants compiled,compiled-autotune,eager]
+        [--d9d-batches ...]
         [--d9d-ac none,full,selective,selective-op,selective-mix]
         [--titan-ac none,full,selective,selective-op]
         [--batch 8] [--seq 2048] [--row-timeout 600] [--budget-s S] [--profile] [--out FILE]
@@ -12,7 +13,9 @@ Every row trains a randomly initialized model with bf16 parameters and fused Ada
 records its error and the table goes on. Rows:
 
 - d9d through the real engine (`d9d.engine.Trainer`), `compiled` (`compile: {enabled: true}`) and `eager`
-  (`compile: {enabled: false}`); `eager-legacy` omits the section, for an engine without it. Each on the
+  (`compile: {enabled: false}`); `compiled-kernels` and `compiled-autotune` (`mode:
+  max-autotune-no-cudagraphs`) vary the compiled row (`throughput/d9d_peer.py`); `eager-legacy` omits the
+  section, for an engine without it. Each on the
   batch kinds of `throughput/d9d_peer.py`: bare random tokens, the built-in text provider's collated
   batches (full and right-padded) and packed documents of mean 512 tokens.
 - transformers (plain, + Liger kernels: rope, rms_norm, swiglu, fused linear cross-entropy, +
@@ -65,7 +68,7 @@ from typing import Any, cast
 
 from throughput.common import AC_MODES, MODEL_NAMES, PROFILE_STEPS, TITAN_AC_MODES, AcMode, one_rank_env
 
-D9D_VARIANTS = ("compiled", "compiled-kernels", "eager", "eager-legacy")
+D9D_VARIANTS = ("compiled", "compiled-kernels", "compiled-autotune", "eager", "eager-legacy")
 D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
 HF_VARIANTS = ("plain", "liger", "compile")
 TITAN_VARIANTS = ("eager", "compile")

@@ -102,6 +102,16 @@ def test_d9d_jobs_validate_for_every_mode(bench: ModuleType) -> None:
         "selective-op": {"mode": "selective", "ops": ("matmul", "attention")},
         "selective-mix": {"mode": "selective", "every": 2, "ops": ("matmul", "attention")},
     }
+    compiles = {
+        variant: parse_config(d9d_peer.job("dense", variant, "random", 5)).compile
+        for variant in ("compiled", "compiled-autotune", "eager")
+    }
+    assert compiles["compiled"].enabled and compiles["compiled"].mode == "default"
+    assert (
+        compiles["compiled-autotune"].enabled
+        and compiles["compiled-autotune"].mode == "max-autotune-no-cudagraphs"
+    )
+    assert compiles["eager"].enabled is False
 
 
 def test_a_row_subprocess_gets_the_shape_and_the_mode(

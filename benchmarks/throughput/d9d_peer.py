@@ -3,9 +3,10 @@ fused AdamW) on the batches a run would feed it.
 
 Variants (the job's `compile:` section): `compiled` = `{enabled: true}`, `compiled-kernels` = the same with
 the model's `kernel_backend: triton` (the fused Triton kernels inside the compiled regions instead of
-inductor's fusion of the reference ops), `eager` = `{enabled: false}`,
-`eager-legacy` = no section at all, for an engine that predates the field (a command-line choice; the
-script never probes which engine it has).
+inductor's fusion of the reference ops), `compiled-autotune` = `{enabled: true, mode:
+max-autotune-no-cudagraphs}` (inductor times Triton matmul templates, with their fused epilogues, against
+cuBLAS per shape), `eager` = `{enabled: false}`, `eager-legacy` = no section at all, for an engine that
+predates the field (a command-line choice; the script never probes which engine it has).
 
 `ac` (`common.AC_MODES`) sets the job's `activation_checkpointing:` section (`common.d9d_ac_section`).
 
@@ -51,7 +52,7 @@ from throughput.common import (
     summary,
 )
 
-D9dVariant = Literal["compiled", "compiled-kernels", "eager", "eager-legacy"]
+D9dVariant = Literal["compiled", "compiled-kernels", "compiled-autotune", "eager", "eager-legacy"]
 D9dBatch = Literal["random", "collate", "padded", "ones-mask", "packed"]
 MEAN_DOC = 512
 
@@ -155,6 +156,8 @@ def compile_section(variant: D9dVariant) -> dict[str, Any]:
     match variant:
         case "compiled" | "compiled-kernels":
             return {"compile": {"enabled": True}}
+        case "compiled-autotune":
+            return {"compile": {"enabled": True, "mode": "max-autotune-no-cudagraphs"}}
         case "eager":
             return {"compile": {"enabled": False}}
         case "eager-legacy":
