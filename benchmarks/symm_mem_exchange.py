@@ -16,6 +16,9 @@ by global expert (rank-major, local-expert-minor: what `all_to_all_vdev_2d` read
 CUDA only (NVSHMEM), at least two GPUs (NVSHMEM's rendezvous refuses a one-rank group); one process per GPU:
 
     torchrun --standalone --nproc-per-node 4 benchmarks/symm_mem_exchange.py --out symm.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/symm_mem_exchange.py --experts 32
+
+The kernel handles at most 16 local experts and 32 ranks (its device asserts), so 64 experts need 4 ranks.
 
 Prints whether NVSHMEM is available, whether every rank's received rows, sizes and offsets equal the
 reference (exact: rows are copied, not computed), and the median milliseconds of each path.
@@ -32,6 +35,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+# The kernel's own limits (asserted on the device in torch's NVSHMEM extension): one thread block of 16 warps,
+# a warp per local expert, a lane per rank.
+MAX_LOCAL_EXPERTS, MAX_RANKS = 16, 32
 
 
 def expected_layout(counts: list[list[int]], rank: int, align: int) -> list[tuple[int, int]]:
@@ -91,6 +99,11 @@ def main() -> None:
 
     if world < 2:  # NVSHMEM's rendezvous asserts on a one-rank group (found on one H200)
         raise SystemExit("symm_mem_exchange.py needs at least 2 ranks (one GPU each)")
+    if args.experts % world or args.experts // world > MAX_LOCAL_EXPERTS or world > MAX_RANKS:
+        raise SystemExit(
+            f"--experts {args.experts} over {world} ranks: all_to_all_vdev_2d takes at most "
+            f"{MAX_LOCAL_EXPERTS} experts per rank (an even split) and {MAX_RANKS} ranks"
+        )
     result: dict[str, Any] = {"world": world, "nvshmem": symm_mem.is_nvshmem_available(), **vars(args)}
     if not result["nvshmem"]:
         print(json.dumps(result))
