@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 # The kernel's own limits (asserted on the device in torch's NVSHMEM extension): one thread block of 16 warps,
 # a warp per local expert, a lane per rank.
 MAX_LOCAL_EXPERTS, MAX_RANKS = 16, 32
