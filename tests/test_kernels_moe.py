@@ -44,6 +44,22 @@ def test_permutation_groups_copies_by_expert_in_token_order(align: int) -> None:
         assert perm.num_rows == _IDS.numel()
 
 
+@pytest.mark.parametrize("num_experts", [6, 256, 257, 40_000])
+def test_permutation_is_the_stable_sort_by_expert_at_every_key_width(num_experts: int) -> None:
+    """The sort runs on the narrowest integer that holds the ids (uint8 up to 256 experts, int16, int32): the
+    slots are those of a Python stable sort of the int64 ids, with ids at both ends of the range."""
+    g = torch.Generator().manual_seed(num_experts)
+    ids = torch.randint(0, num_experts, (50, 3), generator=g)
+    ids[0, 0], ids[1, 1], ids[2, 2] = num_experts - 1, 0, num_experts - 1
+    perm = expert_permutation(ids, num_experts)
+    flat = ids.flatten().tolist()
+    order = sorted(range(len(flat)), key=lambda i: flat[i])  # stable
+    expected = torch.empty(len(flat), dtype=torch.long)
+    expected[order] = torch.arange(len(flat))
+    assert torch.equal(perm.slot_rows.flatten(), expected)
+    assert torch.equal(perm.rows_per_expert, torch.bincount(ids.flatten(), minlength=num_experts))
+
+
 @pytest.mark.parametrize("align", [1, 4])
 def test_permute_and_combine_against_float64_loops(align: int) -> None:
     g = torch.Generator().manual_seed(0)

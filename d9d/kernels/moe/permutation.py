@@ -25,6 +25,17 @@ def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor
     return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def _sort_key(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`expert_ids` (in [0, num_experts)) in the narrowest integer dtype that holds them. A GPU radix sort
+    makes one pass per key byte: int64 ids cost 22 kernels per stable argsort on an H200 where uint8 ids
+    cost 8 (0.115 against 0.081 ms at 131,072 copies; docs/benchmarks.md, session 17)."""
+    if num_experts <= 256:
+        return expert_ids.to(torch.uint8)
+    if num_experts <= 2**15:
+        return expert_ids.to(torch.int16)
+    return expert_ids.to(torch.int32)
+
+
 def expert_permutation(topk_ids: torch.Tensor, num_experts: int, *, align: int = 1) -> ExpertPermutation:
     """Group the copies of `topk_ids` [tokens, k] by expert, each group starting at a multiple of `align`.
 
@@ -37,7 +48,7 @@ def expert_permutation(topk_ids: torch.Tensor, num_experts: int, *, align: int =
     tokens, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     counts = count_per_expert(flat, num_experts)
-    order = torch.argsort(flat, stable=True)  # sorted position → slot
+    order = torch.argsort(_sort_key(flat, num_experts), stable=True)  # sorted position → slot
     position = torch.arange(flat.numel(), device=flat.device)
     if align == 1:
         sorted_rows = position
