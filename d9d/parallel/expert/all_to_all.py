@@ -367,57 +367,73 @@ class AllToAllMoECommunication:
         Eager as a whole (the in-flight handles are Python objects), so inside a compiled block the experts
         run eagerly here (their activation one fused kernel, `GroupedExperts`)."""
         local_experts = routed.local_experts(self.size)
-        chunks = list(
-            zip(
-                routed.hidden_states.tensor_split(self.overlap_chunks),
-                routed.topk_ids.tensor_split(self.overlap_chunks),
-                routed.topk_weights.tensor_split(self.overlap_chunks),
-                strict=True,
-            )
+        chunks, num_experts = self.overlap_chunks, routed.num_experts
+        hidden, ids = routed.hidden_states, routed.topk_ids
+        k = ids.shape[1]
+        tokens = [t.shape[0] for t in hidden.tensor_split(chunks)]  # host-known chunk sizes
+        # Every chunk's index work in one pass, not one per chunk (on a host-bound step each pass is a dozen
+        # launches): the copies sorted by (chunk, global expert) are each chunk's copy-exchange order, side by
+        # side, so one permutation and one permute give every chunk's send rows as a slice.
+        keys = torch.cat(
+            [chunk_ids + c * num_experts for c, chunk_ids in enumerate(ids.tensor_split(chunks))]
         )
-        perms = [expert_permutation(ids, routed.num_experts) for _, ids, _ in chunks]
+        perm = expert_permutation(keys, chunks * num_experts)
+        send = permute_tokens(hidden, perm.slot_rows, perm.num_rows, backend=self.backend)
         # [peer, chunk, local expert]: what this rank sends each peer; the reply, what each source sends it
-        send_counts = torch.stack([p.rows_per_expert for p in perms])
-        send_counts = send_counts.view(len(chunks), self.size, local_experts).transpose(0, 1).contiguous()
+        send_counts = perm.rows_per_expert.view(chunks, self.size, local_experts).transpose(0, 1).contiguous()
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        sends = [
-            permute_tokens(hidden, p.slot_rows, p.num_rows, backend=self.backend)
-            for (hidden, _, _), p in zip(chunks, perms, strict=True)
-        ]
         # [(sent, received), chunk, peer]: the one sync
         splits = torch.stack([send_counts.sum(2), recv_counts.sum(2)]).transpose(1, 2).cpu().tolist()
+        sent = [sum(s) for s in splits[0]]
+        received = [sum(r) for r in splits[1]]
         outbound = [
-            launch(send, recv_splits, send_splits, self.group)
-            for send, send_splits, recv_splits in zip(sends, *splits, strict=True)
+            launch(rows, recv_splits, send_splits, self.group)
+            for rows, send_splits, recv_splits in zip(send.split(sent), *splits, strict=True)
         ]
+        # where each chunk's received rows go when regrouped by local expert: one pass over all chunks
+        regroup = _by_local_expert(recv_counts.transpose(0, 1), sum(received))
+        per_expert = regroup.rows_per_expert.view(chunks, local_experts)
         alongside = None if shared is None else shared()
-        inbound = []
+        inbound, start = [], 0
         for c, ((rows, flight), send_splits, recv_splits) in enumerate(zip(outbound, *splits, strict=True)):
-            num_received = sum(recv_splits)
-            grouped = _by_local_expert(recv_counts[:, c], num_received)
-            hidden = permute_tokens(land(rows, flight), grouped.slot_rows, num_received, backend=self.backend)
-            expert_out = experts(hidden, grouped.rows_per_expert)
-            received_order = combine_tokens(expert_out, grouped.slot_rows, backend=self.backend)  # a gather
+            # chunk c's rows sort among themselves (its groups come before chunk c + 1's): local rows
+            slot_rows = regroup.slot_rows[start : start + received[c]] - start
+            start += received[c]
+            grouped = permute_tokens(land(rows, flight), slot_rows, received[c], backend=self.backend)
+            expert_out = experts(grouped, per_expert[c])
+            received_order = combine_tokens(expert_out, slot_rows, backend=self.backend)  # a gather
             inbound.append(launch(received_order, send_splits, recv_splits, self.group))
+        # each chunk's copies are a slice of the send order: its tokens' slots, less the rows before it
+        slots = perm.slot_rows.split(tokens)
+        weights = routed.topk_weights.split(tokens)
         out = torch.cat(
             [
-                combine_tokens(land(rows, flight), p.slot_rows, weights=weights, backend=self.backend)
-                for (rows, flight), p, (_, _, weights) in zip(inbound, perms, chunks, strict=True)
+                combine_tokens(land(rows, flight), slot_rows - k * first, weights=w, backend=self.backend)
+                for (rows, flight), slot_rows, w, first in zip(
+                    inbound, slots, weights, _starts(tokens), strict=True
+                )
             ]
         )
         return out if alongside is None else out + alongside
 
 
+def _starts(sizes: list[int]) -> list[int]:
+    """The offset of each of consecutive blocks of `sizes`."""
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
 def _by_local_expert(per_source: torch.Tensor, num_received: int) -> ExpertPermutation:
-    """Where each received row goes when the rows are regrouped by local expert: they arrive grouped by
-    (source rank, local expert), `per_source` [sources, local experts] rows each."""
-    sources, local_experts = per_source.shape
+    """Where each received row goes when the rows are regrouped by local expert. They arrive grouped by
+    (source rank, local expert), `per_source` [sources, local experts] rows each; or by (chunk, source rank,
+    local expert) with `per_source` [chunks, sources, local experts], regrouped by (chunk, local expert):
+    each chunk's rows stay among themselves, its `rows_per_expert` the chunk's row of the [chunks · local]."""
+    groups = per_source.reshape(-1, *per_source.shape[-2:])
+    chunks, sources, local_experts = groups.shape
+    keys = torch.arange(chunks * local_experts, device=per_source.device).view(chunks, 1, local_experts)
     expert_of_row = torch.repeat_interleave(  # output_size given: no host sync
-        torch.arange(local_experts, device=per_source.device).repeat(sources),
-        per_source.reshape(-1),
-        output_size=num_received,
+        keys.expand(chunks, sources, local_experts).reshape(-1), groups.reshape(-1), output_size=num_received
     )
     # The permute kernel moves them (its backward a gather): an index `rows[order]` here had a backward of
     # atomic index-adds, ~11 ms of an FSDP 4 × EP 4 step on H200.
-    return expert_permutation(expert_of_row[:, None], local_experts)
+    return expert_permutation(expert_of_row[:, None], chunks * local_experts)
