@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from d9d.kernels.backend import KernelBackend
-from d9d.kernels.moe import combine_tokens, count_per_expert, expert_permutation, permute_tokens
+from d9d.kernels.moe import (
+    block_regroup,
+    combine_tokens,
+    count_per_expert,
+    expert_permutation,
+    permute_tokens,
+)
 from d9d.modules.moe import GroupedExperts, LocalMoECommunication, MoELayer, TopKRouter, TorchGroupedMM
 from tests.triton_interpreter import run_in_interpreter
 
@@ -58,6 +64,49 @@ def test_permutation_is_the_stable_sort_by_expert_at_every_key_width(num_experts
     expected[order] = torch.arange(len(flat))
     assert torch.equal(perm.slot_rows.flatten(), expected)
     assert torch.equal(perm.rows_per_expert, torch.bincount(ids.flatten(), minlength=num_experts))
+
+
+def _regroup_by_loops(counts: torch.Tensor) -> tuple[list[int], list[int]]:
+    """What `block_regroup` means, written as loops: walk the target groups (chunk, expert) and, inside
+    each, the sources' blocks in order, handing out positions; read them back in arrival order."""
+    chunks, sources, experts = counts.shape
+    arrival_start, start = {}, 0
+    for c in range(chunks):
+        for s in range(sources):
+            for e in range(experts):
+                arrival_start[c, s, e] = start
+                start += int(counts[c, s, e])
+    slots, position = [0] * start, 0
+    for c in range(chunks):
+        for e in range(experts):
+            for s in range(sources):
+                for i in range(int(counts[c, s, e])):
+                    slots[arrival_start[c, s, e] + i] = position
+                    position += 1
+    return slots, counts.sum(1).reshape(-1).tolist()
+
+
+@pytest.mark.parametrize(("chunks", "sources", "experts"), [(1, 1, 1), (1, 4, 5), (3, 2, 4), (2, 3, 1)])
+def test_block_regroup_against_loops(chunks: int, sources: int, experts: int) -> None:
+    g = torch.Generator().manual_seed(chunks * 100 + sources * 10 + experts)
+    for trial in range(4):
+        counts = torch.randint(0, 6, (chunks, sources, experts), generator=g)
+        if trial == 0:
+            counts[..., 0] = 0  # an expert nobody sends to
+        if trial == 1:
+            counts.zero_()
+        num_rows = int(counts.sum())
+        got = block_regroup(counts, num_rows, backend="torch")
+        slots, per_expert = _regroup_by_loops(counts)
+        assert got.num_rows == num_rows
+        assert got.slot_rows.flatten().tolist() == slots, counts
+        assert got.rows_per_expert.tolist() == per_expert
+    # a transposed (non-contiguous) count tensor, as the overlapped exchange passes it
+    counts = torch.randint(0, 6, (sources, chunks, experts), generator=g).transpose(0, 1)
+    got = block_regroup(counts, int(counts.sum()), backend="torch")
+    assert got.slot_rows.flatten().tolist() == _regroup_by_loops(counts)[0]
+    with pytest.raises(ValueError, match=r"\[chunks, sources, experts\]"):
+        block_regroup(counts[0], 3)
 
 
 @pytest.mark.parametrize("align", [1, 4])
@@ -290,6 +339,17 @@ _INTERPRETER_CHECK = textwrap.dedent(
     # an empty batch launches nothing
     empty = expert_permutation(torch.empty(0, 2, dtype=torch.long), 4)
     assert permute_tokens(torch.randn(0, 8), empty.slot_rows, 0, backend="triton").shape == (0, 8)
+    # the block regroup against its sorting path, with several loop iterations per block, empty blocks,
+    # nothing at all, and more blocks than one power of two
+    tk._REGROUP_ROWS = 4
+    from d9d.kernels.moe import block_regroup
+    for shape in [(1, 4, 5), (3, 2, 3), (2, 1, 1), (1, 1, 1), (3, 4, 5)]:
+        counts = torch.randint(0, 11, shape, generator=g)
+        counts[..., 0] = 0
+        for c in (counts, torch.zeros_like(counts)):
+            n = int(c.sum())
+            a, b = block_regroup(c, n, backend="triton"), block_regroup(c, n, backend="torch")
+            assert torch.equal(a.slot_rows, b.slot_rows) and torch.equal(a.rows_per_expert, b.rows_per_expert)
     print("interpreter ok")
     """
 )
@@ -317,6 +377,20 @@ def test_triton_kernels_match_reference_on_cuda() -> None:
         results[backend] = (rows, out, x.grad, w.grad)
     for a, b in zip(results["triton"], results["torch"], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_block_regroup_kernel_matches_sorting_on_cuda() -> None:
+    """The exchange's regroup shapes (4 sources × 16 local experts, one chunk and three) with uneven and
+    empty blocks, ~130k rows: the kernel's positions are the sorting path's."""
+    g = torch.Generator().manual_seed(7)
+    for chunks in (1, 3):
+        counts = torch.randint(0, 4096, (chunks, 4, 16), generator=g)
+        counts[:, :, 3] = 0
+        counts = counts.cuda()
+        n = int(counts.sum())
+        a, b = block_regroup(counts, n, backend="triton"), block_regroup(counts, n, backend="torch")
+        assert torch.equal(a.slot_rows, b.slot_rows) and torch.equal(a.rows_per_expert, b.rows_per_expert)
 
 
 @pytest.mark.gpu

@@ -77,6 +77,53 @@ def _slot_dot_kernel(
         tl.store(out_ptr + token * K + j, tl.sum(acc, axis=0))
 
 
+@triton.jit
+def _block_regroup_kernel(
+    counts_ptr,
+    out_ptr,
+    SOURCES: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    BLOCKS_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # One program per arriving block b = (chunk, source, expert): it reads every block's count (a few
+    # hundred), sums those before b in arrival order and in target (chunk, expert, source) order, and
+    # writes its rows' new positions.
+    b = tl.program_id(0)
+    j = tl.arange(0, BLOCKS_P2)
+    valid = j < BLOCKS
+    counts = tl.load(counts_ptr + j, mask=valid, other=0)
+    src_start = tl.sum(tl.where(j < b, counts, 0), axis=0)
+    per_chunk = SOURCES * EXPERTS
+    target_j = (j // per_chunk) * per_chunk + (j % EXPERTS) * SOURCES + (j // EXPERTS) % SOURCES
+    target_b = (b // per_chunk) * per_chunk + (b % EXPERTS) * SOURCES + (b // EXPERTS) % SOURCES
+    dst_start = tl.sum(tl.where(valid & (target_j < target_b), counts, 0), axis=0)
+    n = tl.load(counts_ptr + b)
+    for start in range(0, n, ROWS):
+        r = start + tl.arange(0, ROWS)
+        tl.store(out_ptr + src_start + r, dst_start + r, mask=r < n)
+
+
+_REGROUP_ROWS = 1024  # rows per loop iteration of a block; tests lower it to exercise several
+
+
+def block_regroup_slots_triton(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+    chunks, sources, experts = counts.shape
+    blocks = chunks * sources * experts
+    out = torch.empty(num_rows, dtype=torch.int64, device=counts.device)
+    _block_regroup_kernel[(blocks,)](
+        counts.to(torch.int64).contiguous(),
+        out,
+        SOURCES=sources,
+        EXPERTS=experts,
+        BLOCKS=blocks,
+        BLOCKS_P2=max(16, triton.next_power_of_2(blocks)),
+        ROWS=_REGROUP_ROWS,
+    )
+    return out
+
+
 def _launch_rows(
     kernel: Any, src: torch.Tensor, weights: torch.Tensor | None, slot_rows: torch.Tensor, out: torch.Tensor
 ) -> None:
