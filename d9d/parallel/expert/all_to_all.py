@@ -401,11 +401,12 @@ class AllToAllMoECommunication:
         regroup = _by_local_expert(recv_counts.transpose(0, 1), sum(received), self.backend)
         per_expert = regroup.rows_per_expert.view(chunks, local_experts)
         alongside = None if shared is None else shared()
-        inbound, start = [], 0
-        for c, ((rows, flight), send_splits, recv_splits) in enumerate(zip(outbound, *splits, strict=True)):
+        inbound = []
+        for c, ((rows, flight), send_splits, recv_splits, first) in enumerate(
+            zip(outbound, *splits, _starts(received), strict=True)
+        ):
             # chunk c's rows sort among themselves (its groups come before chunk c + 1's): local rows
-            slot_rows = regroup.slot_rows[start : start + received[c]] - start
-            start += received[c]
+            slot_rows = regroup.slot_rows[first : first + received[c]] - first
             grouped = permute_tokens(land(rows, flight), slot_rows, received[c], backend=self.backend)
             expert_out = experts(grouped, per_expert[c])
             received_order = combine_tokens(expert_out, slot_rows, backend=self.backend)  # a gather
