@@ -34,37 +34,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from d9d.kernels.swiglu import swiglu
 from d9d.models.qwen3.config import Qwen3Config
 from d9d.models.qwen3.model import Qwen3Model
-from d9d.modules.attention import AttentionMask
-from d9d.modules.attention.backends import SdpaCall
 from d9d.modules.attention.gqa import GroupedQueryAttention
 from d9d.modules.mlp import SwiGLU
-from d9d.modules.rotary import RotaryTables
 
 VARIANTS = ("separate", "qkv", "gate_up", "both")
 
 
-def _qkv_forward(
-    self: GroupedQueryAttention, x: torch.Tensor, rotary: RotaryTables, mask: AttentionMask
-) -> Any:
-    """`GroupedQueryAttention.forward` with q, k and v from one matmul over the concatenated weights."""
+def _qkv_projection(self: GroupedQueryAttention, x: torch.Tensor) -> Any:
+    """`GroupedQueryAttention.project_qkv` as one matmul over the concatenated weights."""
     batch, seq, _ = x.shape
     projections = (self.q_proj, self.k_proj, self.v_proj)
     fused = F.linear(x, torch.cat([p.weight for p in projections]))
-    q, k, v = (
-        t.view(batch, seq, -1, self.head_dim) for t in fused.split([p.out_features for p in projections], -1)
-    )
-    if self.q_norm is not None and self.k_norm is not None:
-        q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rotary.apply_qk(q, k)
-    call = SdpaCall(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        mask=mask,
-        window=self.sliding_window,
-        scale=self.scale,
-    )
-    return self.o_proj(self.backend(call).transpose(1, 2).reshape(batch, seq, -1))
+    widths = [p.out_features for p in projections]
+    return tuple(t.view(batch, seq, -1, self.head_dim) for t in fused.split(widths, -1))
 
 
 def _gate_up_forward(self: SwiGLU, x: torch.Tensor) -> Any:
@@ -132,7 +114,7 @@ def build(
         model = Qwen3Model(config).to(dtype)
     for layer in model.decoder_layers().values():
         if variant in ("qkv", "both"):
-            layer.self_attn.forward = types.MethodType(_qkv_forward, layer.self_attn)  # type: ignore[method-assign]
+            layer.self_attn.project_qkv = types.MethodType(_qkv_projection, layer.self_attn)  # type: ignore[method-assign]
         if variant in ("gate_up", "both"):
             assert isinstance(layer.mlp, SwiGLU)
             layer.mlp.forward = types.MethodType(_gate_up_forward, layer.mlp)  # type: ignore[method-assign]

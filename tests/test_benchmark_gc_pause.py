@@ -4,23 +4,14 @@ measures what it says. No number is checked for speed."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.bench_fixtures import BENCH
-from tests.engine_fixtures import subprocess_env
+from tests.bench_fixtures import run_benchmark
 
 
 def test_gc_pause_counts_and_times_the_collections(tmp_path: Path) -> None:
     out = tmp_path / "gc.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "gc_pause.py"), "--layers", "2", "--eager", "--out", str(out)],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_benchmark("gc_pause.py", "--layers", "2", "--eager", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["layers"] == 2 and result["compiled"] is False and result["device"] == "cpu"

@@ -5,23 +5,14 @@ number is checked for speed."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.bench_fixtures import BENCH
-from tests.engine_fixtures import subprocess_env
+from tests.bench_fixtures import run_benchmark
 
 
 def test_fused_projection_variants_match_the_separate_ones(tmp_path: Path) -> None:
     out = tmp_path / "fusion.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "projection_fusion.py"), "--smoke", "--out", str(out)],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_benchmark("projection_fusion.py", "--smoke", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     blocks = json.loads(out.read_text())["blocks"]
     assert set(blocks) == {"separate", "qkv", "gate_up", "both"}

@@ -4,23 +4,14 @@ key dtype the permutation may sort them as. No number is checked for speed."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.bench_fixtures import BENCH
-from tests.engine_fixtures import subprocess_env
+from tests.bench_fixtures import run_benchmark
 
 
 def test_every_key_dtype_sorts_in_the_int64_order(tmp_path: Path) -> None:
     out = tmp_path / "sort.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "sort_keys.py"), "--smoke", "--tokens", "512", "--out", str(out)],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_benchmark("sort_keys.py", "--smoke", "--tokens", "512", "--out", str(out), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {key: row for key, row in result.items() if key.startswith("argsort ")}

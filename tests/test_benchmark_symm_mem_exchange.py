@@ -4,15 +4,12 @@ with the reason."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 
-from tests.bench_fixtures import BENCH, import_benchmark
-from tests.engine_fixtures import subprocess_env
+from tests.bench_fixtures import import_benchmark, run_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +32,6 @@ def test_expected_layout_is_the_documented_one(bench: ModuleType) -> None:
 
 
 def test_without_cuda_it_names_what_it_needs() -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "symm_mem_exchange.py")],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_benchmark("symm_mem_exchange.py", timeout=120)
     assert done.returncode != 0
     assert "needs CUDA GPUs (NVSHMEM)" in done.stderr

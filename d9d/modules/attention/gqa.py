@@ -67,12 +67,18 @@ class GroupedQueryAttention(nn.Module):
             if norm is not None:
                 norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, rotary: RotaryTables, mask: AttentionMask) -> torch.Tensor:
-        """`x` [batch, seq, hidden] → [batch, seq, hidden]."""
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`x` [batch, seq, hidden] → q, k, v [batch, seq, (local) heads, head_dim]."""
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rotary: RotaryTables, mask: AttentionMask) -> torch.Tensor:
+        """`x` [batch, seq, hidden] → [batch, seq, hidden]."""
+        batch, seq, _ = x.shape
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply_qk(q, k)
