@@ -15,7 +15,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
@@ -25,6 +24,7 @@ from d9d.engine.providers import LossOutput, TrainTask
 from d9d.parallel import clip_coefficient, clip_grad_norm_, global_grad_norm
 from d9d.parallel.context import ContextParallelGroup, shard_microbatch
 from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, SyncedParam, collect_synced_params
+from d9d.parallel.grad_sync.bucket import local_tensor, scale_
 from d9d.pipeline.runtime.executor import PipelineExecutor
 
 
@@ -182,30 +182,15 @@ class LocalGradientReducer:
         self.parameters = [p for p in parameters if p.requires_grad]
 
     def finish(self, global_weight: torch.Tensor | None) -> None:
-        grads = [_local(p.grad) for p in self.parameters if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.parameters if p.grad is not None]
         if not grads or global_weight is None:
             return
         # Used where the optimizer cannot divide (not fused Adam). The scale stays on the device: reading it
         # to the host for `_foreach_mul_`'s Python-scalar fast path exposed the host work after backward and
-        # cost more than it saved (one H200); a float32 scale beside bf16 gradients runs a kernel per tensor
-        # (the fast path wants the gradients' dtype, which would round the scale to bf16). The float32
-        # reciprocal equals the Python float's rounding: results are bitwise `grad.mul_(1 / weight)`.
-        scale = global_weight.reciprocal().to(torch.float32)
+        # cost more than it saved (one H200). The float32 reciprocal equals the Python float's rounding:
+        # results are bitwise `grad.mul_(1 / weight)`.
         with torch.no_grad():
-            for device_grads in _by_device(grads):
-                torch._foreach_mul_(device_grads, scale.to(device_grads[0].device))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view: scaling it scales the DTensor), else the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return list(groups.values())
+            scale_(grads, global_weight.reciprocal().to(torch.float32))
 
 
 def global_loss(

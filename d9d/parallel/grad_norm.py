@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from d9d.parallel.grad_sync.bucket import local_tensor
+from d9d.parallel.grad_sync.bucket import local_tensor, scale_
 
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...], torch.device]
 
@@ -132,11 +132,5 @@ def clip_grad_norm_(
     params = list(params)
     total = global_grad_norm(params, norm_type=norm_type, pp_group=pp_group)
     coef = clip_coefficient(total, max_norm)
-    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for param in params:
-        if param.grad is not None:
-            g = local_tensor(param.grad)
-            by_device.setdefault((g.device, g.dtype), []).append(g)
-    for (device, _), grads in by_device.items():
-        torch._foreach_mul_(grads, coef.to(device))
+    scale_([local_tensor(p.grad) for p in params if p.grad is not None], coef)
     return total

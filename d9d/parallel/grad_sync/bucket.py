@@ -9,7 +9,20 @@ from torch.distributed.tensor import DTensor
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: scaling it scales the DTensor), else the tensor itself."""
     return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[no-any-return]
+
+
+def scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply `tensors` in place by the 0-dim `factor`: one `_foreach_mul_` per (device, dtype), the factor
+    moved to each device once. It stays a tensor: reading it to the host for the Python-scalar fast path
+    would be a sync. A float32 factor beside bf16 tensors takes `_foreach_mul_`'s per-tensor path (its fast
+    path wants the tensors' dtype, which would round the factor), bitwise `t.mul_(factor)` for each."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for (device, _), group in groups.items():
+        torch._foreach_mul_(group, factor.to(device))
 
 
 class GradBucket:

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from d9d.parallel.grad_sync.bucket import GradBucket, local_tensor
+from d9d.parallel.grad_sync.bucket import GradBucket, local_tensor, scale_
 from d9d.parallel.grad_sync.config import GradSyncConfig
 from d9d.parallel.grad_sync.reduce_mesh import SyncedParam
 
@@ -195,12 +195,7 @@ class GradientSynchronizer:
         if total is not None:
             # A float32 scale on the device, as `LocalGradientReducer`'s (bf16 buckets take `_foreach_mul_`'s
             # per-tensor fallback, one kernel per bucket, as `mul_` per bucket did before).
-            inverse = total.reciprocal().to(torch.float32)
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for bucket in self.buckets:
-                by_device.setdefault(bucket.buffer.device, []).append(bucket.buffer)
-            for device, buffers in by_device.items():
-                torch._foreach_mul_(buffers, inverse.to(device))
+            scale_([bucket.buffer for bucket in self.buckets], total.reciprocal().to(torch.float32))
         for slot in self._slots:
             slot.param.grad = self._expose(slot)
             slot.count = 0
