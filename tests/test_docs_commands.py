@@ -1,6 +1,7 @@
-"""The `d9d ...` commands the quickstart shows are real: each command line of its shell blocks parses with
-`d9d`'s own parser (subcommand, flags, their values), and each `d9d ...` in its prose names real
-subcommands and real flags of them. Runs in `make test`; it imports no torch and starts nothing."""
+"""The `d9d ...` commands the quickstart and the performance page show are real: each command line of their
+shell blocks parses with `d9d`'s own parser (subcommand, flags, their values), and each `d9d ...` in their
+prose names real subcommands and real flags of them. Runs in `make test`; it imports no torch and starts
+nothing."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from d9d.cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "docs" / "quickstart.md"]
+DOCS = [REPO / "docs" / "quickstart.md", REPO / "docs" / "performance.md"]
 _FENCE = re.compile(r"```(\w*)\n(.*?)```", re.DOTALL)
 _SPAN = re.compile(r"`(?:[A-Z_][A-Z0-9_]*=\S* )*(d9d [^`]+)`")
 _ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=")
