@@ -34,7 +34,7 @@ def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor
 def _sort_key(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """`expert_ids` (in [0, num_experts)) in the narrowest integer dtype that holds them. A GPU radix sort
     makes one pass per key byte: int64 ids cost 22 kernels per stable argsort on an H200 where uint8 ids
-    cost 8 (0.115 against 0.081 ms at 131,072 copies; docs/benchmarks.md, session 17)."""
+    cost 8 (0.098 against 0.076 ms at 131,072 copies; docs/benchmarks.md, session 17)."""
     if num_experts <= 256:
         return expert_ids.to(torch.uint8)
     if num_experts <= 2**15:
