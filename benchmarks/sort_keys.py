@@ -1,5 +1,5 @@
 """Why `expert_permutation` sorts narrow keys: a stable `torch.argsort` of expert ids per key dtype, and the
-permutation itself, on the MoE benchmark's shape (16,384 tokens, top-8 of 64 experts; `--copies` more).
+permutation itself, on the MoE benchmark's shape (16,384 tokens, top-8 of 64 experts by default).
 
     python benchmarks/sort_keys.py [--out FILE]      # CUDA: GPU time (CUDA events) and kernels per call
     python benchmarks/sort_keys.py --smoke           # CPU: every key dtype gives the int64 order

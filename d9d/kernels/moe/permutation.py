@@ -88,11 +88,11 @@ def block_regroup(
     if counts.dim() != 3:
         raise ValueError(f"counts must be [chunks, sources, experts], got shape {tuple(counts.shape)}")
     chunks, sources, experts = counts.shape
-    per_expert = counts.sum(1).reshape(-1)
     if resolve_backend(backend, counts.device) == "triton" and counts.numel() <= _MAX_KERNEL_BLOCKS:
         from d9d.kernels.moe.triton_kernels import block_regroup_slots_triton
 
-        return ExpertPermutation(block_regroup_slots_triton(counts, num_rows)[:, None], per_expert, num_rows)
+        slots = block_regroup_slots_triton(counts, num_rows)[:, None]
+        return ExpertPermutation(slots, counts.sum(1).reshape(-1), num_rows)
     labels = torch.arange(chunks * experts, device=counts.device).view(chunks, 1, experts)
     label_of_row = torch.repeat_interleave(  # output_size given: no host sync
         labels.expand(chunks, sources, experts).reshape(-1), counts.reshape(-1), output_size=num_rows
