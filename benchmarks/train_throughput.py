@@ -14,7 +14,9 @@ records its error and the table goes on. Rows:
 
 - d9d through the real engine (`d9d.engine.Trainer`), `compiled` (`compile: {enabled: true}`) and `eager`
   (`compile: {enabled: false}`); `compiled-kernels` and `compiled-autotune` (`mode:
-  max-autotune-no-cudagraphs`) vary the compiled row (`throughput/d9d_peer.py`); `eager-legacy` omits the
+  max-autotune-no-cudagraphs`) vary the compiled row, `compiled-a2a` / `compiled-tbo` put the MoE layers
+  behind the expert-parallel exchange on one rank, without / with `two_batch_overlap`
+  (`throughput/d9d_peer.py`); `eager-legacy` omits the
   section, for an engine without it. Each on the
   batch kinds of `throughput/d9d_peer.py`: bare random tokens, the built-in text provider's collated
   batches (full and right-padded) and packed documents of mean 512 tokens.
@@ -68,7 +70,15 @@ from typing import Any, cast
 
 from throughput.common import AC_MODES, MODEL_NAMES, PROFILE_STEPS, TITAN_AC_MODES, AcMode, one_rank_env
 
-D9D_VARIANTS = ("compiled", "compiled-kernels", "compiled-autotune", "eager", "eager-legacy")
+D9D_VARIANTS = (
+    "compiled",
+    "compiled-kernels",
+    "compiled-autotune",
+    "compiled-a2a",
+    "compiled-tbo",
+    "eager",
+    "eager-legacy",
+)
 D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
 HF_VARIANTS = ("plain", "liger", "compile")
 TITAN_VARIANTS = ("eager", "compile")

@@ -6,12 +6,15 @@ torchtitan rows and compares with no torchtitan row; the d9d rows' job configs v
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 
 import pytest
+import torch
 
 from tests.bench_fixtures import import_benchmark
+from tests.harness import RankEnv, run_distributed
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +165,40 @@ def test_step_marks_time_each_step_to_the_next_start_with_the_hook_outside() -> 
     marks.mark(4)
     assert marks.durations() == {1: 2.0, 2: 1.0, 3: 0.5}
     assert calls == [1, 2, 3, 4]
+
+
+def _one_rank_exchange(env: RankEnv) -> None:
+    from throughput import d9d_peer
+
+    from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEModel
+    from d9d.modules.moe import MoELayer
+    from d9d.parallel.expert import AllToAllMoECommunication
+
+    torch.manual_seed(0)
+    arch = {"vocab_size": 32, "hidden_size": 16, "num_layers": 2, "num_attention_heads": 2, "num_kv_heads": 1}
+    config = Qwen3MoEConfig(
+        **arch,
+        head_dim=8,
+        intermediate_size=8,
+        moe_intermediate_size=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        grouped_mm="eager",
+    )
+    local = Qwen3MoEModel(config).double()
+    ids = torch.randint(0, 32, (3, 10))
+    want = local(input_ids=ids)
+    for overlap in (False, True):
+        swapped = copy.deepcopy(local)
+        d9d_peer._exchange_on_one_rank([swapped], two_batch_overlap=overlap)
+        layers = [m for m in swapped.modules() if isinstance(m, MoELayer)]
+        assert len(layers) == 2
+        assert all(isinstance(m.communication, AllToAllMoECommunication) for m in layers)
+        assert all(m.batch_parts == (2 if overlap else 1) for m in layers)
+        torch.testing.assert_close(swapped(input_ids=ids), want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_one_rank_exchange_variants_put_moe_layers_behind_the_all_to_all(bench: ModuleType) -> None:
+    """`compiled-a2a` / `compiled-tbo`: every MoE layer exchanges through a one-rank all-to-all (in two parts
+    with the two-batch overlap), giving the local layer's outputs."""
+    run_distributed(_one_rank_exchange, 1, timeout=60)

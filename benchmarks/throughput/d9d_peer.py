@@ -8,6 +8,12 @@ max-autotune-no-cudagraphs}` (inductor times Triton matmul templates, with their
 cuBLAS per shape), `eager` = `{enabled: false}`, `eager-legacy` = no section at all, for an engine that
 predates the field (a command-line choice; the script never probes which engine it has).
 
+`compiled-a2a` and `compiled-tbo` (MoE model): the `compiled` row with every MoE layer's experts reached
+through expert parallelism's all-to-all exchange over a group of this one rank, as at ep >= 2 but with the
+transfers local copies: each layer reads its split sizes on the host (`AllToAllMoECommunication`), so the
+step pays the host-read stalls of the multi-GPU step on one GPU. `compiled-tbo` adds `two_batch_overlap`
+(each layer's batch in two interleaved parts, the first's host read behind the second's attention).
+
 `ac` (`common.AC_MODES`) sets the job's `activation_checkpointing:` section (`common.d9d_ac_section`).
 
 Batches:
@@ -52,7 +58,15 @@ from throughput.common import (
     summary,
 )
 
-D9dVariant = Literal["compiled", "compiled-kernels", "compiled-autotune", "eager", "eager-legacy"]
+D9dVariant = Literal[
+    "compiled",
+    "compiled-kernels",
+    "compiled-autotune",
+    "compiled-a2a",
+    "compiled-tbo",
+    "eager",
+    "eager-legacy",
+]
 D9dBatch = Literal["random", "collate", "padded", "ones-mask", "packed"]
 MEAN_DOC = 512
 
@@ -154,7 +168,7 @@ def _rope(model: str) -> dict[str, Any]:
 
 def compile_section(variant: D9dVariant) -> dict[str, Any]:
     match variant:
-        case "compiled" | "compiled-kernels":
+        case "compiled" | "compiled-kernels" | "compiled-a2a" | "compiled-tbo":
             return {"compile": {"enabled": True}}
         case "compiled-autotune":
             return {"compile": {"enabled": True, "mode": "max-autotune-no-cudagraphs"}}
@@ -202,6 +216,26 @@ def job(
     }
 
 
+def _exchange_on_one_rank(modules: list[torch.nn.Module], *, two_batch_overlap: bool) -> None:
+    """Every MoE layer's experts behind the all-to-all exchange over this one rank (its transfers local
+    copies, its host reads of split sizes real), before the first forward compiles the blocks."""
+    import torch.distributed as dist
+
+    from d9d.modules.moe import MoELayer
+    from d9d.parallel.expert import AllToAllMoECommunication
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.new_group([0])
+    layers = [m for module in modules for m in module.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ValueError("the all-to-all variants need an MoE model (--model moe)")
+    for layer in layers:
+        layer.communication = AllToAllMoECommunication(group)
+        layer.batch_parts = 2 if two_batch_overlap else 1
+
+
 def run(
     model: str,
     variant: D9dVariant,
@@ -243,6 +277,8 @@ def run(
     trainer.events.subscribe(StepStarted, marks)
     setup_start = time.perf_counter()
     trainer.setup()
+    if variant in ("compiled-a2a", "compiled-tbo"):
+        _exchange_on_one_rank(trainer.modules, two_batch_overlap=variant == "compiled-tbo")
     setup_s = time.perf_counter() - setup_start
     torch.cuda.reset_peak_memory_stats()
     trainer.train()

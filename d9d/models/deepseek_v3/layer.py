@@ -3,16 +3,13 @@ layers) or MoE layer (routed + shared experts), both residual."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
+from d9d.models.decoder.layer import PreNormDecoderLayer
 from d9d.models.deepseek_v3.attention import MultiHeadLatentAttention
 from d9d.models.deepseek_v3.config import DeepSeekV3Config
-from d9d.modules.attention import AttentionMask, SdpaBackend
+from d9d.modules.attention import SdpaBackend
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe import GroupedExperts, LocalMoECommunication, MoELayer, TopKRouter, build_grouped_mm
 from d9d.modules.norm import RMSNorm
-from d9d.modules.rotary import RotaryTables
 
 
 def deepseek_attention(config: DeepSeekV3Config, backend: SdpaBackend) -> MultiHeadLatentAttention:
@@ -76,7 +73,7 @@ def deepseek_mlp(config: DeepSeekV3Config, layer: int) -> SwiGLU | MoELayer:
     )
 
 
-class DeepSeekV3DecoderLayer(nn.Module):
+class DeepSeekV3DecoderLayer(PreNormDecoderLayer):
     """`x + attn(norm(x))`, then `x + mlp(norm(x))` (the attention's residual add and the second norm fused).
     Parameter names are Hugging Face's, except the MoE layer's shared expert (`mlp.shared_expert`, HF
     `mlp.shared_experts`) and expert bias (`mlp.gate.expert_bias`, HF `e_score_correction_bias`)."""
@@ -90,18 +87,3 @@ class DeepSeekV3DecoderLayer(nn.Module):
         )
         self.mlp = deepseek_mlp(config, layer)
         self.kernel_backend = config.kernel_backend
-
-    def reset_parameters(self) -> None:
-        self.input_layernorm.reset_parameters()
-        self.self_attn.reset_parameters()
-        self.post_attention_layernorm.reset_parameters()
-        self.mlp.reset_parameters()
-
-    def forward(self, hidden: torch.Tensor, rotary: RotaryTables, mask: AttentionMask) -> torch.Tensor:
-        attended = self.self_attn(
-            self.input_layernorm(hidden), rotary.with_backend(self.kernel_backend), mask
-        )
-        normed, hidden = self.post_attention_layernorm.add_forward(attended, hidden)
-        ffn = self.mlp(normed, mask.padding) if isinstance(self.mlp, MoELayer) else self.mlp(normed)
-        out: torch.Tensor = hidden + ffn
-        return out

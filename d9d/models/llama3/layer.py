@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
+from d9d.models.decoder.layer import PreNormDecoderLayer
 from d9d.models.llama3.config import Llama3Config
-from d9d.modules.attention import AttentionMask, GroupedQueryAttention, SdpaBackend
+from d9d.modules.attention import GroupedQueryAttention, SdpaBackend
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.norm import RMSNorm
-from d9d.modules.rotary import RotaryTables
 
 
-class Llama3DecoderLayer(nn.Module):
+class Llama3DecoderLayer(PreNormDecoderLayer):
     """`x + attn(norm(x))`, then `x + mlp(norm(x))`; the attention output's residual add and the
     post-attention norm run as one fused add + norm. Parameter names are those of Hugging Face's Llama."""
 
@@ -41,17 +38,3 @@ class Llama3DecoderLayer(nn.Module):
             backend=config.kernel_backend,
         )
         self.kernel_backend = config.kernel_backend
-
-    def reset_parameters(self) -> None:
-        self.input_layernorm.reset_parameters()
-        self.self_attn.reset_parameters()
-        self.post_attention_layernorm.reset_parameters()
-        self.mlp.reset_parameters()
-
-    def forward(self, hidden: torch.Tensor, rotary: RotaryTables, mask: AttentionMask) -> torch.Tensor:
-        attended = self.self_attn(
-            self.input_layernorm(hidden), rotary.with_backend(self.kernel_backend), mask
-        )
-        normed, hidden = self.post_attention_layernorm.add_forward(attended, hidden)
-        out: torch.Tensor = hidden + self.mlp(normed)
-        return out

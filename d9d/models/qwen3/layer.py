@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
+from d9d.models.decoder.layer import PreNormDecoderLayer
 from d9d.models.qwen3.config import Qwen3Config
-from d9d.modules.attention import AttentionMask, GroupedQueryAttention, SdpaBackend
+from d9d.modules.attention import GroupedQueryAttention, SdpaBackend
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe import MoELayer
 from d9d.modules.norm import RMSNorm
-from d9d.modules.rotary import RotaryTables
 
 
 def qwen3_attention(config: Qwen3Config, layer: int, backend: SdpaBackend) -> GroupedQueryAttention:
@@ -40,7 +37,7 @@ def qwen3_mlp(config: Qwen3Config, intermediate_size: int) -> SwiGLU:
     )
 
 
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(PreNormDecoderLayer):
     """`mlp` is injected: a dense SwiGLU in Qwen3, an `MoELayer` (or SwiGLU) in Qwen3-MoE.
 
     The attention output's residual add and the post-attention norm run as one fused add + norm
@@ -57,19 +54,3 @@ class Qwen3DecoderLayer(nn.Module):
         )
         self.mlp = mlp
         self.kernel_backend = config.kernel_backend
-
-    def reset_parameters(self) -> None:
-        self.input_layernorm.reset_parameters()
-        self.self_attn.reset_parameters()
-        self.post_attention_layernorm.reset_parameters()
-        self.mlp.reset_parameters()
-
-    def forward(self, hidden: torch.Tensor, rotary: RotaryTables, mask: AttentionMask) -> torch.Tensor:
-        attended = self.self_attn(
-            self.input_layernorm(hidden), rotary.with_backend(self.kernel_backend), mask
-        )
-        normed, hidden = self.post_attention_layernorm.add_forward(attended, hidden)
-        # MoE layers keep padding out of their balancing loss
-        ffn = self.mlp(normed, mask.padding) if isinstance(self.mlp, MoELayer) else self.mlp(normed)
-        out: torch.Tensor = hidden + ffn
-        return out
