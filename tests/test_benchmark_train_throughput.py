@@ -188,17 +188,15 @@ def _one_rank_exchange(env: RankEnv) -> None:
     local = Qwen3MoEModel(config).double()
     ids = torch.randint(0, 32, (3, 10))
     want = local(input_ids=ids)
-    for overlap in (False, True):
-        swapped = copy.deepcopy(local)
-        d9d_peer._exchange_on_one_rank([swapped], two_batch_overlap=overlap)
-        layers = [m for m in swapped.modules() if isinstance(m, MoELayer)]
-        assert len(layers) == 2
-        assert all(isinstance(m.communication, AllToAllMoECommunication) for m in layers)
-        assert all(m.batch_parts == (2 if overlap else 1) for m in layers)
-        torch.testing.assert_close(swapped(input_ids=ids), want, rtol=1e-12, atol=1e-12)
+    swapped = copy.deepcopy(local)
+    d9d_peer._exchange_on_one_rank([swapped])
+    layers = [m for m in swapped.modules() if isinstance(m, MoELayer)]
+    assert len(layers) == 2
+    assert all(isinstance(m.communication, AllToAllMoECommunication) for m in layers)
+    torch.testing.assert_close(swapped(input_ids=ids), want, rtol=1e-12, atol=1e-12)
 
 
-def test_the_one_rank_exchange_variants_put_moe_layers_behind_the_all_to_all(bench: ModuleType) -> None:
-    """`compiled-a2a` / `compiled-tbo`: every MoE layer exchanges through a one-rank all-to-all (in two parts
-    with the two-batch overlap), giving the local layer's outputs."""
+def test_the_one_rank_exchange_variant_puts_moe_layers_behind_the_all_to_all(bench: ModuleType) -> None:
+    """`compiled-a2a`: every MoE layer exchanges through a one-rank all-to-all, giving the local layer's
+    outputs."""
     run_distributed(_one_rank_exchange, 1, timeout=60)

@@ -8,11 +8,10 @@ max-autotune-no-cudagraphs}` (inductor times Triton matmul templates, with their
 cuBLAS per shape), `eager` = `{enabled: false}`, `eager-legacy` = no section at all, for an engine that
 predates the field (a command-line choice; the script never probes which engine it has).
 
-`compiled-a2a` and `compiled-tbo` (MoE model): the `compiled` row with every MoE layer's experts reached
-through expert parallelism's all-to-all exchange over a group of this one rank, as at ep >= 2 but with the
-transfers local copies: each layer reads its split sizes on the host (`AllToAllMoECommunication`), so the
-step pays the host-read stalls of the multi-GPU step on one GPU. `compiled-tbo` adds `two_batch_overlap`
-(each layer's batch in two interleaved parts, the first's host read behind the second's attention).
+`compiled-a2a` (MoE model): the `compiled` row with every MoE layer's experts reached through expert
+parallelism's all-to-all exchange over a group of this one rank, as at ep >= 2 but with the transfers local
+copies: each layer reads its split sizes on the host and runs the exchange's eager index work
+(`AllToAllMoECommunication`), so the step pays the host cost of the multi-GPU step's exchange on one GPU.
 
 `ac` (`common.AC_MODES`) sets the job's `activation_checkpointing:` section (`common.d9d_ac_section`).
 
@@ -63,7 +62,6 @@ D9dVariant = Literal[
     "compiled-kernels",
     "compiled-autotune",
     "compiled-a2a",
-    "compiled-tbo",
     "eager",
     "eager-legacy",
 ]
@@ -168,7 +166,7 @@ def _rope(model: str) -> dict[str, Any]:
 
 def compile_section(variant: D9dVariant) -> dict[str, Any]:
     match variant:
-        case "compiled" | "compiled-kernels" | "compiled-a2a" | "compiled-tbo":
+        case "compiled" | "compiled-kernels" | "compiled-a2a":
             return {"compile": {"enabled": True}}
         case "compiled-autotune":
             return {"compile": {"enabled": True, "mode": "max-autotune-no-cudagraphs"}}
@@ -216,7 +214,7 @@ def job(
     }
 
 
-def _exchange_on_one_rank(modules: list[torch.nn.Module], *, two_batch_overlap: bool) -> None:
+def _exchange_on_one_rank(modules: list[torch.nn.Module]) -> None:
     """Every MoE layer's experts behind the all-to-all exchange over this one rank (its transfers local
     copies, its host reads of split sizes real), before the first forward compiles the blocks."""
     import torch.distributed as dist
@@ -230,10 +228,9 @@ def _exchange_on_one_rank(modules: list[torch.nn.Module], *, two_batch_overlap: 
     group = dist.new_group([0])
     layers = [m for module in modules for m in module.modules() if isinstance(m, MoELayer)]
     if not layers:
-        raise ValueError("the all-to-all variants need an MoE model (--model moe)")
+        raise ValueError("the compiled-a2a variant needs an MoE model (--model moe)")
     for layer in layers:
         layer.communication = AllToAllMoECommunication(group)
-        layer.batch_parts = 2 if two_batch_overlap else 1
 
 
 def run(
@@ -277,8 +274,8 @@ def run(
     trainer.events.subscribe(StepStarted, marks)
     setup_start = time.perf_counter()
     trainer.setup()
-    if variant in ("compiled-a2a", "compiled-tbo"):
-        _exchange_on_one_rank(trainer.modules, two_batch_overlap=variant == "compiled-tbo")
+    if variant == "compiled-a2a":
+        _exchange_on_one_rank(trainer.modules)
     setup_s = time.perf_counter() - setup_start
     torch.cuda.reset_peak_memory_stats()
     trainer.train()

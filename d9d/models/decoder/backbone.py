@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from d9d.kernels.backend import KernelBackend
-from d9d.models.decoder.layer import PreNormDecoderLayer
 from d9d.modules.attention import AttentionMask, PaddingSide, SdpaBackend, SdpaBackendName, build_sdpa_backend
 from d9d.modules.base import ModuleLateInit
 from d9d.modules.checkpointing import SaveOps, checkpointed, delegate_policy
@@ -138,18 +136,6 @@ class DecoderBackbone(nn.Module):
         # whole-layer: around the block call (its hooks and, when compiled, the compiled forward)
         return checkpointed(layer, hidden, rotary, mask, policy=policy)
 
-    def batch_parts(self) -> int:
-        """Into how many parts this stage's layers split a batch (`PreNormDecoderLayer.batch_parts`)."""
-        return max(
-            (layer.batch_parts for layer in self.layers.values() if isinstance(layer, PreNormDecoderLayer)),
-            default=1,
-        )
-
-    def _prepare(self, pattern: AttentionMask, seq: int, device: torch.device) -> AttentionMask:
-        return self.attention_backend.prepare(
-            pattern, seq_len=seq, windows=self.attention_windows, device=device
-        )
-
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -171,18 +157,12 @@ class DecoderBackbone(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(seq, device=hidden.device).expand(batch, seq)
         rotary = self.rotary(position_ids, hidden.dtype)
-        pattern = AttentionMask(padding=attention_mask, segment_ids=segment_ids, padding_side=padding_side)
-        mask = self._prepare(pattern, seq, hidden.device)
-        parts = self.batch_parts()
-        if parts > 1:  # outside any compiled region, like the whole batch's mask
-            rows = [len(r) for r in torch.arange(batch).tensor_split(parts)]  # an empty part attends nothing
-            mask = replace(
-                mask,
-                parts=tuple(
-                    self._prepare(part, seq, hidden.device) if n else part
-                    for part, n in zip(pattern.split_rows(parts), rows, strict=True)
-                ),
-            )
+        mask = self.attention_backend.prepare(
+            AttentionMask(padding=attention_mask, segment_ids=segment_ids, padding_side=padding_side),
+            seq_len=seq,
+            windows=self.attention_windows,
+            device=hidden.device,
+        )
         for index, layer in self.decoder_layers().items():
             hidden = self._run_layer(index, layer, hidden, rotary, mask)
         if self.norm is not None:

@@ -49,8 +49,6 @@ class AttentionMask:
     - `dense_masks` / `block_masks`: per-window materializations built once per forward by the backend's
       `prepare` (outside any compiled region) and only read by the layers, so every layer of a compiled
       stage sees the same structure and no layer mutates shared state.
-    - `parts`: the masks of consecutive parts of the batch's rows (`split_rows`), each prepared like this
-      one, for layers that run their batch in parts (`two_batch_overlap`); empty when none does.
     """
 
     padding: torch.Tensor | None = None
@@ -59,21 +57,6 @@ class AttentionMask:
     dense_masks: Mapping[int | None, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     block_masks: Mapping[int | None, BlockMask] = field(default_factory=dict, repr=False, compare=False)
     sharded: ShardedQueries | None = None
-    parts: tuple[AttentionMask, ...] = field(default=(), repr=False, compare=False)
-
-    def split_rows(self, parts: int) -> list[AttentionMask]:
-        """This pattern for `parts` consecutive parts of the batch's rows, as `Tensor.tensor_split` divides
-        them, unprepared (no dense or block masks: each part's are built from its own rows)."""
-        if self.sharded is not None:
-            raise ValueError("split the batch before context parallelism shards its queries, not after")
-
-        def rows(t: torch.Tensor | None) -> list[torch.Tensor | None]:
-            return [None] * parts if t is None else list(t.tensor_split(parts))
-
-        return [
-            AttentionMask(padding=padding, segment_ids=segments, padding_side=self.padding_side)
-            for padding, segments in zip(rows(self.padding), rows(self.segment_ids), strict=True)
-        ]
 
     @property
     def key_padding(self) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ from d9d.modules.moe.grouped_mm import (
     TorchGroupedMM,
     build_grouped_mm,
 )
-from d9d.modules.moe.layer import MoELayer, MoEStart
+from d9d.modules.moe.layer import MoELayer
 from d9d.modules.moe.local_communication import LocalMoECommunication
 from d9d.modules.moe.router import Routing, ScoreFunction, TopKRouter, route_topk
 from d9d.modules.moe.stats import (
@@ -38,7 +38,6 @@ __all__ = [
     "MoECommunication",
     "MoELayer",
     "MoEMetrics",
-    "MoEStart",
     "RoutedTokens",
     "Routing",
     "ScoreFunction",

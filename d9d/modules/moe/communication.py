@@ -17,11 +17,6 @@ Contract, for every handler:
   layer's shared expert, which needs no exchange). Most handlers do exactly that, in that order
   (`sequential_exchange`); one may overlap its communication with the experts' and the shared expert's
   compute instead (the all-to-all handler's `overlap_chunks`), with the same result.
-
-A handler whose dispatch reads split sizes on the host may also offer it in two stages (`StagedDispatch`):
-`begin_dispatch` queues everything before that read and starts the copy to the host, `end_dispatch` waits
-for the copy alone and queues the rest. Between the two the caller can queue other work (the other half of
-the batch's attention, `MoELayer.start`/`finish`), so the GPU stays busy while the host waits.
 """
 
 from __future__ import annotations
@@ -79,46 +74,11 @@ SharedFn = Callable[[], torch.Tensor]
 """Work on this rank's own tokens that needs no exchange (the shared expert): [tokens, hidden], added."""
 
 
-@dataclass(frozen=True)
-class PendingDispatch:
-    """A dispatch queued up to its host read of the split sizes (`StagedDispatch.begin_dispatch`): `land()`
-    waits for that read only and queues the rest of the dispatch."""
-
-    land: Callable[[], DispatchedTokens]
-
-
-@runtime_checkable
-class StagedDispatch(Protocol):
-    """A handler whose dispatch can stop before its host read: `end_dispatch(begin_dispatch(r))` is
-    `dispatch(r)`, and other work may be queued between the two calls."""
-
-    def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor: ...
-
-    def begin_dispatch(self, routed: RoutedTokens) -> PendingDispatch: ...
-
-    def end_dispatch(self, pending: PendingDispatch) -> DispatchedTokens: ...
-
-
 def sequential_exchange(
     communication: MoECommunication, routed: RoutedTokens, experts: ExpertsFn, shared: SharedFn | None
 ) -> torch.Tensor:
     """Dispatch, run the experts, combine, then add `shared()`: one after the other."""
-    return _experts_and_combine(communication, communication.dispatch(routed), experts, shared)
-
-
-def staged_exchange(
-    communication: StagedDispatch, pending: PendingDispatch, experts: ExpertsFn, shared: SharedFn | None
-) -> torch.Tensor:
-    """`sequential_exchange` from a begun dispatch: end it, run the experts, combine, add `shared()`."""
-    return _experts_and_combine(communication, communication.end_dispatch(pending), experts, shared)
-
-
-def _experts_and_combine(
-    communication: MoECommunication | StagedDispatch,
-    dispatched: DispatchedTokens,
-    experts: ExpertsFn,
-    shared: SharedFn | None,
-) -> torch.Tensor:
+    dispatched = communication.dispatch(routed)
     rows = experts(dispatched.hidden_states, dispatched.tokens_per_expert)
     out = communication.combine(rows, dispatched)
     return out if shared is None else out + shared()

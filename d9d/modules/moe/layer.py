@@ -4,8 +4,6 @@ expert."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,27 +11,10 @@ from torch import nn
 from d9d.modules.checkpointing import is_recomputing
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe.aux_loss import attach_auxiliary_loss, load_balancing_loss
-from d9d.modules.moe.communication import (
-    MoECommunication,
-    PendingDispatch,
-    RoutedTokens,
-    SharedFn,
-    StagedDispatch,
-    staged_exchange,
-)
+from d9d.modules.moe.communication import MoECommunication, RoutedTokens
 from d9d.modules.moe.experts import GroupedExperts
 from d9d.modules.moe.local_communication import LocalMoECommunication
 from d9d.modules.moe.router import Routing, TopKRouter
-
-
-@dataclass(frozen=True)
-class MoEStart:
-    """A part of a batch routed, its dispatch begun (`MoELayer.start`); `MoELayer.finish` completes it."""
-
-    shape: torch.Size
-    flat: torch.Tensor  # [tokens, hidden]
-    routing: Routing
-    pending: PendingDispatch
 
 
 class MoELayer(nn.Module):
@@ -45,11 +26,6 @@ class MoELayer(nn.Module):
     `aux_loss_stats` ([sum, forward calls], accumulated until `reset_aux_loss_stats()`). With
     `aux_loss_coef > 0` the gradient of `aux_loss_coef · aux_loss` is added during backward of every
     forward call (so once per microbatch); the value never appears in the model's outputs.
-
-    `batch_parts` (1 unless expert parallelism's `two_batch_overlap` sets 2) tells the decoder layer holding
-    this one to split its batch into that many parts and interleave them: part 1's attention runs while part
-    0's split sizes travel to the host (`start` / `finish`). Only with a handler that stages its dispatch
-    (`StagedDispatch`).
     """
 
     def __init__(
@@ -83,7 +59,6 @@ class MoELayer(nn.Module):
         # [sum of aux losses, forward calls] since the last reset, float32. A plain attribute, not a buffer:
         # `module.to(bfloat16)` would round the running sum.
         self.aux_loss_stats: torch.Tensor | None = None
-        self.batch_parts = 1
         if self.shared_expert_gate is not None:  # the injected blocks arrive initialized
             nn.init.normal_(self.shared_expert_gate.weight, std=self.init_std)
 
@@ -104,43 +79,14 @@ class MoELayer(nn.Module):
         keeps padding out of the balancing loss and out of its per-token scale."""
         flat = x.reshape(-1, x.shape[-1])
         routing = self.gate(flat)
-        out = self.communication.exchange(self._routed(flat, routing), self.experts, self._shared_fn(flat))
+        out = self.communication.exchange(
+            RoutedTokens(flat, routing.topk_ids, routing.topk_weights, self.gate.num_experts),
+            self.experts,
+            None if self.shared_expert is None else functools.partial(self._shared, flat),
+        )
         if torch.is_grad_enabled():  # training: the balancing loss is tracked even when not optimized
-            out = self._balancing_loss(out, [routing], [token_mask])
+            out = self._balancing_loss(out, routing, token_mask)
         return out.view_as(x)
-
-    def start(self, x: torch.Tensor) -> MoEStart:
-        """Routes `x` [..., hidden] and begins its dispatch, up to the host read of the split sizes: work
-        queued after this call runs on the GPU while `finish` waits for that read."""
-        staged = self._staged()
-        flat = x.reshape(-1, x.shape[-1])
-        routing = self.gate(flat)
-        return MoEStart(x.shape, flat, routing, staged.begin_dispatch(self._routed(flat, routing)))
-
-    def finish(
-        self, starts: Sequence[MoEStart], token_masks: Sequence[torch.Tensor | None]
-    ) -> list[torch.Tensor]:
-        """The outputs of the parts begun by `start`, in order: together what `forward` gives for them as one
-        batch (the balancing loss is computed once, over all of their tokens). `token_masks`: each part's."""
-        staged = self._staged()
-        outs = [staged_exchange(staged, s.pending, self.experts, self._shared_fn(s.flat)) for s in starts]
-        if torch.is_grad_enabled() and outs:
-            outs[0] = self._balancing_loss(outs[0], [s.routing for s in starts], token_masks)
-        return [out.view(s.shape) for out, s in zip(outs, starts, strict=True)]
-
-    def _staged(self) -> StagedDispatch:
-        if not isinstance(self.communication, StagedDispatch):
-            raise TypeError(
-                f"{type(self.communication).__name__} cannot stage its dispatch: start/finish "
-                "(batch_parts > 1) need an exchange that reads split sizes (expert parallelism's all_to_all)"
-            )
-        return self.communication
-
-    def _routed(self, flat: torch.Tensor, routing: Routing) -> RoutedTokens:
-        return RoutedTokens(flat, routing.topk_ids, routing.topk_weights, self.gate.num_experts)
-
-    def _shared_fn(self, flat: torch.Tensor) -> SharedFn | None:
-        return None if self.shared_expert is None else functools.partial(self._shared, flat)
 
     def _shared(self, flat: torch.Tensor) -> torch.Tensor:
         """The shared expert on every token (gated), added to the routed experts' output by `exchange`,
@@ -152,16 +98,10 @@ class MoELayer(nn.Module):
         return shared
 
     def _balancing_loss(
-        self, out: torch.Tensor, routings: Sequence[Routing], token_masks: Sequence[torch.Tensor | None]
+        self, out: torch.Tensor, routing: Routing, token_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """`out` with the balancing loss of the tokens of `routings` (the parts of one batch) attached."""
-        probs = torch.cat([r.probs for r in routings]) if len(routings) > 1 else routings[0].probs
-        ids = torch.cat([r.topk_ids for r in routings]) if len(routings) > 1 else routings[0].topk_ids
-        masks = [m.reshape(-1) for m in token_masks if m is not None]
-        if masks and len(masks) != len(routings):
-            raise ValueError("token masks must be given for every part of the batch or for none")
-        mask = (torch.cat(masks) if len(masks) > 1 else masks[0]) if masks else None
-        aux = load_balancing_loss(probs, ids, mask)
+        mask = token_mask.reshape(-1) if token_mask is not None else None
+        aux = load_balancing_loss(routing.probs, routing.topk_ids, mask)
         if not is_recomputing():
             self.last_aux_loss = aux.detach()
             step = torch.stack([aux.detach().float(), torch.ones_like(aux, dtype=torch.float32)])
@@ -169,5 +109,5 @@ class MoELayer(nn.Module):
         if self.aux_loss_coef == 0:
             return out
         if self.aux_loss_per_token:  # times the number of real tokens, as the LM loss counts only those
-            aux = aux * (mask.sum() if mask is not None else ids.shape[0])
+            aux = aux * (mask.sum() if mask is not None else routing.topk_ids.shape[0])
         return attach_auxiliary_loss(out, aux, self.aux_loss_coef)

@@ -54,16 +54,6 @@ class RotaryTables:
     def with_backend(self, backend: KernelBackend) -> RotaryTables:
         return RotaryTables(cos=self.cos, sin=self.sin, style=self.style, backend=backend)
 
-    def split_rows(self, parts: int) -> list[RotaryTables]:
-        """The tables of `parts` consecutive parts of the batch's rows, as `Tensor.tensor_split` divides them
-        (tables broadcast over the batch, one row, serve every part)."""
-        if self.cos.shape[0] == 1:
-            return [self] * parts
-        return [
-            RotaryTables(cos=cos, sin=sin, style=self.style, backend=self.backend)
-            for cos, sin in zip(self.cos.tensor_split(parts), self.sin.tensor_split(parts), strict=True)
-        ]
-
 
 class RotaryEmbedding(nn.Module):
     """Computes RoPE tables from position ids.

@@ -26,7 +26,6 @@ exchange).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from d9d.core.host_copy import HostCopy
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import (
     ExpertPermutation,
@@ -46,7 +44,6 @@ from d9d.kernels.moe import (
 from d9d.modules.moe.communication import (
     DispatchedTokens,
     ExpertsFn,
-    PendingDispatch,
     RoutedTokens,
     SharedFn,
     sequential_exchange,
@@ -225,29 +222,13 @@ class AllToAllMoECommunication:
     # gloo/CPU inductor was exact. The host sync on the split sizes breaks the graph here anyway.
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def dispatch(self, routed: RoutedTokens) -> DispatchedTokens:
-        return self._begin(routed).land()
-
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def begin_dispatch(self, routed: RoutedTokens) -> PendingDispatch:
-        """Everything before the host read of the split sizes queued, their copy to the host started
-        (`StagedDispatch`). The calibrated capacity exchange reads nothing: it dispatches here in full."""
-        if self.overlap_chunks > 1:
-            raise RuntimeError("the overlapped exchange (overlap_chunks > 1) does not stage its dispatch")
-        return self._begin(routed)
-
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def end_dispatch(self, pending: PendingDispatch) -> DispatchedTokens:
-        return pending.land()
-
-    def _begin(self, routed: RoutedTokens) -> PendingDispatch:
         if self.dedup:
             return self._dispatch_dedup(routed)
         # Only where the engine reads the overflow flag: a training forward (evaluation and inference run
         # without gradients and take the exact, synchronizing path).
         capacity = self.capacity if torch.is_grad_enabled() else None
         if capacity is not None and capacity.rows is not None:
-            dispatched = self._dispatch_copies_capacity(routed, capacity)
-            return PendingDispatch(lambda: dispatched)
+            return self._dispatch_copies_capacity(routed, capacity)
         return self._dispatch_copies(routed, capacity)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -259,10 +240,10 @@ class AllToAllMoECommunication:
 
     # -- one row per (token, rank) -----------------------------------------------------------------------
 
-    def _dispatch_dedup(self, routed: RoutedTokens) -> PendingDispatch:
+    def _dispatch_dedup(self, routed: RoutedTokens) -> DispatchedTokens:
         local_experts = routed.local_experts(self.size)
         ids, weights = routed.topk_ids, routed.topk_weights
-        tokens = ids.shape[0]
+        tokens, k = ids.shape
         ranks = torch.arange(self.size, device=ids.device)
         on_rank = (ids // local_experts)[None] == ranks[:, None, None]  # [ep, tokens, k]
         to_rank = on_rank.any(2)  # [ep, tokens]: token t goes to rank r
@@ -275,25 +256,7 @@ class AllToAllMoECommunication:
         local_ids = torch.where(on_rank, ids[None] - ranks[:, None, None] * local_experts, -1)
         rank_weights = torch.where(on_rank, weights[None], 0)  # each weight lands on exactly one rank
         order = torch.argsort((~sent).to(torch.uint8), stable=True)  # sent (rank, token) pairs first
-        counts = HostCopy(torch.stack([send_counts, recv_counts]))
-        return PendingDispatch(
-            functools.partial(
-                self._land_dedup, routed, counts, send_slots, local_ids, rank_weights, order, local_experts
-            )
-        )
-
-    def _land_dedup(
-        self,
-        routed: RoutedTokens,
-        counts: HostCopy,
-        send_slots: torch.Tensor,
-        local_ids: torch.Tensor,
-        rank_weights: torch.Tensor,
-        order: torch.Tensor,
-        local_experts: int,
-    ) -> DispatchedTokens:
-        k = routed.topk_ids.shape[1]
-        sent_counts, received_counts = counts.wait().tolist()  # the one sync
+        sent_counts, received_counts = torch.stack([send_counts, recv_counts]).cpu().tolist()  # the one sync
         send_splits = [rows for rows, _ in sent_counts]
         recv_splits = [rows for rows, _ in received_counts]
         num_sent, num_copies = sum(send_splits), sum(copies for _, copies in received_counts)
@@ -336,7 +299,7 @@ class AllToAllMoECommunication:
         dist.all_to_all_single(recv_counts, perm.rows_per_expert, group=self.group)
         return perm, recv_counts
 
-    def _dispatch_copies(self, routed: RoutedTokens, capacity: ExchangeCapacity | None) -> PendingDispatch:
+    def _dispatch_copies(self, routed: RoutedTokens, capacity: ExchangeCapacity | None) -> DispatchedTokens:
         local_experts = routed.local_experts(self.size)
         perm, recv_counts = self._copy_counts(routed)
         send = permute_tokens(routed.hidden_states, perm.slot_rows, perm.num_rows, backend=self.backend)
@@ -344,20 +307,7 @@ class AllToAllMoECommunication:
         counts = torch.stack([send_counts, recv_counts]).view(2, self.size, local_experts).sum(2)
         if capacity is not None:  # not calibrated yet: the loads it will be sized from
             capacity.record(counts[0], None)
-        return PendingDispatch(
-            functools.partial(self._land_copies, routed, perm, recv_counts, send, HostCopy(counts))
-        )
-
-    def _land_copies(
-        self,
-        routed: RoutedTokens,
-        perm: ExpertPermutation,
-        recv_counts: torch.Tensor,
-        send: torch.Tensor,
-        counts: HostCopy,
-    ) -> DispatchedTokens:
-        local_experts = routed.local_experts(self.size)
-        send_splits, recv_splits = counts.wait().tolist()  # the one sync
+        send_splits, recv_splits = counts.cpu().tolist()  # the one sync
         rows = all_to_all(send, recv_splits, send_splits, self.group)
         num_received = sum(recv_splits)
         # Received grouped by (source, local expert): regrouped by local expert. The permute kernel moves the

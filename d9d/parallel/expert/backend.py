@@ -52,11 +52,6 @@ class AllToAllBackendConfig(BaseModel):
     #: split sizes per layer still; only the first chunk's dispatch and the last one's combine are exposed).
     #: The experts then run eagerly inside a compiled block. Copy exchange that reads its split sizes only.
     overlap_chunks: int = Field(1, ge=1)
-    #: Each MoE decoder layer splits its batch's rows in two parts and interleaves them: part 1's attention
-    #: and routing run on the GPU while the host waits for part 0's split sizes, so the host read of every
-    #: layer no longer leaves the GPU idle (docs/parallelism.md). The same result as without (rows never
-    #: meet in a layer); helps only with at least 2 rows per microbatch. Not with `overlap_chunks > 1`.
-    two_batch_overlap: bool = False
 
     @model_validator(mode="after")
     def _capacity_needs_copies(self) -> AllToAllBackendConfig:
@@ -66,11 +61,6 @@ class AllToAllBackendConfig(BaseModel):
             raise ValueError(
                 f"overlap_chunks={self.overlap_chunks} is implemented for the copy exchange that reads its "
                 "split sizes: set dedup: false and capacity_factor: null, or overlap_chunks: 1"
-            )
-        if self.two_batch_overlap and self.overlap_chunks > 1:
-            raise ValueError(
-                "two_batch_overlap and overlap_chunks > 1 are two ways of hiding the exchange: choose one "
-                "(two_batch_overlap: false, or overlap_chunks: 1)"
             )
         return self
 

@@ -9,12 +9,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from d9d.modules.moe.layer import MoELayer
 from d9d.parallel.expert.all_to_all import AllToAllMoECommunication
-from d9d.parallel.expert.backend import (
-    AllToAllBackendConfig,
-    AutoBackendConfig,
-    ExpertCommunicationConfig,
-    build_moe_communication,
-)
+from d9d.parallel.expert.backend import AutoBackendConfig, ExpertCommunicationConfig, build_moe_communication
 from d9d.parallel.expert.capacity import ExchangeCapacity
 from d9d.parallel.expert.deepep import DeepEPMoECommunication
 from d9d.parallel.grad_sync import mark_grad_reduce_mesh
@@ -72,12 +67,12 @@ def parallelize_expert_parallel(
     )
     if ep == 1:
         return  # every expert is local: the layer's own (local) communication is exact and free
-    config = backend if backend is not None else AutoBackendConfig()
     moe_layer.communication = build_moe_communication(
-        config, shard_mesh.get_group(), device=device, dtype=dtype
+        backend if backend is not None else AutoBackendConfig(),
+        shard_mesh.get_group(),
+        device=device,
+        dtype=dtype,
     )
-    if isinstance(config, AllToAllBackendConfig) and config.two_batch_overlap:
-        moe_layer.batch_parts = 2
 
 
 def exchange_capacities(module: nn.Module) -> list[tuple[str, ExchangeCapacity]]:
