@@ -9,6 +9,7 @@ from d9d.models.decoder.cost import (
     decoder_footprint,
     mean_attended_keys,
 )
+from d9d.models.decoder.layer import PreNormDecoderLayer
 from d9d.models.decoder.plan import PreNormLayer, parallelize_decoder, tensor_parallel_prenorm_layer
 from d9d.models.decoder.tasks import (
     BackboneInputs,
@@ -29,6 +30,7 @@ __all__ = [
     "DecoderStageModel",
     "DecoderTaskConfig",
     "LayerCost",
+    "PreNormDecoderLayer",
     "PreNormLayer",
     "decoder_flops_per_token",
     "decoder_footprint",
