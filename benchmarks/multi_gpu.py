@@ -144,9 +144,11 @@ on PATH (`stacks`, by pid: where it hung).
 
 `--py-spy GLOB[,GLOB]`: those rows run under `py-spy record --gil --threads --subprocesses` (py-spy on
 PATH), which samples whichever thread holds each process's GIL; the row's entry gets `host_threads` (per
-rank process, each thread's samples, those under `Trainer._run_step`, its commonest frames) and the raw
-file lands beside `--out`. For the launchers' difference: the Ray actor runs threads torchrun's ranks do
-not (the reporter's courier, Ray's own), and a step that waits on the GPU many times feels each of them.
+rank process, each thread's samples, those under `Trainer._run_step`, its commonest frames; and
+`step_frames`: the step thread's 40 commonest frames by inclusive share) and the raw file lands beside
+`--out`, gzipped (`throughput/host_stacks.py` reads it as it is). For the launchers' difference: the Ray
+actor runs threads torchrun's ranks do not (the reporter's courier, Ray's own), and a step that waits on the
+GPU many times feels each of them.
 
 Output: a markdown table on stdout and a JSON file (`--out`, default
 `benchmarks/results/multi_gpu_<device>_<N>gpu_<date>.json`; `--smoke`: a temporary file) with the
@@ -164,6 +166,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import fnmatch
+import gzip
 import json
 import os
 import queue
@@ -182,7 +185,7 @@ from typing import Any
 
 import yaml
 from throughput.common import ARCHS, BATCH, LR, MODEL_NAMES, PEAK_TFLOPS, SEQ, SMOKE_ARCHS, flops_per_token
-from throughput.host_stacks import thread_samples
+from throughput.host_stacks import step_samples, thread_samples
 from throughput.probe import read_profiles, read_records
 from throughput.profile import across_ranks, render_ranks
 
@@ -621,6 +624,7 @@ def py_spy_dump() -> Callable[[int], str] | None:
 
 
 PY_SPY_RATE = 100  # samples per second
+STEP_FRAME = "Trainer._run_step"  # the training step, as py-spy names the frame
 
 
 def start_recorder(row: Row, args: argparse.Namespace, pid: int, raw: Path) -> subprocess.Popen[bytes] | None:
@@ -637,8 +641,10 @@ def start_recorder(row: Row, args: argparse.Namespace, pid: int, raw: Path) -> s
 def finish_recorder(
     recorder: subprocess.Popen[bytes], row: Row, args: argparse.Namespace, raw: Path
 ) -> dict[str, Any]:
-    """Stop py-spy (it writes its file on SIGINT), keep its raw file beside `--out`, and summarize it: per
-    rank process, each thread's GIL samples, those under the step, and its three commonest frames."""
+    """Stop py-spy (it writes its file on SIGINT), keep its raw file beside `--out` (gzipped: tens of MB as
+    text), and summarize it: per rank process, each thread's GIL samples, those under the step, and its
+    three commonest frames; and the step thread's commonest frames (inclusive share), so the breakdown
+    survives where the raw file cannot travel."""
     if recorder.poll() is None:
         recorder.send_signal(signal.SIGINT)
     try:
@@ -649,12 +655,22 @@ def finish_recorder(
     if not raw.exists():
         return {"error": f"py-spy wrote nothing (exit code {recorder.returncode})"}
     if args.out:
-        keep = Path(args.out).with_suffix(f".{re.sub(r'[^A-Za-z0-9._-]', '_', row.id)}.py-spy.txt")
-        shutil.copyfile(raw, keep)
+        keep = Path(args.out).with_suffix(f".{re.sub(r'[^A-Za-z0-9._-]', '_', row.id)}.py-spy.txt.gz")
+        with raw.open("rb") as src, gzip.open(keep, "wb") as dst:
+            shutil.copyfileobj(src, dst)
     with raw.open(errors="replace") as f:
-        per_process = thread_samples(f, "Trainer._run_step")
+        per_process = thread_samples(f, STEP_FRAME)
+    with raw.open(errors="replace") as f:
+        in_step = step_samples(f, STEP_FRAME)
     return {
         "rate_hz": PY_SPY_RATE,
+        "step_frames": {
+            pid: {
+                "samples": s.total,
+                "inclusive": [(name, round(n / s.total, 4)) for name, n in s.inclusive.most_common(40)],
+            }
+            for pid, s in in_step.items()
+        },
         "processes": {
             pid: {
                 name: {"samples": t.total, "in_step": t.in_step, "top": t.leaf.most_common(3)}

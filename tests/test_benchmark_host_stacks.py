@@ -4,6 +4,7 @@ against counts made by hand for a few synthetic stacks."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -26,6 +27,8 @@ LINES = [
     f"{LAUNCHER};{RANK0};main (launch.py:1);{STEP.format(219)};forward (step.py:71);mm (ops.py:5) 1",
     f"{LAUNCHER};{RANK0};main (launch.py:1);{STEP.format(230)};wait (host_copy.py:9) 1",
     f"{LAUNCHER};{RANK0};main (launch.py:1);{STEP.format(219)};_compile (torch/_dynamo/convert_frame.py:3) 5",
+    # and 6 in a Triton kernel's first-call compilation
+    f"{LAUNCHER};{RANK0};{STEP.format(219)};run (triton/jit.py:1);compile (triton/compiler/compiler.py:2) 6",
     # rank 0 outside the step (start-up) and on autograd's thread: not the step's thread
     f"{LAUNCHER};{RANK0};main (launch.py:1);import (x.py:1) 7",
     f"{LAUNCHER};{RANK0};backward (function.py:3) 4",
@@ -75,3 +78,15 @@ def test_counts_each_threads_gil_samples_in_processes_that_run_the_step(host_sta
     assert (courier.total, courier.in_step) == (3, 0)
     assert courier.leaf == {"remote (actor.py)": 2, "pickle (ser.py)": 1}
     assert (by_thread["(14)"].total, by_thread["(14)"].leaf) == (4, {})
+
+
+def test_a_root_frame_no_sample_runs_is_an_error_naming_the_frames_meant(
+    host_stacks: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """py-spy prints methods with their class (`Trainer._run_step`): a bare `_run_step` matches nothing, and
+    the tool says so with the frames that contain it instead of printing an empty table."""
+    profile = tmp_path / "raw.txt"
+    profile.write_text("\n".join(LINES) + "\n")
+    monkeypatch.setattr("sys.argv", ["host_stacks.py", str(profile), "_run_step"])
+    with pytest.raises(SystemExit, match=r"frames containing it: \['Trainer._run_step'\]"):
+        host_stacks.main()

@@ -567,3 +567,42 @@ def test_a_timed_out_row_keeps_its_own_last_lines_and_its_processes_stacks(bench
     finally:
         child.kill()
         child.wait()
+
+
+class _StoppedRecorder:
+    """A py-spy process that has already written its file and exited."""
+
+    returncode = 0
+
+    def poll(self) -> int:
+        return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def test_a_py_spy_record_is_kept_gzipped_and_summarized_per_thread_and_by_step_frame(
+    bench, tmp_path: Path
+) -> None:
+    """The raw stacks are tens of MB as text (more than one file may bring back from a device call), so the
+    row keeps them gzipped and puts the step thread's commonest frames into its JSON."""
+    import gzip
+
+    step = "Trainer._run_step (d9d/engine/trainer.py:219)"
+    lines = [
+        f'process 11:"launch";thread (11): MainThread;{step};forward (step.py:70);mm (ops.py:5) 3',
+        f'process 11:"launch";thread (11): MainThread;{step};exchange (all_to_all.py:9) 1',
+        'process 11:"launch";thread (12): courier;send (report.py:4) 2',
+    ]
+    raw = tmp_path / "py-spy.txt"
+    raw.write_text("\n".join(lines) + "\n")
+    row = bench.Row("moe-fsdp-ep", "moe", "d9d", "torchrun", 2, "FSDP 2 × EP 2")
+    out = tmp_path / "result.json"
+    summary = bench.finish_recorder(_StoppedRecorder(), row, _args(out=str(out)), raw)
+    kept = tmp_path / "result.moe-fsdp-ep.py-spy.txt.gz"
+    assert gzip.decompress(kept.read_bytes()).decode() == raw.read_text()
+    frames = summary["step_frames"]["process 11"]
+    assert frames["samples"] == 4
+    assert dict(frames["inclusive"])["forward (step.py)"] == 0.75
+    threads = summary["processes"]["process 11"]
+    assert threads["MainThread (11)"]["in_step"] == 4 and threads["courier (12)"]["in_step"] == 0

@@ -1,6 +1,6 @@
 """Where a rank's host time goes inside the training step, from `py-spy record -f raw` output.
 
-    python benchmarks/throughput/host_stacks.py PROFILE.txt ROOT_FRAME [--top 60]
+    python benchmarks/throughput/host_stacks.py PROFILE.txt[.gz] ROOT_FRAME [--top 60]
 
 For each process whose samples contain ROOT_FRAME (d9d: `Trainer._run_step`, torchtitan:
 `Trainer.train_step`), prints the share of the step's samples under each frame (inclusive) and at each leaf
@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TextIO
 
 
 @dataclass
@@ -37,8 +39,11 @@ def _frame(text: str) -> str:
 
 
 def _start_up(frames: list[str]) -> bool:
-    """Imports and compilation: start-up, not the steps the table times."""
-    return any("convert_frame.py" in fr or "<frozen importlib" in fr for fr in frames)
+    """Imports and compilation (dynamo's, and Triton's of a kernel's first call): start-up, not the steps the
+    table times."""
+    return any(
+        "convert_frame.py" in fr or "<frozen importlib" in fr or "triton/compiler/" in fr for fr in frames
+    )
 
 
 def _sample(line: str) -> tuple[list[str], str, int] | None:
@@ -102,6 +107,24 @@ def thread_samples(lines: Iterable[str], root: str) -> dict[str, dict[str, Threa
     }
 
 
+def _open(path: str) -> TextIO:
+    """py-spy's raw text, or its gzip (as `benchmarks/multi_gpu.py --py-spy` keeps it)."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", errors="replace")
+    return open(path, errors="replace")
+
+
+def _frames_like(path: str, root: str, limit: int = 5) -> list[str]:
+    """The most frequent frame names that contain `root` (what the user probably meant)."""
+    names: collections.Counter[str] = collections.Counter()
+    with _open(path) as f:
+        for line in f:
+            for fr in line.rpartition(" ")[0].split(";"):
+                if root in fr:
+                    names[fr.split(" (")[0]] += 1
+    return [name for name, _ in names.most_common(limit)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("profile")
@@ -109,8 +132,15 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=60)
     parser.add_argument("--threads", action="store_true", help="samples per thread (module docs)")
     args = parser.parse_args()
+    with _open(args.profile) as f:
+        if not any(_sample(line) is not None and f";{args.root} (" in line for line in f):
+            like = _frames_like(args.profile, args.root)
+            raise SystemExit(
+                f"no sample of {args.profile} runs a frame named {args.root!r} (the name py-spy prints, "
+                f"e.g. 'Trainer._run_step'); frames containing it: {like or 'none'}"
+            )
     if args.threads:
-        with open(args.profile, errors="replace") as f:
+        with _open(args.profile) as f:
             per_process = thread_samples(f, args.root)
         for pid, by_thread in per_process.items():
             print(f"== {pid}")
@@ -118,7 +148,7 @@ def main() -> None:
                 leaves = ", ".join(f"{leaf[:80]} {n}" for leaf, n in t.leaf.most_common(3))
                 print(f"{t.total:8d} {t.in_step:8d} in step  {name[:60]}  {leaves}")
         return
-    with open(args.profile, errors="replace") as f:
+    with _open(args.profile) as f:
         found = step_samples(f, args.root)
     for pid, s in sorted(found.items(), key=lambda item: -item[1].total):
         print(f"== {pid}: {s.total} step samples")
