@@ -65,19 +65,13 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 from throughput.common import AC_MODES, MODEL_NAMES, PROFILE_STEPS, TITAN_AC_MODES, AcMode, one_rank_env
+from throughput.d9d_peer import D9dBatch, D9dVariant
 
-D9D_VARIANTS = (
-    "compiled",
-    "compiled-kernels",
-    "compiled-autotune",
-    "compiled-a2a",
-    "eager",
-    "eager-legacy",
-)
-D9D_BATCHES = ("random", "collate", "padded", "ones-mask", "packed")
+D9D_VARIANTS: tuple[str, ...] = get_args(D9dVariant)
+D9D_BATCHES: tuple[str, ...] = get_args(D9dBatch)
 HF_VARIANTS = ("plain", "liger", "compile")
 TITAN_VARIANTS = ("eager", "compile")
 LABELS = {
