@@ -4,7 +4,7 @@ controller's state step, the command mailbox, the health checks and the metrics 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -579,10 +579,13 @@ def test_a_reported_rank_error_ends_the_attempt_without_waiting_for_the_ranks(tm
     assert took < 1.0
 
 
-def test_a_grow_decided_at_a_commit_waits_for_rank_0_to_report_that_step(tmp_path: Path) -> None:
-    """The resize that a commit allows is asked for only once rank 0's report of the committed step
-    arrived (its loss, or the next boundary, which comes after it): tearing the ranks down earlier lost
-    that step's loss (still queued on rank 0), and the new ranks resume after it."""
+Reports = Callable[[Any, Any, Any, Callable[[], None]], None]
+"""(controller, its attempt, the metrics hub, `take`: note the resize the mailbox holds, if any)."""
+
+
+def _grow_requests(tmp_path: Path, period: int, report: Reports) -> list[int | None]:
+    """The resizes a controller asks for while `report` plays rank 0's reports of one attempt on a cluster
+    with room for two more ranks (each entry: what the mailbox held at a `take`)."""
     import asyncio
 
     from d9d.cluster.checkpoints import CheckpointStore
@@ -590,31 +593,23 @@ def test_a_grow_decided_at_a_commit_waits_for_rank_0_to_report_that_step(tmp_pat
     from d9d.cluster.control.signal import Changes
 
     mailbox = CommandMailbox()
-    asked: list[int | None] = []
 
     class _Roomy(_FakeWorkers):
         def free(self) -> int:
-            return 2  # room for two more ranks
+            return 2
 
-    class _CommitsThenReports(_FakeRunner):
+    asked: list[int | None] = []
+
+    class _Reports(_FakeRunner):
         async def run(self, at: Any) -> Outcome:
             outcome = await super().run(at)
-            ctl.step_seen(5)
-            ctl.committed(at, 6)  # the commit's RPC overtook rank 0's boundary for step 6
-            asked.append(mailbox.take_resize())
-            ctl.step_seen(6)  # the boundary, without step 6's loss (it comes with the next one)
-            asked.append(mailbox.take_resize())
-            ctl.step_seen(7)
-            asked.append(mailbox.take_resize())
-            ctl.committed(at, 8)
-            hub.add(MetricPoint(8, 0, {"loss": 1.0}, "train", 0.0))  # step 8's loss with its boundary
-            ctl.step_seen(8)
-            asked.append(mailbox.take_resize())
+            report(ctl, at, hub, lambda: asked.append(mailbox.take_resize()))
             return outcome
 
     job = toy_job("grow", tmp_path / "run", world=2, cluster={"min_workers": 1, "max_workers": 4})
+    job["logging"] = {"period": period}
     spec = build_job(job)
-    runner = _CommitsThenReports([Finished()])
+    runner = _Reports([Finished()])
     hub = MetricsHub(MetricsWriter(lambda: _Sink(), min_interval_s=0.0))
     ctl = Controller(
         spec,
@@ -627,4 +622,47 @@ def test_a_grow_decided_at_a_commit_waits_for_rank_0_to_report_that_step(tmp_pat
     )
     runner.machine = ctl.machine
     asyncio.run(ctl.run())
-    assert asked == [None, None, 4, 4]
+    return asked
+
+
+def _loss(hub: Any, ctl: Any, step: int) -> None:
+    """Rank 0's loss point for `step` arriving, as the coordinator accepts it (recorded, then seen)."""
+    hub.add(MetricPoint(step, 0, {"loss": 1.0}, "train", 0.0))
+    ctl.step_seen(step)
+
+
+def test_a_grow_decided_at_a_commit_waits_for_that_steps_loss(tmp_path: Path) -> None:
+    """The resize that a commit allows is asked for only once rank 0's loss of the committed step arrived:
+    the new ranks resume after that step and never report it again. A later step's boundary is no proof —
+    calls to the coordinator actor may run out of order, and a resize that trusted one lost the committed
+    step's loss under load (tests/test_cluster_elastic_engine.py, session 18)."""
+
+    def report(ctl: Any, at: Any, hub: Any, take: Callable[[], None]) -> None:
+        ctl.step_seen(5)
+        ctl.committed(at, 6)  # the commit's RPC overtook rank 0's report of step 6
+        take()
+        ctl.step_seen(6)  # step 6's boundary, its loss still on the way
+        take()
+        ctl.step_seen(7)  # a later boundary ran before the report carrying step 6's loss
+        take()
+        _loss(hub, ctl, 6)
+        take()
+        ctl.committed(at, 8)
+        _loss(hub, ctl, 8)
+        take()
+
+    assert _grow_requests(tmp_path, 1, report) == [None, None, None, 4, 4]
+
+
+def test_a_grow_at_a_commit_whose_loss_is_not_logged_waits_for_the_next_boundary(tmp_path: Path) -> None:
+    """With `logging.period: 2` step 7 reports no loss: the boundary after it is the report to wait for."""
+
+    def report(ctl: Any, at: Any, hub: Any, take: Callable[[], None]) -> None:
+        ctl.committed(at, 7)
+        take()
+        ctl.step_seen(7)
+        take()
+        ctl.step_seen(8)
+        take()
+
+    assert _grow_requests(tmp_path, 2, report) == [None, None, 4]

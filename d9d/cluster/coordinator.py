@@ -512,10 +512,10 @@ class Coordinator:
 
     async def _accept(self, points: list[MetricPoint]) -> None:
         for point in points:
+            self._metrics.add(point)  # first: a grow waiting for this step's loss sees it (step_seen)
             step = loss_step(point)
             if step is not None:
                 self._control.step_seen(step)
             if reports_pause(point):
                 self._control.ranks_paused()
-            self._metrics.add(point)
         await self._changes.notify()

@@ -428,11 +428,16 @@ class Controller:
 
     def _grow_when_reported(self) -> None:
         """Resize once rank 0's report of the commit step arrived: the restart resumes after that step and
-        never reports it again. Its loss may come after its boundary (with the next one), so either."""
+        never reports it again. A step whose loss is logged waits for that loss itself: calls to the
+        (asynchronous) coordinator actor may run out of order, so a later step's boundary does not prove the
+        loss has arrived (under load a resize lost it). A step without a logged loss waits for the next
+        boundary."""
         if self._grow_after is None:
             return
         workers, step = self._grow_after
-        if step in self._metrics.losses or self._metrics.last_step > step:
+        train = self._spec.train
+        logged = step % train.logging.period == 0 or step == train.trainer.total_steps
+        if step in self._metrics.losses if logged else self._metrics.last_step > step:
             self._mailbox.request_resize(workers)
             self._grow_after = None
 
