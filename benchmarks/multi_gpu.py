@@ -658,10 +658,9 @@ def finish_recorder(
         keep = Path(args.out).with_suffix(f".{re.sub(r'[^A-Za-z0-9._-]', '_', row.id)}.py-spy.txt.gz")
         with raw.open("rb") as src, gzip.open(keep, "wb") as dst:
             shutil.copyfileobj(src, dst)
-    with raw.open(errors="replace") as f:
-        per_process = thread_samples(f, STEP_FRAME)
-    with raw.open(errors="replace") as f:
-        in_step = step_samples(f, STEP_FRAME)
+    lines = raw.read_text(errors="replace").splitlines()
+    per_process = thread_samples(lines, STEP_FRAME)
+    in_step = step_samples(lines, STEP_FRAME)
     return {
         "rate_hz": PY_SPY_RATE,
         "step_frames": {

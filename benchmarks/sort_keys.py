@@ -18,24 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from throughput.common import cuda_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from d9d.kernels.moe import expert_permutation
 
 DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-def _gpu_ms(fn: Callable[[], object], iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end)) / iters
 
 
 def _kernels(fn: Callable[[], object]) -> int:
@@ -70,12 +58,12 @@ def main() -> None:
         key = ids.to(dtype)
         row: dict[str, Any] = {"same_order": bool(torch.equal(torch.argsort(key, stable=True), reference))}
         if cuda:
-            row |= {"gpu_ms": _gpu_ms(lambda key=key: torch.argsort(key, stable=True))}
+            row |= {"gpu_ms": cuda_ms(lambda key=key: torch.argsort(key, stable=True))}
             row |= {"kernels": _kernels(lambda key=key: torch.argsort(key, stable=True))}
         result[f"argsort {str(dtype).removeprefix('torch.')}"] = row
     if cuda:
         perm = lambda: expert_permutation(topk, args.experts)  # noqa: E731
-        result["expert_permutation"] = {"gpu_ms": _gpu_ms(perm), "kernels": _kernels(perm)}
+        result["expert_permutation"] = {"gpu_ms": cuda_ms(perm), "kernels": _kernels(perm)}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from throughput.common import cuda_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from d9d.kernels.backend import resolve_backend
@@ -154,16 +155,7 @@ def _host_us(call: Callable[[], object], device: torch.device, iters: int) -> fl
 
 
 def _device_ms(call: Callable[[], object], device: torch.device, iters: int) -> float | None:
-    if device.type != "cuda":
-        return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    _sync(device)
-    start.record()
-    for _ in range(iters):
-        call()
-    end.record()
-    _sync(device)
-    return float(start.elapsed_time(end)) / iters
+    return cuda_ms(call, iters) if device.type == "cuda" else None
 
 
 def main() -> None:

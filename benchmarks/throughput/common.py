@@ -255,6 +255,21 @@ def model_flops_per_token(model: str, seq: int = SEQ) -> float:
     return flops_per_token(ARCHS[model], model == "moe", seq)
 
 
+def cuda_ms(fn: Callable[[], object], iters: int = 50, warmup: int = 5) -> float:
+    """Device milliseconds per call of `fn`, from CUDA events around `iters` calls queued back to back (after
+    `warmup` calls)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) / iters
+
+
 def summary(times: list[float], first_step_s: float | None, model: str) -> dict[str, Any]:
     """Median step → tokens/s (batch × sequence positions, padding included: every row computes on all of
     them) and MFU; peak is the allocator's high-water mark since the last reset."""

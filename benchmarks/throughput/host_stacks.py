@@ -132,24 +132,24 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=60)
     parser.add_argument("--threads", action="store_true", help="samples per thread (module docs)")
     args = parser.parse_args()
+    per_process: dict[str, dict[str, ThreadSamples]] = {}
+    found: dict[str, StepSamples] = {}
     with _open(args.profile) as f:
-        if not any(_sample(line) is not None and f";{args.root} (" in line for line in f):
-            like = _frames_like(args.profile, args.root)
-            raise SystemExit(
-                f"no sample of {args.profile} runs a frame named {args.root!r} (the name py-spy prints, "
-                f"e.g. 'Trainer._run_step'); frames containing it: {like or 'none'}"
-            )
-    if args.threads:
-        with _open(args.profile) as f:
+        if args.threads:
             per_process = thread_samples(f, args.root)
-        for pid, by_thread in per_process.items():
-            print(f"== {pid}")
-            for name, t in sorted(by_thread.items(), key=lambda item: -item[1].total):
-                leaves = ", ".join(f"{leaf[:80]} {n}" for leaf, n in t.leaf.most_common(3))
-                print(f"{t.total:8d} {t.in_step:8d} in step  {name[:60]}  {leaves}")
-        return
-    with _open(args.profile) as f:
-        found = step_samples(f, args.root)
+        else:
+            found = step_samples(f, args.root)
+    if not per_process and not found:  # the root names no frame of any sample
+        like = _frames_like(args.profile, args.root)
+        raise SystemExit(
+            f"no sample of {args.profile} runs a frame named {args.root!r} (the name py-spy prints, "
+            f"e.g. 'Trainer._run_step'); frames containing it: {like or 'none'}"
+        )
+    for pid, by_thread in per_process.items():
+        print(f"== {pid}")
+        for name, t in sorted(by_thread.items(), key=lambda item: -item[1].total):
+            leaves = ", ".join(f"{leaf[:80]} {n}" for leaf, n in t.leaf.most_common(3))
+            print(f"{t.total:8d} {t.in_step:8d} in step  {name[:60]}  {leaves}")
     for pid, s in sorted(found.items(), key=lambda item: -item[1].total):
         print(f"== {pid}: {s.total} step samples")
         for key, v in s.inclusive.most_common(args.top):

@@ -21,7 +21,7 @@ import torch
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.engine.providers import ModelFlops
-from d9d.engine.runtime import MetricPoint, RunReporter
+from d9d.engine.runtime import MetricPoint, RunReporter, reports_train_metrics
 from d9d.engine.step_metrics import StepMetrics
 from d9d.metrics import AsyncMetricCollector, to_scalars
 
@@ -117,7 +117,7 @@ class StepReporter:
     ) -> None:
         now = time.time()
         self.publish_task_metrics()
-        if step % self.period != 0 and step != self.total_steps:
+        if not reports_train_metrics(step, self.period, self.total_steps):
             return
         if self.collector is not None:
             self.collector.schedule(step, reset=True)

@@ -53,6 +53,12 @@ class MetricPoint:
     wall_time: float = 0.0
 
 
+def reports_train_metrics(step: int, period: int, total_steps: int) -> bool:
+    """Whether rank 0 reports `step`'s training metrics, its loss among them (a `train` point): every
+    `logging.period`-th step and the last. Launchers rely on it (the coordinator waits for a step's loss)."""
+    return step % period == 0 or step == total_steps
+
+
 class CommandKind(enum.StrEnum):
     PAUSE = "pause"
     RESUME = "resume"

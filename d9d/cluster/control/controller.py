@@ -38,7 +38,7 @@ from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, RunSummary, StateMachine, record_launch
 from d9d.engine.checkpoint import step_dir_name
-from d9d.engine.runtime import MetricPoint, RankResult
+from d9d.engine.runtime import MetricPoint, RankResult, reports_train_metrics
 
 _log = logging.getLogger(__name__)
 
@@ -436,7 +436,7 @@ class Controller:
             return
         workers, step = self._grow_after
         train = self._spec.train
-        logged = step % train.logging.period == 0 or step == train.trainer.total_steps
+        logged = reports_train_metrics(step, train.logging.period, train.trainer.total_steps)
         if step in self._metrics.losses if logged else self._metrics.last_step > step:
             self._mailbox.request_resize(workers)
             self._grow_after = None
