@@ -6,10 +6,10 @@ each on one H200, most of it in Triton's Python launcher (docs/benchmarks.md, se
     python benchmarks/token_ops_host.py --smoke     # CPU: the variants agree; no timing is meaningful there
 
 Variants, each a permute (`scatter_rows`) and a weighted combine (`gather_sum`), forward and backward:
-- `custom-op`: `d9d.kernels.moe.permute_tokens` / `combine_tokens` as the exchange calls them (torch.library
-  custom ops with their autograd; Triton on CUDA);
-- `function`: the same Triton kernels (the PyTorch references elsewhere) through plain
-  `torch.autograd.Function`s: what the custom-op dispatch costs;
+- `custom-op`: the torch.library custom ops `d9d::moe_scatter_rows` / `moe_gather_sum` with their autograd
+  (Triton on CUDA), as a compiled region calls them and as the eager exchange did until session 19;
+- `function`: `d9d.kernels.moe.permute_tokens` / `combine_tokens` called eagerly, which since session 19
+  run the same kernels through plain `torch.autograd.Function`s: what the custom-op dispatch costs;
 - `aten`: native ATen compositions in `torch.autograd.Function`s: `index_select` to permute (the inverse
   permutation built by one `index_put`), a gather and a batched matmul with the weights to combine, their
   gradients the mirror images. More memory traffic (the combine materializes the [tokens·k, hidden] rows),
@@ -38,46 +38,8 @@ from throughput.common import cuda_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from d9d.kernels.backend import resolve_backend
 from d9d.kernels.moe import combine_tokens, expert_permutation, permute_tokens
-from d9d.kernels.moe.reference import gather_sum_torch, scatter_rows_torch, slot_dot_torch
 
 Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-
-def _triton_or_torch(name: str, device: torch.device) -> Callable[..., torch.Tensor]:
-    if resolve_backend("auto", device) == "triton":
-        from d9d.kernels.moe import triton_kernels
-
-        fn: Callable[..., torch.Tensor] = getattr(triton_kernels, f"{name}_triton")
-        return fn
-    return {"scatter_rows": scatter_rows_torch, "gather_sum": gather_sum_torch, "slot_dot": slot_dot_torch}[
-        name
-    ]
-
-
-class _KernelPermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, slot_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-        ctx.save_for_backward(slot_rows)
-        return _triton_or_torch("scatter_rows", x.device)(x, None, slot_rows, num_rows)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (slot_rows,) = ctx.saved_tensors
-        return _triton_or_torch("gather_sum", grad.device)(grad, None, slot_rows), None, None
-
-
-class _KernelCombine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, weights: torch.Tensor, slot_rows: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rows, weights, slot_rows)
-        return _triton_or_torch("gather_sum", rows.device)(rows, weights, slot_rows)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        rows, weights, slot_rows = ctx.saved_tensors
-        grad_rows = _triton_or_torch("scatter_rows", grad.device)(grad, weights, slot_rows, rows.shape[0])
-        grad_w = _triton_or_torch("slot_dot", grad.device)(rows, grad, slot_rows).to(weights.dtype)
-        return grad_rows, grad_w, None
 
 
 class _AtenPermute(torch.autograd.Function):
@@ -119,14 +81,18 @@ class _AtenCombine(torch.autograd.Function):
         return grad_rows, grad_w, None
 
 
+def _backend(x: torch.Tensor) -> str:
+    return resolve_backend("auto", x.device)
+
+
 VARIANTS: dict[str, tuple[Op, Op]] = {
     "custom-op": (
-        lambda x, w, s, rows, n: permute_tokens(x, s, n),
-        lambda x, w, s, rows, n: combine_tokens(rows, s, weights=w),
+        lambda x, w, s, rows, n: torch.ops.d9d.moe_scatter_rows(x, None, s, n, _backend(x)),
+        lambda x, w, s, rows, n: torch.ops.d9d.moe_gather_sum(rows, w, s, _backend(rows)),
     ),
     "function": (
-        lambda x, w, s, rows, n: _KernelPermute.apply(x, s, n),
-        lambda x, w, s, rows, n: _KernelCombine.apply(rows, w, s),
+        lambda x, w, s, rows, n: permute_tokens(x, s, n),
+        lambda x, w, s, rows, n: combine_tokens(rows, s, weights=w),
     ),
     "aten": (
         lambda x, w, s, rows, n: _AtenPermute.apply(x, s, n),

@@ -1,12 +1,15 @@
 """MoE token movement: the permutation, permute / combine custom ops (PyTorch reference and Triton through
-the interpreter) against plain float64 computations, and a tiny MoE layer compiled with fullgraph=True."""
+the interpreter) against plain float64 computations, their eager path against the custom ops, and a tiny MoE
+layer compiled with fullgraph=True."""
 
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import (
@@ -152,6 +155,56 @@ def test_custom_ops_pass_opcheck_and_gradcheck() -> None:
         torch.library.opcheck(gather, (rows, weights, perm.slot_rows, "torch"))
     torch.autograd.gradcheck(lambda a, b: scatter(a, b, perm.slot_rows, perm.num_rows, "torch"), (x, w))
     torch.autograd.gradcheck(lambda a, b: gather(a, b, perm.slot_rows, "torch"), (rows, w))
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_skip_the_custom_op_dispatcher_and_compiled_ones_trace_the_ops() -> None:
+    """Outside a compiled region permute/combine run as plain autograd Functions (the dispatcher's host cost
+    doubled each call's on an H200) with the custom ops' results and gradients, bitwise; a compiled
+    region still sees the custom ops, opaque and without a graph break."""
+    g = torch.Generator().manual_seed(2)
+    perm = expert_permutation(_IDS, _EXPERTS, align=2)
+    x = torch.randn(7, 3, generator=g, requires_grad=True)
+    w = torch.rand(7, 2, generator=g, requires_grad=True)
+    dy = torch.randn(7, 3, generator=g)
+
+    def through_api(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        rows = permute_tokens(a, perm.slot_rows, perm.num_rows, weights=b)
+        return combine_tokens(torch.tanh(rows), perm.slot_rows, weights=b)
+
+    def through_ops(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        rows = torch.ops.d9d.moe_scatter_rows(a, b, perm.slot_rows, perm.num_rows, "torch")
+        return torch.ops.d9d.moe_gather_sum(torch.tanh(rows), b, perm.slot_rows, "torch")
+
+    with _OpNames() as seen:
+        out = through_api(x, w)
+        grads = torch.autograd.grad(out, (x, w), dy)
+    assert not any(name.startswith("d9d::") for name in seen.names), seen.names
+    expected = through_ops(x, w)
+    assert torch.equal(out, expected)
+    for got, want in zip(grads, torch.autograd.grad(expected, (x, w), dy), strict=True):
+        assert torch.equal(got, want)
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(through_api, fullgraph=True, backend=capture)
+    assert torch.equal(compiled(x, w), expected)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert {"d9d.moe_scatter_rows.default", "d9d.moe_gather_sum.default"} <= targets, targets
 
 
 # Absent (negative) slots, as the expert-parallel exchange passes them: 4 received rows, k = 3, 6 present

@@ -15,6 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import d9d.kernels.moe.reference as moe_reference
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe.communication import RoutedTokens
@@ -219,15 +220,21 @@ _SYNCING_OPS = {
 
 
 class _HostReads(TorchDispatchMode):
-    """Counts device→host reads: `Tensor.cpu()` / `.tolist()` calls, and the aten ops above."""
+    """Counts device→host reads: `Tensor.cpu()` / `.tolist()` calls, and the aten ops above.
+
+    On CPU the MoE kernels' PyTorch reference compacts the present slots with `nonzero` (free there; on
+    CUDA, where it would wait for the device, the reference takes a dense form): inside this mode it takes
+    the CUDA form, so what is counted is the exchange's own reads."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
         self._saved = (torch.Tensor.cpu, torch.Tensor.tolist)
+        self._compact = moe_reference._compact
 
     def __enter__(self) -> _HostReads:
         cpu, tolist = self._saved
+        moe_reference._compact = lambda slot_rows, compact: False
 
         def counted_cpu(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             self.reads.append("Tensor.cpu")
@@ -247,6 +254,7 @@ class _HostReads(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         torch.Tensor.cpu, torch.Tensor.tolist = self._saved  # type: ignore[method-assign]
+        moe_reference._compact = self._compact
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
