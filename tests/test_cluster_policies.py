@@ -583,9 +583,12 @@ Reports = Callable[[Any, Any, Any, Callable[[], None]], None]
 """(controller, its attempt, the metrics hub, `take`: note the resize the mailbox holds, if any)."""
 
 
-def _grow_requests(tmp_path: Path, period: int, report: Reports) -> list[int | None]:
+def _grow_requests(
+    tmp_path: Path, period: int, report: Reports, abandoned: dict[int, float] | None = None
+) -> list[int | None]:
     """The resizes a controller asks for while `report` plays rank 0's reports of one attempt on a cluster
-    with room for two more ranks (each entry: what the mailbox held at a `take`)."""
+    with room for two more ranks (each entry: what the mailbox held at a `take`). `abandoned`: losses an
+    earlier attempt reported past the commit this one starts from (here: from scratch)."""
     import asyncio
 
     from d9d.cluster.checkpoints import CheckpointStore
@@ -611,6 +614,8 @@ def _grow_requests(tmp_path: Path, period: int, report: Reports) -> list[int | N
     spec = build_job(job)
     runner = _Reports([Finished()])
     hub = MetricsHub(MetricsWriter(lambda: _Sink(), min_interval_s=0.0))
+    for step, loss in (abandoned or {}).items():
+        hub.add(MetricPoint(step, 0, {"loss": loss}, "train", 0.0))
     ctl = Controller(
         spec,
         CheckpointStore(spec.checkpoint_dir, 2),
@@ -652,6 +657,25 @@ def test_a_grow_decided_at_a_commit_waits_for_that_steps_loss(tmp_path: Path) ->
         take()
 
     assert _grow_requests(tmp_path, 1, report) == [None, None, None, 4, 4]
+
+
+def test_a_grow_waits_for_the_retrained_loss_not_an_abandoned_attempts(tmp_path: Path) -> None:
+    """An earlier attempt reported steps 1-8 and failed before committing any; this one starts from scratch.
+    The grow at its commit of step 8 waits for this attempt's loss of step 8, and the summary keeps that
+    loss, not the abandoned attempt's."""
+    seen: dict[int, float] = {}
+
+    def report(ctl: Any, at: Any, hub: Any, take: Callable[[], None]) -> None:
+        assert hub.losses == {}  # the abandoned attempt's losses are not this attempt's
+        ctl.committed(at, 8)
+        take()
+        hub.add(MetricPoint(8, 0, {"loss": 2.5}, "train", 0.0))
+        ctl.step_seen(8)
+        take()
+        seen.update(hub.losses)
+
+    assert _grow_requests(tmp_path, 1, report, abandoned={s: 9.0 for s in range(1, 9)}) == [None, 4]
+    assert seen == {8: 2.5}
 
 
 def test_a_grow_at_a_commit_whose_loss_is_not_logged_waits_for_the_next_boundary(tmp_path: Path) -> None:

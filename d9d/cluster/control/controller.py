@@ -332,6 +332,7 @@ class Controller:
         self.summary.world_sizes.append(at.plan.world_size)
         self.summary.resumed_from.append(at.resumed_from or None)
         self.latest_step = at.resumed_from or None
+        self._metrics.restart_from(at.resumed_from)
         layout: dict[str, float] = {"world_size": at.plan.world_size, "data_parallel": at.plan.data_parallel}
         self._metrics.add(MetricPoint(at.resumed_from, CLUSTER_RANK, layout, "health", time.time()))
         if at.resumed_from:

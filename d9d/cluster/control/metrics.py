@@ -67,6 +67,12 @@ class MetricsHub:
     def step_seen(self, step: int) -> None:
         self.last_step = max(self.last_step, step)
 
+    def restart_from(self, step: int) -> None:
+        """An attempt starts from the commit at `step` (0: from scratch). The losses of later steps came
+        from an attempt that was abandoned: they are dropped, to be reported again as the steps are trained
+        anew, so that neither the summary nor a grow waiting for a step's loss takes the abandoned one."""
+        self.losses = {s: loss for s, loss in self.losses.items() if s <= step}
+
     def final_loss(self, step: int, loss: float | None) -> None:
         """Rank 0's result: the last step's loss, when no point carried it."""
         if loss is not None and step not in self.losses:
