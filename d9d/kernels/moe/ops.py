@@ -11,11 +11,11 @@ A negative slot row marks an absent copy (the expert-parallel exchange names onl
 scatter writes nothing for it, gather adds nothing, and its weight gradient is 0.
 
 Outside a compiled region `permute_tokens` / `combine_tokens` skip the custom-op dispatcher: a plain
-`torch.autograd.Function` runs the same kernels with the same backward formula. The dispatcher's host
-cost (schema parsing, fake-mode checks, autograd wrapping) roughly doubled each call's: on one H200 a
-permute's forward took 139 µs of host time as a custom op and 56 µs as a Function, forward and backward
-591 against 337 (`benchmarks/token_ops_host.py`, docs/benchmarks.md, session 19), and the eager
-expert-parallel exchange makes four such calls per layer with the GPU waiting on the host.
+`torch.autograd.Function` runs the same kernels with the same backward formula (bitwise the same results).
+The eager expert-parallel exchange makes four such calls per layer on a host-bound forward, and the
+dispatcher (schema handling, fake-mode checks, autograd wrapping) added 7–150% to each call's host time on
+an H200 (`benchmarks/token_ops_host.py`; docs/benchmarks.md, session 19, where the step's tokens per
+second did not move beyond the machines' spread).
 """
 
 from __future__ import annotations
