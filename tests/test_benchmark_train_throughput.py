@@ -7,8 +7,9 @@ torchtitan rows and compares with no torchtitan row; the d9d rows' job configs v
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -167,6 +168,21 @@ def test_step_marks_time_each_step_to_the_next_start_with_the_hook_outside() -> 
     assert calls == [1, 2, 3, 4]
 
 
+def _counting_host_reads(fn: Callable[[], torch.Tensor], reads: list[str]) -> torch.Tensor:
+    """`fn()`, noting each `Tensor.cpu()` call in `reads`."""
+    cpu = torch.Tensor.cpu
+
+    def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        reads.append("Tensor.cpu")
+        return cpu(t, *args, **kwargs)
+
+    torch.Tensor.cpu = counted  # type: ignore[method-assign]
+    try:
+        return fn()
+    finally:
+        torch.Tensor.cpu = cpu  # type: ignore[method-assign]
+
+
 def _one_rank_exchange(env: RankEnv) -> None:
     from throughput import d9d_peer
 
@@ -188,15 +204,25 @@ def _one_rank_exchange(env: RankEnv) -> None:
     local = Qwen3MoEModel(config).double()
     ids = torch.randint(0, 32, (3, 10))
     want = local(input_ids=ids)
-    swapped = copy.deepcopy(local)
-    d9d_peer._exchange_on_one_rank([swapped])
-    layers = [m for m in swapped.modules() if isinstance(m, MoELayer)]
-    assert len(layers) == 2
-    assert all(isinstance(m.communication, AllToAllMoECommunication) for m in layers)
-    torch.testing.assert_close(swapped(input_ids=ids), want, rtol=1e-12, atol=1e-12)
+    for tokens in (None, ids.numel()):  # `compiled-a2a`, then `compiled-a2a-static`
+        swapped = copy.deepcopy(local)
+        d9d_peer._exchange_on_one_rank([swapped], tokens)
+        layers = [m for m in swapped.modules() if isinstance(m, MoELayer)]
+        assert len(layers) == 2
+        assert all(isinstance(m.communication, AllToAllMoECommunication) for m in layers)
+        reads: list[str] = []
+        got = _counting_host_reads(lambda m=swapped: m(input_ids=ids), reads)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        # the reading exchange reads its split sizes once per layer; the static one never, and no copy
+        # overflowed its capacity (every one of the 3 x 10 tokens' 2 copies stays on this rank)
+        assert len(reads) == (2 if tokens is None else 0), reads
+        if tokens is not None:
+            for layer in layers:
+                record = layer.communication.capacity.take()
+                assert record is not None and record.tolist() == [0.0, 60.0]
 
 
 def test_the_one_rank_exchange_variant_puts_moe_layers_behind_the_all_to_all(bench: ModuleType) -> None:
-    """`compiled-a2a`: every MoE layer exchanges through a one-rank all-to-all, giving the local layer's
-    outputs."""
+    """`compiled-a2a` / `compiled-a2a-static`: every MoE layer exchanges through a one-rank all-to-all,
+    giving the local layer's outputs; the static one without reading its split sizes."""
     run_distributed(_one_rank_exchange, 1, timeout=60)

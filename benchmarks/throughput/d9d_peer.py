@@ -12,6 +12,9 @@ predates the field (a command-line choice; the script never probes which engine 
 parallelism's all-to-all exchange over a group of this one rank, as at ep >= 2 but with the transfers local
 copies: each layer reads its split sizes on the host and runs the exchange's eager index work
 (`AllToAllMoECommunication`), so the step pays the host cost of the multi-GPU step's exchange on one GPU.
+`compiled-a2a-static`: the same exchange with a static capacity of exactly the batch's copies (on one rank
+every copy stays here, so nothing pads or overflows): the same eager work and compiled pieces without the
+host read of the split sizes — what separates the cost of the read from the cost of the host's work.
 
 `ac` (`common.AC_MODES`) sets the job's `activation_checkpointing:` section (`common.d9d_ac_section`).
 
@@ -62,6 +65,7 @@ D9dVariant = Literal[
     "compiled-kernels",
     "compiled-autotune",
     "compiled-a2a",
+    "compiled-a2a-static",
     "eager",
     "eager-legacy",
 ]
@@ -166,7 +170,7 @@ def _rope(model: str) -> dict[str, Any]:
 
 def compile_section(variant: D9dVariant) -> dict[str, Any]:
     match variant:
-        case "compiled" | "compiled-kernels" | "compiled-a2a":
+        case "compiled" | "compiled-kernels" | "compiled-a2a" | "compiled-a2a-static":
             return {"compile": {"enabled": True}}
         case "compiled-autotune":
             return {"compile": {"enabled": True, "mode": "max-autotune-no-cudagraphs"}}
@@ -214,13 +218,14 @@ def job(
     }
 
 
-def _exchange_on_one_rank(modules: list[torch.nn.Module]) -> None:
+def _exchange_on_one_rank(modules: list[torch.nn.Module], tokens: int | None = None) -> None:
     """Every MoE layer's experts behind the all-to-all exchange over this one rank (its transfers local
-    copies, its host reads of split sizes real), before the first forward compiles the blocks."""
+    copies, its host reads of split sizes real), before the first forward compiles the blocks. With `tokens`
+    (per microbatch) each exchange gets a static capacity of exactly tokens × top-k rows: no host read."""
     import torch.distributed as dist
 
     from d9d.modules.moe import MoELayer
-    from d9d.parallel.expert import AllToAllMoECommunication
+    from d9d.parallel.expert import AllToAllMoECommunication, ExchangeCapacity
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -230,7 +235,11 @@ def _exchange_on_one_rank(modules: list[torch.nn.Module]) -> None:
     if not layers:
         raise ValueError("the compiled-a2a variant needs an MoE model (--model moe)")
     for layer in layers:
-        layer.communication = AllToAllMoECommunication(group)
+        capacity = None
+        if tokens is not None:
+            capacity = ExchangeCapacity(1.0, rank=0, peers=1, align=1)
+            capacity.set_rows([[tokens * layer.gate.top_k]])
+        layer.communication = AllToAllMoECommunication(group, capacity=capacity)
 
 
 def run(
@@ -274,8 +283,8 @@ def run(
     trainer.events.subscribe(StepStarted, marks)
     setup_start = time.perf_counter()
     trainer.setup()
-    if variant == "compiled-a2a":
-        _exchange_on_one_rank(trainer.modules)
+    if variant in ("compiled-a2a", "compiled-a2a-static"):
+        _exchange_on_one_rank(trainer.modules, BATCH * SEQ if variant == "compiled-a2a-static" else None)
     setup_s = time.perf_counter() - setup_start
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
