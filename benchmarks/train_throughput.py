@@ -15,8 +15,9 @@ records its error and the table goes on. Rows:
 - d9d through the real engine (`d9d.engine.Trainer`), `compiled` (`compile: {enabled: true}`) and `eager`
   (`compile: {enabled: false}`); `compiled-kernels` and `compiled-autotune` (`mode:
   max-autotune-no-cudagraphs`) vary the compiled row, `compiled-a2a` puts the MoE layers behind the
-  expert-parallel exchange on one rank and `compiled-a2a-static` behind that exchange with a static
-  capacity, which reads no split sizes (`throughput/d9d_peer.py`); `eager-legacy` omits the
+  expert-parallel exchange on one rank, `compiled-a2a-static` behind that exchange with a static
+  capacity, which reads no split sizes, and `compiled-breaks` runs the local dispatch and combine eagerly
+  between the same compiled pieces (`throughput/d9d_peer.py`); `eager-legacy` omits the
   section, for an engine without it. Each on the
   batch kinds of `throughput/d9d_peer.py`: bare random tokens, the built-in text provider's collated
   batches (full and right-padded) and packed documents of mean 512 tokens.

@@ -183,12 +183,9 @@ def _counting_host_reads(fn: Callable[[], torch.Tensor], reads: list[str]) -> to
         torch.Tensor.cpu = cpu  # type: ignore[method-assign]
 
 
-def _one_rank_exchange(env: RankEnv) -> None:
-    from throughput import d9d_peer
-
+def _tiny_moe() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A two-layer Qwen3-MoE in float64 and a [3, 10] batch of token ids."""
     from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEModel
-    from d9d.modules.moe import MoELayer
-    from d9d.parallel.expert import AllToAllMoECommunication
 
     torch.manual_seed(0)
     arch = {"vocab_size": 32, "hidden_size": 16, "num_layers": 2, "num_attention_heads": 2, "num_kv_heads": 1}
@@ -201,8 +198,16 @@ def _one_rank_exchange(env: RankEnv) -> None:
         num_experts_per_tok=2,
         grouped_mm="eager",
     )
-    local = Qwen3MoEModel(config).double()
-    ids = torch.randint(0, 32, (3, 10))
+    return Qwen3MoEModel(config).double(), torch.randint(0, 32, (3, 10))
+
+
+def _one_rank_exchange(env: RankEnv) -> None:
+    from throughput import d9d_peer
+
+    from d9d.modules.moe import MoELayer
+    from d9d.parallel.expert import AllToAllMoECommunication
+
+    local, ids = _tiny_moe()
     want = local(input_ids=ids)
     for tokens in (None, ids.numel()):  # `compiled-a2a`, then `compiled-a2a-static`
         swapped = copy.deepcopy(local)
@@ -226,3 +231,23 @@ def test_the_one_rank_exchange_variant_puts_moe_layers_behind_the_all_to_all(ben
     """`compiled-a2a` / `compiled-a2a-static`: every MoE layer exchanges through a one-rank all-to-all,
     giving the local layer's outputs; the static one without reading its split sizes."""
     run_distributed(_one_rank_exchange, 1, timeout=60)
+
+
+def test_the_breaks_variant_runs_the_local_dispatch_and_combine_between_compiled_pieces(
+    bench: ModuleType,
+) -> None:
+    """`compiled-breaks`: the local layers' outputs, with dynamo breaking the graph at every dispatch and
+    combine (as it does at the exchange's)."""
+    from throughput import d9d_peer
+    from torch._dynamo.utils import counters
+
+    local, ids = _tiny_moe()
+    want = local(input_ids=ids)
+    swapped = copy.deepcopy(local)
+    d9d_peer._local_with_breaks([swapped])
+    torch.testing.assert_close(swapped(input_ids=ids), want, rtol=0, atol=0)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.testing.assert_close(torch.compile(swapped, backend="aot_eager")(input_ids=ids), want)
+    reasons = " ".join(counters["graph_break"])
+    assert "EagerLocal.dispatch" in reasons and "EagerLocal.combine" in reasons, reasons

@@ -15,6 +15,10 @@ copies: each layer reads its split sizes on the host and runs the exchange's eag
 `compiled-a2a-static`: the same exchange with a static capacity of exactly the batch's copies (on one rank
 every copy stays here, so nothing pads or overflows): the same eager work and compiled pieces without the
 host read of the split sizes — what separates the cost of the read from the cost of the host's work.
+`compiled-breaks`: the local experts' own dispatch and combine (one permute, one combine) run eagerly
+between compiled pieces, as the exchange does: each MoE layer in the same five compiled pieces as under
+`compiled-a2a`, without the exchange's extra work — what separates the cost of splitting the layer from
+the cost of the exchange.
 
 `ac` (`common.AC_MODES`) sets the job's `activation_checkpointing:` section (`common.d9d_ac_section`).
 
@@ -66,6 +70,7 @@ D9dVariant = Literal[
     "compiled-autotune",
     "compiled-a2a",
     "compiled-a2a-static",
+    "compiled-breaks",
     "eager",
     "eager-legacy",
 ]
@@ -170,7 +175,7 @@ def _rope(model: str) -> dict[str, Any]:
 
 def compile_section(variant: D9dVariant) -> dict[str, Any]:
     match variant:
-        case "compiled" | "compiled-kernels" | "compiled-a2a" | "compiled-a2a-static":
+        case "compiled" | "compiled-kernels" | "compiled-a2a" | "compiled-a2a-static" | "compiled-breaks":
             return {"compile": {"enabled": True}}
         case "compiled-autotune":
             return {"compile": {"enabled": True, "mode": "max-autotune-no-cudagraphs"}}
@@ -242,6 +247,30 @@ def _exchange_on_one_rank(modules: list[torch.nn.Module], tokens: int | None = N
         layer.communication = AllToAllMoECommunication(group, capacity=capacity)
 
 
+def _local_with_breaks(modules: list[torch.nn.Module]) -> None:
+    """Every MoE layer's local dispatch and combine run eagerly (graph breaks where the exchange has them),
+    before the first forward compiles the blocks."""
+    from d9d.modules.moe import LocalMoECommunication, MoELayer
+    from d9d.modules.moe.communication import DispatchedTokens, RoutedTokens
+
+    class EagerLocal(LocalMoECommunication):
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
+        def dispatch(self, routed: RoutedTokens) -> DispatchedTokens:
+            return super().dispatch(routed)
+
+        @torch.compiler.disable  # type: ignore[untyped-decorator]
+        def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
+            return super().combine(expert_outputs, dispatched)
+
+    layers = [m for module in modules for m in module.modules() if isinstance(m, MoELayer)]
+    if not layers or not all(isinstance(m.communication, LocalMoECommunication) for m in layers):
+        raise ValueError("the compiled-breaks variant needs an MoE model with local experts (--model moe)")
+    for layer in layers:
+        local = layer.communication
+        assert isinstance(local, LocalMoECommunication)
+        layer.communication = EagerLocal(align=local.align, backend=local.backend)
+
+
 def run(
     model: str,
     variant: D9dVariant,
@@ -285,6 +314,8 @@ def run(
     trainer.setup()
     if variant in ("compiled-a2a", "compiled-a2a-static"):
         _exchange_on_one_rank(trainer.modules, BATCH * SEQ if variant == "compiled-a2a-static" else None)
+    if variant == "compiled-breaks":
+        _local_with_breaks(trainer.modules)
     setup_s = time.perf_counter() - setup_start
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
