@@ -58,6 +58,16 @@ def test_the_rank_outside_the_collective_or_at_another_one_is_named() -> None:
     assert "rank 1 in broadcast_object_list called at /x/tests/cluster_fixtures.py:250" in skipped.summary
     frozen = attribute({0: _waiting("all_reduce", 280, "train_step"), 1: None}, 2)
     assert frozen.behind == (1,) and "rank 1 gave no stacks (frozen" in frozen.summary
+    # A dump cut short before the training thread (seen under load): its courier thread, waiting on an
+    # event, is not taken for the rank's position.
+    cut = (
+        _SLEEPING.split("Current thread")[0]
+        + 'Thread 0x00007f03 (most recent call first):\n  File "<frozen os>"'
+    )
+    assert training_thread(cut) is None
+    partial = attribute({0: _waiting("all_reduce", 280, "train_step"), 1: cut}, 2)
+    assert partial.behind == (1,) and "not in a collective" not in partial.summary
+    assert "rank 1 gave a stack dump without its training thread (cut short)" in partial.summary
     stuck = attribute({r: _waiting("all_reduce", 280, "train_step") for r in (0, 1)}, 2)
     assert stuck.behind == () and stuck.summary.startswith("every rank waits in all_reduce")
 

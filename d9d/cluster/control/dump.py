@@ -33,6 +33,9 @@ class RankDump:
     collectives: str
 
 
+_QUIET_S = 1.0
+
+
 @ray.remote(num_cpus=0)
 def dump_rank(pid: int, path: str, signum: int, timeout_s: float) -> RankDump:
     """Have process `pid` dump its stacks into `path` (its faulthandler, registered on `signum`) and read
@@ -66,12 +69,15 @@ def _dump_stacks(pid: int, stacks: Path, signum: int, timeout_s: float) -> str |
         return None
     deadline = time.monotonic() + timeout_s
     size, stable_since = start, time.monotonic()
-    while time.monotonic() < deadline:  # faulthandler writes in pieces: wait until the file stops growing
+    # faulthandler writes in pieces and marks no end: wait until the file stops growing. A rank on a loaded
+    # host paused longer than 0.3 s mid-dump (the full test suite on 2 cores), and the cut dump lacked its
+    # training thread: 1 s of quiet.
+    while time.monotonic() < deadline:
         time.sleep(0.05)
         now_size = stacks.stat().st_size if stacks.exists() else 0
         if now_size != size:
             size, stable_since = now_size, time.monotonic()
-        elif size > start and time.monotonic() - stable_since > 0.3:
+        elif size > start and time.monotonic() - stable_since > _QUIET_S:
             break
     text = None
     if size > start:

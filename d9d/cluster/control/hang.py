@@ -61,12 +61,13 @@ def threads(dump: str) -> list[list[Frame]]:
 
 
 def training_thread(dump: str) -> list[Frame] | None:
-    """The rank's training thread (it runs `RankActor._run`), else its longest stack."""
-    found = threads(dump)
-    for frames in found:
+    """The rank's training thread (it runs `RankActor._run`); None when the dump lacks it (cut short: a
+    rank under load can pause mid-dump). Another thread's stack would place the rank wrongly: its courier
+    thread waits on an event, which reads as "not in a collective" whatever the training thread does."""
+    for frames in threads(dump):
         if any(f.file.endswith(_ENTRY[0]) and f.func == _ENTRY[1] for f in frames):
             return frames
-    return max(found, key=len) if found else None
+    return None
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,13 @@ def position(frames: list[Frame]) -> Position:
     return Position(None, frames[0] if frames else None)
 
 
+def _unplaced(dump: str | None) -> str:
+    """Why a rank has no position."""
+    if dump:
+        return "gave a stack dump without its training thread (cut short)"
+    return "gave no stacks (frozen or stuck in the kernel)"
+
+
 @dataclass(frozen=True)
 class HangReport:
     behind: tuple[int, ...]  # the ranks the others wait for (empty: it cannot tell)
@@ -129,10 +137,7 @@ def attribute(
     silent = [r for r, p in positions.items() if p is None]
     outside = [r for r, p in positions.items() if p is not None and p.collective is None]
     waiting = {r: p for r, p in positions.items() if p is not None and p.collective is not None}
-    lines = {
-        r: ("gave no stacks (frozen or stuck in the kernel)" if p is None else p.describe())
-        for r, p in positions.items()
-    }
+    lines = {r: p.describe() if p is not None else _unplaced(stacks.get(r)) for r, p in positions.items()}
     parts: list[str] = []
     behind: list[int] = []
     if outside:
