@@ -284,3 +284,79 @@ def test_startup_phases_follow_their_marks() -> None:
     assert describe(phases).startswith(
         "18.0s: launch 3.0s, ray 3.5s, coordinator 1.5s, place 0.0s, actors 8.0s"
     )
+
+
+# -- the rank's reporter -------------------------------------------------------------------------------
+
+
+class _Call:
+    """A call to the fake coordinator: it runs when someone waits for it (`ray.get`) or at `deliver_all`, so
+    the test decides the order in which the coordinator sees a rank's calls, as an asynchronous actor may."""
+
+    def __init__(self, coordinator: _OutOfOrderCoordinator, method: str, args: tuple) -> None:
+        self.coordinator, self.method, self.args, self.ran = coordinator, method, args, False
+
+    def run(self) -> None:
+        if not self.ran:
+            self.ran = True
+            self.coordinator.execute(self.method, self.args)
+
+
+class _Method:
+    def __init__(self, coordinator: _OutOfOrderCoordinator, name: str) -> None:
+        self.coordinator, self.name = coordinator, name
+
+    def remote(self, *args: object) -> _Call:
+        call = _Call(self.coordinator, self.name, args)
+        self.coordinator.calls.append(call)
+        return call
+
+
+class _OutOfOrderCoordinator:
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+        self.losses: dict[int, float] = {}
+        self.losses_at_commit: dict[int, dict[int, float]] = {}
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(self, name)
+
+    def execute(self, method: str, args: tuple) -> None:
+        points: list[MetricPoint] = []
+        match method:
+            case "boundary":
+                points = args[2]
+            case "report":
+                points = args[1]
+            case "commit":
+                points = args[3] if len(args) > 3 else []
+        self.losses |= {p.step: p.values["loss"] for p in points if "loss" in p.values}
+        if method == "commit":
+            self.losses_at_commit[args[1]] = dict(self.losses)
+
+
+def test_a_committed_steps_loss_reaches_the_coordinator_before_the_commit(monkeypatch) -> None:
+    """A restart resumes after the committed step and never reports its loss again; a resize tears the
+    attempt down right after a commit. So the commit must not be seen before the step's loss, whether the
+    loss is still queued or in a courier call the (asynchronous) coordinator has not run yet."""
+    from d9d.cluster import reporter as reporter_module
+
+    monkeypatch.setattr(reporter_module.ray, "get", lambda call: call.run())
+    coordinator = _OutOfOrderCoordinator()
+    rank0 = reporter_module.RayRunReporter(coordinator, attempt=1, rank=0, command_seq=0, transfer=None)
+
+    def loss(step: int) -> MetricPoint:
+        return MetricPoint(step, 0, {"loss": float(step)}, "train", 0.0)
+
+    rank0.metrics(loss(1))
+    rank0.commands(1)  # the step boundary
+    rank0._send(last_step=None)  # the courier carries step 1's loss; the coordinator has not run that call
+    rank0.metrics(loss(2))  # still queued at the commit
+    rank0.commit_checkpoint(2, [])
+    assert coordinator.losses_at_commit[2] == {1: 1.0, 2: 2.0}
+
+    rank0.metrics(loss(3))
+    rank0._send(last_step=1)
+    rank0.close()  # the last points of a run, and the courier's call before them, arrive before it returns
+    assert coordinator.losses == {1: 1.0, 2: 2.0, 3: 3.0}
+    assert all(call.ran for call in coordinator.calls if call.method in ("boundary", "report", "commit"))

@@ -56,6 +56,10 @@ class RayRunReporter:
         self._stall_s = storage_stall_s
         self._stalled: dict[int, tuple[Operation, float]] = {}  # reported stalls: op id -> (op, last said)
         self._lock = threading.Lock()
+        # Held while points are taken and their call submitted (and, by a commit, while the call before it
+        # is waited for): a commit then knows every call that carries points queued before it.
+        self._send_lock = threading.Lock()
+        self._in_flight: Any = None  # the last call that carried points, not known to have arrived
         self._pending: list[MetricPoint] = []
         self._step: int | None = None  # rank 0's latest step boundary
         self._commands: list[Command] = []
@@ -105,19 +109,32 @@ class RayRunReporter:
     # -- background threads ------------------------------------------------------------------------------
 
     def _send(self, wait: bool = False, last_step: int | None = None) -> int | None:
-        """One call with the queued points: a boundary when rank 0 moved past `last_step`, else a report."""
-        with self._lock:
-            points, self._pending = self._pending, []
-            step = self._step
-        if step is not None and step != last_step:
-            ref = self._coordinator.boundary.remote(self.attempt, step, points)
-        elif points:
-            ref = self._coordinator.report.remote(self.attempt, points)
-        else:
-            return last_step
-        if wait:
+        """One call with the queued points: a boundary when rank 0 moved past `last_step`, else a report.
+        With `wait`, returns once it and the call before it arrived."""
+        with self._send_lock:
+            with self._lock:
+                points, self._pending = self._pending, []
+                step = self._step
+            if step is not None and step != last_step:
+                ref = self._coordinator.boundary.remote(self.attempt, step, points)
+            elif points:
+                ref = self._coordinator.report.remote(self.attempt, points)
+            else:
+                ref = None
+            earlier = self._in_flight
+            if ref is not None:
+                self._in_flight = ref
+            if wait:
+                self._arrived(earlier)
+                self._arrived(ref)
+                self._in_flight = None
+        return last_step if ref is None else step
+
+    def _arrived(self, ref: Any) -> None:
+        """Wait for a call that carried points. The coordinator is an asynchronous actor: it may run two
+        calls of this rank out of order, so a later call's arrival says nothing about an earlier one."""
+        if ref is not None:
             ray.get(ref)
-        return step
 
     def _carry(self) -> None:
         """Courier: the step boundary and metric points every `courier_interval_s`, liveness on its own
@@ -197,7 +214,17 @@ class RayRunReporter:
     # -- coordinator-storage mode ----------------------------------------------------------------------
 
     def _commit(self, step: int, reports: list[RankCheckpointReport]) -> None:
-        ray.get(self._coordinator.commit.remote(self.attempt, step, reports))
+        """The commit carries the points still queued, after the courier's last call arrived: the step's loss
+        reaches the coordinator no later than the commit does. A restart resumes after the committed step
+        and never reports its loss again, and an attempt ended right after a commit (a resize) loses what
+        the courier had not delivered."""
+        with self._send_lock:  # not for the commit itself: a long one would hold the courier's heartbeats
+            with self._lock:
+                points, self._pending = self._pending, []
+            self._arrived(self._in_flight)
+            self._in_flight = None
+            ref = self._coordinator.commit.remote(self.attempt, step, reports, points)
+        ray.get(ref)
 
     def _uploads(self) -> Uploader:
         if self._uploader is None:
