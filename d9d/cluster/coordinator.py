@@ -369,13 +369,12 @@ class Coordinator:
         attempt: int,
         step: int,
         reports: Sequence[RankCheckpointReport],
-        points: list[MetricPoint] | None = None,
+        points: list[MetricPoint],
     ) -> None:
         """Rank 0 commits `step`, with its points not yet delivered (the step's loss among them): accepted
         first, so that a committed step's loss is never lost to an attempt ended right after."""
         at = self._require_current(attempt)
-        if points:
-            await self._accept(points)
+        await self._accept(points)
         self._count(reports)
         arrivals = None
         if self._node_store is not None:
