@@ -113,6 +113,10 @@ LAYOUTS = {
     "dp2xep2-capacity": ({"data_parallel_replicate": 2, "expert_parallel": 2}, None),
     # the exchange in 2 chunks whose NCCL transfers overlap the other chunk's experts (async all-to-alls)
     "fsdp2xep2-overlap": ({"data_parallel_shard": 2, "expert_parallel": 2}, None),
+    # token-split MoE layers and sequence shards: compiled blocks with their collectives traced by inductor,
+    # the balancing loss (the checkpoint's router_aux_loss_coef) summed over the ranks that split a sequence
+    "tp2": ({"tensor_parallel": 2}, None),
+    "cp2": ({"context_parallel_shard": 2}, None),
 }
 BACKENDS = {
     "dp2xep2-capacity": {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1},

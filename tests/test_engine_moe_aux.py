@@ -46,6 +46,28 @@ def test_per_token_aux_gradient_is_token_count_times_the_mean_one() -> None:
     torch.testing.assert_close(mean_grad, ref.gate.weight.grad)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_moe_layer_keeps_the_balancing_loss_gradient(backend: str) -> None:
+    """Regression: traced, the function that adds the balancing loss's gradient in backward lost it (the
+    router trained as if `aux_loss_coef` were 0 wherever MoE blocks were compiled, CUDA's default)."""
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(4))
+    eager = _layer()
+    eager.aux_loss_per_token = True
+    (eager(x) * upstream).sum().backward()
+    torch._dynamo.reset()
+    layer = _layer()
+    layer.aux_loss_per_token = True
+    (torch.compile(layer, backend=backend)(x) * upstream).sum().backward()
+    without = _layer()
+    without.aux_loss_coef = 0.0
+    (without(x) * upstream).sum().backward()
+    assert eager.gate.weight.grad is not None and without.gate.weight.grad is not None
+    assert not torch.allclose(eager.gate.weight.grad, without.gate.weight.grad)  # the loss moves the router
+    torch.testing.assert_close(layer.gate.weight.grad, eager.gate.weight.grad)
+    torch.testing.assert_close(layer(x), eager(x), rtol=0, atol=0)
+
+
 # -- the expert bias through Hugging Face export and import ------------------------------------------------
 
 
@@ -160,12 +182,12 @@ def _token_split_with_padding(env: RankEnv) -> None:
     ctx = DistributedContext.create(DeviceMeshParameters(tensor_parallel=2), backend="gloo")
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
-    # Each tp rank routes its sequence chunk like a microbatch of its own: the reference runs the chunks
-    # one after the other on one layer (gradients accumulate), each with its part of the mask.
+    # The tp ranks route the two halves of the same sequences: the balancing loss is the one a single
+    # process computes on the whole microbatch (its padding left out), not one per half.
     reference = _layer()
     reference.aux_loss_per_token = True
-    for chunk, chunk_mask in zip(x.chunk(2, dim=1), mask.chunk(2, dim=1), strict=True):
-        (reference(chunk, chunk_mask) * 0).sum().backward()
+    (reference(x, mask) * 0).sum().backward()
+    assert reference.gate.weight.grad is not None and reference.gate.weight.grad.abs().sum() > 0
     for sequence_parallel in (False, True):
         layer = _layer()
         layer.aux_loss_per_token = True
@@ -176,11 +198,114 @@ def _token_split_with_padding(env: RankEnv) -> None:
         what = f"sequence_parallel={sequence_parallel}"
         # the router's gradient is summed over tp in backward (parallelize_moe_tp)
         torch.testing.assert_close(layer.gate.weight.grad, reference.gate.weight.grad, msg=what)
+        torch.testing.assert_close(layer.last_aux_loss, reference.last_aux_loss, msg=what)
 
 
 @pytest.mark.distributed
 def test_token_split_moe_keeps_padding_out_of_the_balancing_loss() -> None:
     run_distributed(_token_split_with_padding, 2, timeout=120)
+
+
+def _balancing_over_two_groups(env: RankEnv) -> None:
+    """Four ranks as tp 2 × cp 2, each holding an uneven share of one microbatch's tokens: the loads, the
+    probabilities and the token counts are summed over both groups."""
+    import torch.distributed as dist
+
+    mesh = torch.arange(4).view(2, 2)  # rows: cp groups' members differ in tp; [cp, tp]
+    tp_group = [dist.new_group(mesh[c].tolist()) for c in range(2)][env.rank // 2]
+    cp_group = [dist.new_group(mesh[:, t].tolist()) for t in range(2)][env.rank % 2]
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 16, generator=generator, dtype=torch.float64)
+    mask = torch.rand(13, generator=generator) > 0.3
+    bounds = [0, 2, 7, 8, 13]  # uneven shares, one of a single token
+    reference = _layer().double()
+    reference.aux_loss_per_token = True
+    (reference(x, mask) * 0).sum().backward()
+    layer = _layer().double()
+    layer.aux_loss_per_token = True
+    layer.shares_tokens_with(tp_group)
+    layer.shares_tokens_with(cp_group)
+    part = slice(bounds[env.rank], bounds[env.rank + 1])
+    (layer(x[part], mask[part]) * 0).sum().backward()
+    grad = layer.gate.weight.grad
+    assert grad is not None
+    dist.all_reduce(grad)  # what the plans' gradient sums over tp and cp add up to
+    # the router's probabilities are float32 whatever the layer's dtype: float32 rounding, summed in
+    # another order
+    torch.testing.assert_close(grad, reference.gate.weight.grad, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(layer.last_aux_loss, reference.last_aux_loss, rtol=1e-6, atol=0)
+    assert layer.aux_loss_stats is not None and reference.aux_loss_stats is not None
+    torch.testing.assert_close(layer.aux_loss_stats, reference.aux_loss_stats)
+
+
+@pytest.mark.distributed
+def test_balancing_loss_of_a_token_split_over_two_groups_equals_one_process() -> None:
+    run_distributed(_balancing_over_two_groups, 4, timeout=120)
+
+
+def _aux_run(env: RankEnv, name: str, mesh: dict[str, int], compiled: bool = False) -> None:
+    from d9d.engine.checkpoint import LocalRunReporter
+    from d9d.engine.config import parse_config
+    from d9d.engine.trainer import Trainer
+
+    config = parse_config(
+        {
+            "run": {"name": name, "dir": str(env.tmp_dir / name)},
+            "mesh": mesh,
+            "batching": {"global_batch_size": 4, "microbatch_size": 2},
+            "trainer": {"total_steps": 4},
+            "logging": {"progress_bar": "off"},
+            "checkpointing": {"save_at_end": False},
+            "model": {
+                "provider": "qwen3_moe",
+                "options": {
+                    "source_checkpoint": str(env.tmp_dir / "hf"),
+                    "architecture": {"router_aux_loss_coef": 0.5},
+                },
+            },
+            "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+            # SGD: an update proportional to the gradient (Adam would blow float32 noise in tiny gradient
+            # components up to a full learning-rate step)
+            "optimizer": {"provider": "sgd", "options": {"lr": 0.5}},
+            "compile": {"enabled": compiled, "backend": "aot_eager"},
+        }
+    )
+    trainer = Trainer(
+        config, DistributedContext.create(config.mesh), LocalRunReporter(config.checkpoint_dir, 1)
+    )
+    trainer.setup()
+    result = trainer.train()
+    routers = {
+        f"{i}.{n}": (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for i, module in enumerate(trainer.modules)
+        for n, p in module.named_parameters()
+        if n.endswith("gate.weight")
+    }
+    if env.rank == 0:
+        torch.save((list(result.losses), routers), env.tmp_dir / f"{name}.pt")
+
+
+@pytest.mark.distributed
+def test_balancing_loss_under_tp_and_cp_trains_like_one_process(tmp_path: Path) -> None:
+    """With `router_aux_loss_coef > 0` the tp ranks (token-split MoE layers) and the cp ranks each route
+    part of the same sequences; the balancing loss is still the whole microbatch's, so the routers train
+    as in one process (regression: computed per rank, the objective changed with tp and cp)."""
+    from tests.engine_fixtures import make_hf_qwen3_moe
+
+    make_hf_qwen3_moe(tmp_path / "hf", num_layers=2)
+    run_distributed(_aux_run, 1, "one", {}, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_aux_run, 2, "tp2", {"tensor_parallel": 2}, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_aux_run, 2, "cp2", {"context_parallel_shard": 2}, tmp_dir=tmp_path, timeout=300)
+    # compiled blocks (aot_eager): the balancing loss's gradient, and its sum over tp traced into them
+    run_distributed(_aux_run, 1, "one-compiled", {}, True, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_aux_run, 2, "tp2-compiled", {"tensor_parallel": 2}, True, tmp_dir=tmp_path, timeout=300)
+    losses, routers = torch.load(tmp_path / "one.pt")
+    assert len(routers) == 2 and len(losses) == 4
+    for name in ("one-compiled", "tp2", "cp2", "tp2-compiled"):
+        got_losses, got_routers = torch.load(tmp_path / f"{name}.pt")
+        torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+        for key, weight in routers.items():
+            torch.testing.assert_close(got_routers[key], weight, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
 
 
 # -- the expert bias under tensor parallelism ----------------------------------------------------------------

@@ -284,6 +284,9 @@ def _compiled_parallel_cases(env: RankEnv) -> None:
         ("qwen3", DeviceMeshParameters(data_parallel_replicate=2), every_other),
         ("qwen3", DeviceMeshParameters(data_parallel_shard=2), ops),
         ("qwen3", DeviceMeshParameters(tensor_parallel=2), ops),
+        # token-split MoE layers: the balancing loss's sum over tp traced into the op-level checkpoint's
+        # fullgraph block (its weighted gradient: test_engine_moe_aux.py, where the objective is the engine's)
+        ("qwen3_moe", DeviceMeshParameters(tensor_parallel=2), ops),
         # op-level under expert parallelism is refused at config time (the all-to-all breaks the graph)
         (
             "qwen3_moe",

@@ -113,6 +113,7 @@ def parallelize_decoder(
     config = config or ParallelPlanConfig()
     sequence_parallel = config.sequence_parallel
     layers = list(model.model.decoder_layers().values())
+    moe = [(layer, mlp) for layer in layers if isinstance(mlp := getattr(layer, "mlp", None), MoELayer)]
     if ctx.params.context_parallel > 1:
         # Batches arrive split by `d9d.parallel.context.shard_microbatch`; attention spans the whole sequence.
         head = model.head()
@@ -122,10 +123,10 @@ def parallelize_decoder(
                 f"{type(model).__name__} pools over it; it supports per-token (causal LM) heads only"
             )
         backbone = model.model
-        backbone.attention_backend = parallelize_context_attention(
-            backbone, ContextParallelGroup.from_context(ctx), backbone.attention_backend
-        )
-    moe = [(layer, mlp) for layer in layers if isinstance(mlp := getattr(layer, "mlp", None), MoELayer)]
+        cp = ContextParallelGroup.from_context(ctx)
+        backbone.attention_backend = parallelize_context_attention(backbone, cp, backbone.attention_backend)
+        for _, mlp in moe:
+            mlp.shares_tokens_with(cp.group)  # each cp rank routes its part of the sequences
     expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
     if moe and expert_mesh.size() > 1:
         dtype = activation_dtype or _compute_dtype(model, mp_policy)

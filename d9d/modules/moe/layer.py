@@ -6,11 +6,12 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from d9d.modules.checkpointing import is_recomputing
 from d9d.modules.mlp import SwiGLU
-from d9d.modules.moe.aux_loss import attach_auxiliary_loss, load_balancing_loss
+from d9d.modules.moe.aux_loss import attach_auxiliary_loss, balancing_loss_over, load_balancing_loss
 from d9d.modules.moe.communication import MoECommunication, RoutedTokens
 from d9d.modules.moe.experts import GroupedExperts
 from d9d.modules.moe.local_communication import LocalMoECommunication
@@ -54,6 +55,9 @@ class MoELayer(nn.Module):
         # When the training objective is a *sum* over tokens later divided by the global token count (as the
         # engine does), the balancing loss must be summed over tokens too, or it shrinks by that count.
         self.aux_loss_per_token = False
+        # Groups of ranks that route other tokens of the same sequences (tensor- and context-parallel ranks,
+        # set by their plans through `shares_tokens_with`): the balancing loss is computed over all of them.
+        self.token_groups: tuple[dist.ProcessGroup, ...] = ()
         self.init_std = init_std
         self.last_aux_loss: torch.Tensor | None = None
         # [sum of aux losses, forward calls] since the last reset, float32. A plain attribute, not a buffer:
@@ -73,6 +77,11 @@ class MoELayer(nn.Module):
 
     def reset_aux_loss_stats(self) -> None:
         self.aux_loss_stats = None
+
+    def shares_tokens_with(self, group: dist.ProcessGroup) -> None:
+        """The ranks of `group` route other tokens of the same sequences as this rank (a token split): the
+        balancing loss and its statistics are taken over all their tokens, as one process would."""
+        self.token_groups = (*self.token_groups, group)
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`x` [..., hidden] → same shape. `token_mask` [...] (True for real tokens, False for padding)
@@ -101,13 +110,30 @@ class MoELayer(nn.Module):
         self, out: torch.Tensor, routing: Routing, token_mask: torch.Tensor | None
     ) -> torch.Tensor:
         mask = token_mask.reshape(-1) if token_mask is not None else None
-        aux = load_balancing_loss(routing.probs, routing.topk_ids, mask)
-        if not is_recomputing():
-            self.last_aux_loss = aux.detach()
-            step = torch.stack([aux.detach().float(), torch.ones_like(aux, dtype=torch.float32)])
+        recomputing = is_recomputing()
+        if recomputing and self.aux_loss_coef == 0:
+            return out
+        real_tokens: torch.Tensor | int
+        if self.token_groups:
+            aux, tracked, real_tokens = balancing_loss_over(
+                routing.probs, routing.topk_ids, mask, self._sum_over_token_groups
+            )
+        else:
+            aux = tracked = load_balancing_loss(routing.probs, routing.topk_ids, mask)
+            real_tokens = mask.sum() if mask is not None else routing.topk_ids.shape[0]
+        if not recomputing:
+            self.last_aux_loss = tracked.detach()
+            step = torch.stack([tracked.detach().float(), torch.ones_like(tracked, dtype=torch.float32)])
             self.aux_loss_stats = step if self.aux_loss_stats is None else self.aux_loss_stats + step
         if self.aux_loss_coef == 0:
             return out
         if self.aux_loss_per_token:  # times the number of real tokens, as the LM loss counts only those
-            aux = aux * (mask.sum() if mask is not None else routing.topk_ids.shape[0])
+            aux = aux * real_tokens
         return attach_auxiliary_loss(out, aux, self.aux_loss_coef)
+
+    # Traced inside a compiled block (no graph break, as the tensor-parallel plan's own collectives): a
+    # break here would fail `compile.fullgraph` and the traced op-level activation checkpoint.
+    def _sum_over_token_groups(self, t: torch.Tensor) -> torch.Tensor:
+        for group in self.token_groups:  # a sum over each group in turn is the sum over their product
+            dist.all_reduce(t, group=group)
+        return t

@@ -119,6 +119,7 @@ def parallelize_moe_tp(
     gradient summed over tp like the router; expert-parallel ones are reduced over the expert mesh.
     """
     group = tp_mesh.get_group()
+    moe.shares_tokens_with(group)  # the balancing loss over the whole sequences, as with tp 1
     for module in moe.modules():
         names = {
             name for name, param in module.named_parameters(recurse=False) if not isinstance(param, DTensor)
