@@ -153,6 +153,43 @@ def test_zbv_with_compiled_blocks_and_deferred_weight_grads_equals_one_process(t
 
 
 @pytest.mark.distributed
+def test_deferred_weight_grads_with_fsdp_and_expert_parallel_equal_one_process(tmp_path: Path) -> None:
+    """`compile.defer_weight_grads` where its weight passes meet FSDP's reduce-scatter and the expert
+    exchange: pp 2 × dp_shard 2 × ep 2 under ZBV (the MoE example's layout, its checkpoint's balancing
+    loss weighted 0.001) and dense pp 2 × dp_shard 2 under ZB1P, compiled (aot_eager), against one
+    eager process."""
+    from tests.engine_fixtures import make_hf_qwen3_moe
+
+    _write_corpus(tmp_path)
+    make_hf_qwen3(tmp_path / "hf-dense", num_layers=6, vocab_size=259)
+    make_hf_qwen3_moe(tmp_path / "hf-moe", num_layers=6, vocab_size=259)
+    references = [("one-padded", {}, None, "padded"), ("moe-one", {}, None, "padded")]
+    run_distributed(_text_runs, 1, references, tmp_dir=tmp_path, timeout=300)
+    runs = [
+        (
+            "moe-pp2-fsdp2-ep2-zbv",
+            {"pipeline_parallel": 2, "data_parallel_shard": 2, "expert_parallel": 2},
+            "zbv",
+        ),
+        ("pp2-fsdp2-zb1p", {"pipeline_parallel": 2, "data_parallel_shard": 2}, "zb1p"),
+    ]
+    compile_section = {"enabled": True, "backend": "aot_eager", "defer_weight_grads": True}
+    run_distributed(
+        _text_runs,
+        4,
+        [(name, mesh, schedule, "padded") for name, mesh, schedule in runs],
+        compile_section,
+        tmp_dir=tmp_path,
+        timeout=600,
+    )
+    for (name, _, _), reference in zip(runs, ("moe-one", "one-padded"), strict=True):
+        want = torch.tensor(torch.load(tmp_path / f"{reference}.pt"))
+        losses = torch.tensor(torch.load(tmp_path / f"{name}.pt"))
+        assert len(losses) == 3 and losses[-1] < losses[0], name
+        torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.distributed
 def test_gpu_example_layout_trains_like_one_process_on_gloo(tmp_path: Path) -> None:
     """The layout of examples/qwen3_moe_pretrain/gpu.yaml at 4 ranks — pp 2 × dp_shard 2 × ep 2 under ZBV,
     the text provider's padded batches — against one process on the same global batch (one dp rank with

@@ -246,8 +246,12 @@ def test_compile_failure_falls_back_to_eager_with_one_warning() -> None:
 def test_check_compile_available(monkeypatch: pytest.MonkeyPatch) -> None:
     check_compile_available(CompileConfig(), CPU)  # off by default on CPU: nothing to check
     check_compile_available(CompileConfig(enabled=True), CPU)  # this machine has g++
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/no/such/c++",))
-    with pytest.raises(ValueError, match=r"compile.enabled on cpu needs a C\+\+ compiler"):
+    # inductor's own patching: monkeypatch's undo deleted the option (inductor then failed in every later
+    # test of the process: "torch._inductor.config.cpp.cxx does not exist")
+    with (
+        torch._inductor.config.patch({"cpp.cxx": ("/no/such/c++",)}),
+        pytest.raises(ValueError, match=r"compile.enabled on cpu needs a C\+\+ compiler"),
+    ):
         check_compile_available(CompileConfig(enabled=True), CPU)
     check_compile_available(CompileConfig(enabled=False), CPU)
     check_compile_available(CompileConfig(enabled=True, backend="aot_eager"), CPU)  # no code generation

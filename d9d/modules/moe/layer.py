@@ -3,6 +3,7 @@ expert."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -111,21 +112,25 @@ class MoELayer(nn.Module):
     ) -> torch.Tensor:
         mask = token_mask.reshape(-1) if token_mask is not None else None
         recomputing = is_recomputing()
-        if recomputing and self.aux_loss_coef == 0:
+        weighted = self.aux_loss_coef != 0
+        if recomputing and not weighted:
             return out
-        real_tokens: torch.Tensor | int
-        if self.token_groups:
-            aux, tracked, real_tokens = balancing_loss_over(
-                routing.probs, routing.topk_ids, mask, self._sum_over_token_groups
-            )
-        else:
-            aux = tracked = load_balancing_loss(routing.probs, routing.topk_ids, mask)
-            real_tokens = mask.sum() if mask is not None else routing.topk_ids.shape[0]
+        # Unweighted it is only a statistic: no autograd graph (nothing saved, so an activation checkpoint's
+        # recompute, which skips it, saves as many tensors as the forward did).
+        with contextlib.nullcontext() if weighted else torch.no_grad():
+            real_tokens: torch.Tensor | int
+            if self.token_groups:
+                aux, tracked, real_tokens = balancing_loss_over(
+                    routing.probs, routing.topk_ids, mask, self._sum_over_token_groups
+                )
+            else:
+                aux = tracked = load_balancing_loss(routing.probs, routing.topk_ids, mask)
+                real_tokens = mask.sum() if mask is not None else routing.topk_ids.shape[0]
         if not recomputing:
             self.last_aux_loss = tracked.detach()
             step = torch.stack([tracked.detach().float(), torch.ones_like(tracked, dtype=torch.float32)])
             self.aux_loss_stats = step if self.aux_loss_stats is None else self.aux_loss_stats + step
-        if self.aux_loss_coef == 0:
+        if not weighted:
             return out
         if self.aux_loss_per_token:  # times the number of real tokens, as the LM loss counts only those
             aux = aux * real_tokens
