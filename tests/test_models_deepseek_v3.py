@@ -389,6 +389,31 @@ def test_two_rank_matrix_matches_one_process() -> None:
     run_distributed(_matrix, 2, timeout=300)
 
 
+FOUR_RANK_MATRIX = [
+    # examples/deepseek_v3_pretrain/tiny.yaml's layout
+    ({"data_parallel_replicate": 2, "data_parallel_shard": 2, "expert_parallel": 2}, False, True),
+    # latent attention split by heads beside token-split MoE layers whose experts are split over ep
+    ({"data_parallel_replicate": 2, "tensor_parallel": 2, "expert_parallel": 2}, True, False),
+    # the latent attention's replicated down projections and norms beside TP DTensors, under FSDP
+    ({"data_parallel_shard": 2, "tensor_parallel": 2}, True, True),
+]
+
+
+def _four_rank_matrix(env: RankEnv) -> None:
+    def parallelize(model: nn.Module, ctx: DistributedContext, sp: bool) -> None:
+        plan = ParallelPlanConfig(sequence_parallel=sp, expert_backend=AllToAllBackendConfig())
+        parallelize_deepseek_v3(model, ctx, plan)
+
+    matrix_matches_one_process(
+        _model, parallelize, _batches(3, 8), _loss, FOUR_RANK_MATRIX, "deepseek_v3", MAX_NORM
+    )
+
+
+@pytest.mark.distributed
+def test_four_rank_matrix_with_the_examples_layout_matches_one_process() -> None:
+    run_distributed(_four_rank_matrix, 4, timeout=400)
+
+
 @pytest.mark.distributed
 def test_pipeline_of_two_stages_matches_the_whole_model() -> None:
     run_distributed(

@@ -332,6 +332,29 @@ def test_two_rank_matrix_matches_one_process() -> None:
     run_distributed(_matrix, 2, timeout=300)
 
 
+FOUR_RANK_MATRIX = [
+    ({"data_parallel_shard": 2, "tensor_parallel": 2}, True, True),  # examples/llama3_pretrain/tiny.yaml's
+    ({"data_parallel_replicate": 2, "data_parallel_shard": 2}, False, False),
+]
+
+
+def _four_rank_matrix(env: RankEnv) -> None:
+    matrix_matches_one_process(
+        _model,
+        lambda model, ctx, sp: parallelize_llama3(model, ctx, ParallelPlanConfig(sequence_parallel=sp)),
+        _batches(3, 8),
+        _loss,
+        FOUR_RANK_MATRIX,
+        "llama3",
+        MAX_NORM,
+    )
+
+
+@pytest.mark.distributed
+def test_four_rank_matrix_with_the_examples_layout_matches_one_process() -> None:
+    run_distributed(_four_rank_matrix, 4, timeout=300)
+
+
 @pytest.mark.distributed
 def test_pipeline_of_two_stages_matches_the_whole_model() -> None:
     run_distributed(pipeline_matches_whole_model, 2, "tests.test_models_llama3:_model", 43, SEQ, timeout=200)

@@ -174,6 +174,7 @@ TWO_RANKS = [
     Case("qwen3_moe", shard=2, ep=2),
     Case("qwen3_moe", tp=2),
     Case("qwen3_moe", tp=2, ep=2, sp=True),
+    Case("qwen3_moe", tp=2, ep=2),  # token-split MoE layers whose tokens are gathered back after the layer
     Case("qwen3_cls", tp=2, sp=True),
 ]
 
@@ -184,6 +185,8 @@ FOUR_RANKS = [
     Case("qwen3_moe", replicate=2, shard=2, ep=2),
     Case("qwen3_moe", replicate=4, ep=2),
     Case("qwen3_moe", replicate=2, tp=2, ep=4),
+    Case("qwen3_moe", replicate=2, tp=2, ep=2),  # ep_replicate mixes tp and dp ranks
+    Case("qwen3_moe", shard=2, tp=2, sp=True),  # experts not split over ep: summed over tp, sharded by FSDP
     Case("qwen3", shard=2, tp=2, sp=True, meta=True),
     Case("qwen3_moe", replicate=2, shard=2, ep=2, meta=True),
 ]
