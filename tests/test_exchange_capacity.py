@@ -256,15 +256,32 @@ def test_overflowing_steps_rerun_to_the_reading_exchange_results(tmp_path: Path)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
 
 
+def _six_layers(tmp: Path, name: str, backend: dict[str, Any]) -> dict[str, Any]:
+    """The model section with 6 layers: a V schedule at pp 2 needs a layer per stage (embedding and head
+    count as layers in the split)."""
+    model: dict[str, Any] = _config(tmp / name, backend, DP2_EP2, None)["model"]
+    model["options"]["architecture"] = {**ARCH, "num_layers": 6}
+    return {"model": model}
+
+
 @pytest.mark.distributed
-def test_overflowing_steps_rerun_under_pipeline_and_expert_parallelism(tmp_path: Path) -> None:
-    """pp 2 × dp 2 × ep 2 with 1F1B: the overflow flag of either stage reaches every rank through the loss
-    all-reduce, both stages rerun together, and the losses equal the reading exchange's bitwise."""
+@pytest.mark.parametrize("variant", ["1f1b", "zbv", "1f1b-full-ac"])
+def test_overflowing_steps_rerun_under_pipeline_and_expert_parallelism(tmp_path: Path, variant: str) -> None:
+    """pp 2 × dp 2 × ep 2: the overflow flag of either stage reaches every rank through the loss
+    all-reduce, both stages rerun together, and the losses equal the reading exchange's bitwise — under
+    1F1B, under ZBV (split backward: the weight passes of the dropped pass must not leak into the rerun)
+    and with full activation checkpointing (each recompute dispatches again at the same capacity)."""
     mesh = {"pipeline_parallel": 2, "data_parallel_replicate": 2, "expert_parallel": 2}
     reading = {"kind": "all_to_all"}
     capacity = {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}
-    run_distributed(_train, 4, "pp-reading", reading, mesh, "1f1b", tmp_dir=tmp_path, timeout=400)
-    run_distributed(_train, 4, "pp-capacity", capacity, mesh, "1f1b", tmp_dir=tmp_path, timeout=400)
+    schedule = variant.split("-")[0]
+    for name, backend in (("pp-reading", reading), ("pp-capacity", capacity)):
+        sections: dict[str, Any] = {}
+        if schedule == "zbv":
+            sections = _six_layers(tmp_path, name, backend)
+        if variant.endswith("full-ac"):
+            sections["activation_checkpointing"] = {"mode": "full"}
+        run_distributed(_train, 4, name, backend, mesh, schedule, sections, tmp_dir=tmp_path, timeout=400)
     want, got = torch.load(tmp_path / "pp-reading.pt"), torch.load(tmp_path / "pp-capacity.pt")
     assert got["repeated"], "no step overflowed: the rerun path did not run"
     assert got["losses"] == want["losses"]
