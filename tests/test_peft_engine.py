@@ -66,17 +66,21 @@ def _config(run_dir: Path, source: Path, method: dict[str, Any]) -> dict[str, An
     }
 
 
-def _train(env: RankEnv, source: Path, mesh: dict[str, int]) -> None:
+def _train(
+    env: RankEnv, source: Path, mesh: dict[str, int], sections: dict[str, Any] | None = None, name: str = ""
+) -> None:
+    """`sections` replace whole sections of the job; results go to `<name or dp<world size>>.pt`."""
+    name = name or f"dp{env.world_size}"
     method = {"kind": "lora", "target_modules": TARGETS, "rank": RANK, "alpha": ALPHA}
-    raw = _config(env.tmp_dir / f"dp{env.world_size}", source, method)
-    config = parse_config({**raw, "mesh": mesh})
+    raw = _config(env.tmp_dir / name, source, method)
+    config = parse_config({**raw, "mesh": mesh, **(sections or {})})
     reporter = LocalRunReporter(config.checkpoint_dir, 1)
     runtime = RankRuntime(
         rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
     )
     result = run_rank(config, runtime, reporter)
     if env.rank == 0:
-        torch.save({"losses": list(result.losses)}, env.tmp_dir / f"dp{env.world_size}.pt")
+        torch.save({"losses": list(result.losses)}, env.tmp_dir / f"{name}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +150,41 @@ def test_lora_under_data_parallelism_matches_one_rank(
         assert two.keys() == one.keys()
         for key in one:
             torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+
+
+LAYOUTS: dict[str, tuple[int, dict[str, int], dict[str, Any]]] = {  # name: (ranks, mesh, sections)
+    "pp2-1f1b": (2, {"pipeline_parallel": 2}, {"pipelining": {"kind": "1f1b"}}),
+    "hsdp2x2": (
+        4,
+        {"data_parallel_replicate": 2, "data_parallel_shard": 2},
+        {"batching": {"global_batch_size": 8, "microbatch_size": 2}},
+    ),
+    # one rank: adapted projections inside compiled blocks, recomputed by full activation checkpointing
+    "compiled-full-ac": (
+        1,
+        {},
+        {"compile": {"enabled": True, "backend": "aot_eager"}, "activation_checkpointing": {"mode": "full"}},
+    ),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_under_other_layouts_matches_one_rank(
+    source: Path, one_rank: Path, tmp_path: Path, layout: str
+) -> None:
+    """Adapters in pipeline stages, under HSDP, and compiled with activation checkpointing: the losses of
+    the one-rank run (the loss does not depend on how the batch is split into microbatches). A pipeline
+    stage starts from the same adapters as the whole model (`adapter_seed` and the module's name; from the
+    stage's own RNG stream the losses parted from step 2)."""
+    ranks, mesh, sections = LAYOUTS[layout]
+    run_distributed(_train, ranks, source, mesh, sections, layout, tmp_dir=tmp_path, timeout=300)
+    torch.testing.assert_close(
+        torch.tensor(torch.load(tmp_path / f"{layout}.pt")["losses"]),
+        torch.tensor(torch.load(one_rank / "dp1.pt")["losses"]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_tensor_parallelism_of_adapted_layers_is_refused(source: Path) -> None:

@@ -14,6 +14,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from d9d.determinism.seeds import mix_seed
 
 
 @runtime_checkable
@@ -24,8 +27,9 @@ class AdaptedModule(Protocol):
         """Names of this module's direct parameters that the adapter added (absent from base checkpoints)."""
         ...
 
-    def reset_adapter(self) -> None:
-        """(Re)initialize the adapter so that the module computes exactly what the base module computes."""
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
+        """(Re)initialize the adapter so that the module computes exactly what the base module computes;
+        random parts drawn from `generator` (a CPU one, `init_uniform_`), else from the global RNG."""
         ...
 
     def base_module(self) -> nn.Module:
@@ -73,11 +77,33 @@ def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), child, module)
 
 
-def reset_adapters(model: nn.Module) -> None:
-    """Initialize every adapter (e.g. after `to_empty`, once the base weights are in place)."""
+def reset_adapters(model: nn.Module, seed: int | None = None) -> None:
+    """Initialize every adapter (e.g. after `to_empty`, once the base weights are in place). With `seed`,
+    each adapted module draws from its own generator seeded by `seed` and the module's name, so adapters
+    start the same whatever the layout: a pipeline stage holding some of the layers, replicas, FSDP or
+    expert shards (without, from the global RNG, in module order: a stage's draws depend on what it holds)."""
     with torch.no_grad():
-        for _, module in adapted_modules(model):
-            module.reset_adapter()
+        for name, module in adapted_modules(model):
+            if seed is None:
+                module.reset_adapter()
+            else:
+                module.reset_adapter(torch.Generator().manual_seed(mix_seed(seed, "adapter", name)))
+
+
+def init_uniform_(param: torch.Tensor, bound: float, generator: torch.Generator | None) -> None:
+    """`param` ~ U(-bound, bound). With a (CPU) `generator` the whole tensor is drawn on the host and this
+    rank keeps its part of a DTensor: the values do not depend on the device or on how `param` is sharded."""
+    if generator is None:
+        nn.init.uniform_(param, -bound, bound)
+        return
+    full = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+    if isinstance(param, DTensor):
+        local = distribute_tensor(
+            full.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None
+        )
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
 
 
 @contextmanager

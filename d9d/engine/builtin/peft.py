@@ -50,6 +50,9 @@ class PeftModelProvider:
         method: PeftConfig
         # Also write the LoRA adapters in the Hugging Face `peft` layout to `<export dir>/adapter`.
         export_adapters: bool = False
+        # The adapters' random initialization: from this seed and each adapted module's name, so they
+        # start the same under every layout (a pipeline stage draws only for the layers it holds).
+        adapter_seed: int = 0
 
         @model_validator(mode="wrap")
         @classmethod
@@ -112,7 +115,7 @@ class PeftModelProvider:
     def initialize(self, module: nn.Module, ctx: DistributedContext) -> None:
         with base_view(module):
             self.base.initialize(module, ctx)
-        reset_adapters(module)
+        reset_adapters(module, self.config.adapter_seed)
 
     @property
     def base_model_name_or_path(self) -> str | None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from d9d.modules.moe import GroupedExperts
-from d9d.peft.adapter import restore_original
+from d9d.peft.adapter import init_uniform_, restore_original
 from d9d.peft.lora.linear import fold, lora_dropout
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -82,11 +82,10 @@ class LoRAGroupedExperts(GroupedExperts):
         b: torch.Tensor = getattr(self, f"{projection}_lora_B")
         return a, b
 
-    def reset_adapter(self) -> None:
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
         for name in self.projections:
             a, b = self._factors(name)
-            bound = 1 / math.sqrt(a.shape[1])  # per expert, like the dense LoRA A (fan-in = in)
-            nn.init.uniform_(a, -bound, bound)
+            init_uniform_(a, 1 / math.sqrt(a.shape[1]), generator)  # per expert, like the dense LoRA A
             nn.init.zeros_(b)
 
     def delta_weight(self, projection: str) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d9d.peft.adapter import restore_original
+from d9d.peft.adapter import init_uniform_, restore_original
 
 
 def lora_dropout(p: float) -> nn.Module:
@@ -49,10 +49,9 @@ class LoRALinear(nn.Linear):
     def adapter_parameter_names(self) -> tuple[str, ...]:
         return ("lora_A", "lora_B")
 
-    def reset_adapter(self) -> None:
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
         # A like a fresh nn.Linear (the `peft` default), B zero: the update starts at exactly zero.
-        bound = 1 / math.sqrt(self.in_features)
-        nn.init.uniform_(self.lora_A, -bound, bound)
+        init_uniform_(self.lora_A, 1 / math.sqrt(self.in_features), generator)
         nn.init.zeros_(self.lora_B)
 
     def delta_weight(self) -> torch.Tensor:
