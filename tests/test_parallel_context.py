@@ -295,8 +295,10 @@ def test_cp4_and_with_dp_fsdp_ep_tp() -> None:
         Case("qwen3", cp=2, dp=2),  # HSDP: FSDP over cp, replicas over dp
         Case("qwen3_moe", cp=2, fsdp=2, ep=4),
         Case("qwen3", cp=2, tp=2, sp=True),
+        Case("qwen3", cp=2, tp=2),  # the sequence shard replicated over tp
+        Case("qwen3_moe", cp=2, tp=2, ep=2, sp=True),  # token-split MoE layers inside each sequence shard
     ]
-    run_distributed(_run_cases, 4, cases, timeout=300)
+    run_distributed(_run_cases, 4, cases, timeout=400)
 
 
 @pytest.mark.gpu
