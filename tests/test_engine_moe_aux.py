@@ -4,6 +4,7 @@ token sum, its logged statistics, and the expert bias kept through Hugging Face 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from pathlib import Path
 
@@ -350,7 +351,7 @@ def _bias_run(env: RankEnv, name: str, mesh: dict[str, int]) -> None:
 
 
 @pytest.mark.distributed
-def test_expert_bias_is_the_same_on_every_tensor_parallel_rank(tmp_path: Path) -> None:
+def test_expert_bias_is_the_same_on_every_tensor_and_context_parallel_rank(tmp_path: Path) -> None:
     """MoE layers run token-parallel over tp, so each tp rank routes different tokens: the expert loads
     are summed over tp before the bias moves, which keeps the bias identical on the tp ranks and equal to
     the tp 1 run's (regression: the ranks drifted apart within 6 steps)."""
@@ -359,10 +360,12 @@ def test_expert_bias_is_the_same_on_every_tensor_parallel_rank(tmp_path: Path) -
     make_hf_qwen3_moe(tmp_path / "hf", num_layers=2)
     run_distributed(_bias_run, 1, "tp1", {}, tmp_dir=tmp_path, timeout=300)
     run_distributed(_bias_run, 2, "tp2", {"tensor_parallel": 2}, tmp_dir=tmp_path, timeout=300)
+    # the cp ranks route the two halves of each sequence: summed over cp as well
+    run_distributed(_bias_run, 2, "cp2", {"context_parallel_shard": 2}, tmp_dir=tmp_path, timeout=300)
     reference = torch.load(tmp_path / "tp1-rank0.pt")
     assert reference and all(b.abs().sum() > 0 for b in reference.values()), "the bias never moved"
-    for rank in (0, 1):
-        got = torch.load(tmp_path / f"tp2-rank{rank}.pt")
+    for name, rank in itertools.product(("tp2", "cp2"), (0, 1)):
+        got = torch.load(tmp_path / f"{name}-rank{rank}.pt")
         assert got.keys() == reference.keys()
         for key, bias in reference.items():
-            assert torch.equal(got[key], bias), (rank, key, got[key], bias)
+            assert torch.equal(got[key], bias), (name, rank, key, got[key], bias)
