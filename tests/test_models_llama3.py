@@ -4,6 +4,7 @@ matrix (FSDP, HSDP, TP, TP + SP, CP, pipeline 1F1B) against one process."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -271,9 +272,10 @@ def test_the_engine_builds_checks_and_estimates_llama3(tmp_path: Path) -> None:
 SEQ, MAX_NORM = 8, 0.5
 
 
-def _model(stage: PipelineStageInfo | None = None, layers: int = 2) -> nn.Module:
+def _model(stage: PipelineStageInfo | None = None, layers: int = 2, tied: bool = False) -> nn.Module:
     torch.manual_seed(0)
     config = Llama3Config(
+        tie_word_embeddings=tied,
         vocab_size=43,
         vocab_splits={"regular": 40, "special": 3},  # the special split does not divide over tp = 2
         hidden_size=16,
@@ -339,15 +341,16 @@ FOUR_RANK_MATRIX = [
 
 
 def _four_rank_matrix(env: RankEnv) -> None:
-    matrix_matches_one_process(
-        _model,
-        lambda model, ctx, sp: parallelize_llama3(model, ctx, ParallelPlanConfig(sequence_parallel=sp)),
-        _batches(3, 8),
-        _loss,
-        FOUR_RANK_MATRIX,
-        "llama3",
-        MAX_NORM,
-    )
+    for tied in (False, True):  # Llama 3.2 ties the head to the embedding (one parameter, two uses)
+        matrix_matches_one_process(
+            functools.partial(_model, tied=tied),
+            lambda model, ctx, sp: parallelize_llama3(model, ctx, ParallelPlanConfig(sequence_parallel=sp)),
+            _batches(3, 8),
+            _loss,
+            FOUR_RANK_MATRIX,
+            f"llama3 tied={tied}",
+            MAX_NORM,
+        )
 
 
 @pytest.mark.distributed
