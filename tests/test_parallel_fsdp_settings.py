@@ -206,6 +206,53 @@ def test_settings_train_like_one_process_and_act_as_configured() -> None:
     run_distributed(_settings_cases, 4, timeout=300)
 
 
+MOE_SETTINGS: list[tuple[dict[str, int], FSDPConfig]] = [  # (mesh, settings)
+    (
+        {"data_parallel_shard": 4, "expert_parallel": 4},
+        FSDPConfig(keep_gathered_gib=0, reduce_dtype="float32"),
+    ),
+    ({"data_parallel_shard": 4, "expert_parallel": 2}, FSDPConfig(reshard_after_forward="always")),
+    (
+        {"data_parallel_replicate": 2, "data_parallel_shard": 2, "expert_parallel": 2},
+        FSDPConfig(reshard_after_forward="never", forward_prefetch=2, reduce_dtype="float32"),
+    ),
+    (
+        {"data_parallel_shard": 2, "tensor_parallel": 2},
+        FSDPConfig(keep_gathered_gib=0, forward_prefetch=1, backward_prefetch=2, reduce_dtype="float32"),
+    ),
+]
+
+
+def _moe_settings_cases(env: RankEnv) -> None:
+    """The settings where FSDP meets expert parallelism (expert weights sharded over ep, FSDP over what is
+    left, replicated experts summed by the synchronizer) and tensor parallelism: every gradient and two
+    AdamW steps as one process."""
+    from d9d.models.qwen3_moe import parallelize_qwen3_moe
+    from d9d.parallel.expert import AllToAllBackendConfig
+    from tests.test_parallel_qwen3 import MODELS
+
+    data = _batches(2, 8)
+    want = reference_run(MODELS["qwen3_moe"](), data, _task_loss, max_norm=MAX_NORM)
+    for mesh, config in MOE_SETTINGS:
+        what = f"{mesh} {config!r}"
+        params = DeviceMeshParameters(**mesh)
+        ctx = DistributedContext.create(params, backend="gloo")
+        model = MODELS["qwen3_moe"]()
+        plan = ParallelPlanConfig(fsdp=config, expert_backend=AllToAllBackendConfig(), sequence_parallel=True)
+        parallelize_qwen3_moe(model, ctx, plan)
+        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
+        dp = ctx.coordinates("batch")["dp"]
+        local = [b.shard(params.data_parallel, dp).split(2) for b in data]
+        got = distributed_run(model, sync, local, _task_loss, max_norm=MAX_NORM)
+        assert_runs_close(got, want, what)
+        sync.close()
+
+
+@pytest.mark.distributed
+def test_settings_with_expert_and_tensor_parallelism_train_like_one_process() -> None:
+    run_distributed(_moe_settings_cases, 4, timeout=300)
+
+
 # ---- float32 reduction of bf16 gradients -------------------------------------------------------------------
 
 
