@@ -187,6 +187,50 @@ def test_lora_under_other_layouts_matches_one_rank(
     )
 
 
+def _train_moe(env: RankEnv, source: Path, mesh: dict[str, int], name: str) -> None:
+    """LoRA on a Qwen3-MoE's experts (gate and down) and query projections; 10 steps, losses saved."""
+    method = {"kind": "lora", "target_modules": r".*\.experts\.(gate_proj|down_proj)|.*\.q_proj", "rank": 4}
+    raw = _config(env.tmp_dir / name, source, method)
+    raw["model"]["options"]["base"]["provider"] = "qwen3_moe"
+    raw["model"]["options"]["export_adapters"] = False  # the peft layout has no expert LoRA
+    config = parse_config(
+        {
+            **raw,
+            "mesh": mesh,
+            "trainer": {"total_steps": 10},
+            "batching": {"global_batch_size": 8, "microbatch_size": 2},
+            "checkpointing": {"save_at_end": False},
+        }
+    )
+    runtime = RankRuntime(
+        rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
+    )
+    result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 1))
+    if env.rank == 0:
+        torch.save({"losses": list(result.losses)}, env.tmp_dir / f"{name}.pt")
+
+
+@pytest.mark.distributed
+def test_expert_lora_under_expert_and_data_parallelism_matches_one_rank(tmp_path: Path) -> None:
+    """Expert LoRA factors sharded over ep like the experts, summed over the expert replicas by the
+    synchronizer (HSDP 2 × 2 × EP 2: two replicas of each expert shard), FSDP-sharded elsewhere: the
+    one-rank losses (the checkpoint's balancing loss weighted 0.001 included)."""
+    from tests.engine_fixtures import make_hf_qwen3_moe
+
+    make_hf_qwen3_moe(tmp_path / "hf-moe", num_layers=2)
+    source = tmp_path / "hf-moe"
+    run_distributed(_train_moe, 1, source, {}, "one", tmp_dir=tmp_path, timeout=300)
+    fsdp_ep = {"data_parallel_shard": 2, "expert_parallel": 2}
+    run_distributed(_train_moe, 2, source, fsdp_ep, "fsdp2-ep2", tmp_dir=tmp_path, timeout=300)
+    hsdp_ep = {"data_parallel_replicate": 2, "data_parallel_shard": 2, "expert_parallel": 2}
+    run_distributed(_train_moe, 4, source, hsdp_ep, "hsdp2x2-ep2", tmp_dir=tmp_path, timeout=300)
+    want = torch.tensor(torch.load(tmp_path / "one.pt")["losses"])
+    assert len(want) == 10 and want[-3:].mean() < want[:3].mean(), want
+    for name in ("fsdp2-ep2", "hsdp2x2-ep2"):
+        got = torch.tensor(torch.load(tmp_path / f"{name}.pt")["losses"])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_tensor_parallelism_of_adapted_layers_is_refused(source: Path) -> None:
     method = {"kind": "lora", "target_modules": TARGETS}
     options = _config(Path("unused"), source, method)["model"]["options"]
