@@ -244,7 +244,9 @@ def test_balancing_loss_of_a_token_split_over_two_groups_equals_one_process() ->
     run_distributed(_balancing_over_two_groups, 4, timeout=120)
 
 
-def _aux_run(env: RankEnv, name: str, mesh: dict[str, int], compiled: bool = False) -> None:
+def _aux_run(
+    env: RankEnv, name: str, mesh: dict[str, int], compiled: bool = False, sequence_parallel: bool = False
+) -> None:
     from d9d.engine.checkpoint import LocalRunReporter
     from d9d.engine.config import parse_config
     from d9d.engine.trainer import Trainer
@@ -262,6 +264,7 @@ def _aux_run(env: RankEnv, name: str, mesh: dict[str, int], compiled: bool = Fal
                 "options": {
                     "source_checkpoint": str(env.tmp_dir / "hf"),
                     "architecture": {"router_aux_loss_coef": 0.5},
+                    "parallel": {"sequence_parallel": sequence_parallel},
                 },
             },
             "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
@@ -300,9 +303,14 @@ def test_balancing_loss_under_tp_and_cp_trains_like_one_process(tmp_path: Path) 
     # compiled blocks (aot_eager): the balancing loss's gradient, and its sum over tp traced into them
     run_distributed(_aux_run, 1, "one-compiled", {}, True, tmp_dir=tmp_path, timeout=300)
     run_distributed(_aux_run, 2, "tp2-compiled", {"tensor_parallel": 2}, True, tmp_dir=tmp_path, timeout=300)
+    # and the sequence-parallel and context-parallel collectives traced into them
+    tp2 = {"tensor_parallel": 2}
+    run_distributed(_aux_run, 2, "tp2-sp-compiled", tp2, True, True, tmp_dir=tmp_path, timeout=300)
+    cp2 = {"context_parallel_shard": 2}
+    run_distributed(_aux_run, 2, "cp2-compiled", cp2, True, tmp_dir=tmp_path, timeout=300)
     losses, routers = torch.load(tmp_path / "one.pt")
     assert len(routers) == 2 and len(losses) == 4
-    for name in ("one-compiled", "tp2", "cp2", "tp2-compiled"):
+    for name in ("one-compiled", "tp2", "cp2", "tp2-compiled", "tp2-sp-compiled", "cp2-compiled"):
         got_losses, got_routers = torch.load(tmp_path / f"{name}.pt")
         torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
         for key, weight in routers.items():
