@@ -219,10 +219,12 @@ class Case:
     sp: bool = False
     packed: bool = True
     replicate_cp: bool = False  # cp over context_parallel_replicate: dense weights replicated, not sharded
+    split_cp: bool = False  # cp over context_parallel_replicate 2 × context_parallel_shard cp / 2
 
     def __str__(self) -> str:
         sizes = f"cp{self.cp} dp{self.dp} fsdp{self.fsdp} ep{self.ep} tp{self.tp}"
-        return f"{self.model}[{sizes} sp={self.sp} packed={self.packed} replicate_cp={self.replicate_cp}]"
+        flags = f"sp={self.sp} packed={self.packed} replicate_cp={self.replicate_cp} split_cp={self.split_cp}"
+        return f"{self.model}[{sizes} {flags}]"
 
 
 def _saved_bytes(model: nn.Module, batch: Batch) -> int:
@@ -251,8 +253,8 @@ def _run_cases(env: RankEnv, cases: list[Case], backend: str = "gloo") -> None:
         params = DeviceMeshParameters(
             data_parallel_replicate=case.dp,
             data_parallel_shard=case.fsdp,
-            context_parallel_shard=1 if case.replicate_cp else case.cp,
-            context_parallel_replicate=case.cp if case.replicate_cp else 1,
+            context_parallel_shard=1 if case.replicate_cp else case.cp // 2 if case.split_cp else case.cp,
+            context_parallel_replicate=case.cp if case.replicate_cp else 2 if case.split_cp else 1,
             expert_parallel=case.ep,
             tensor_parallel=case.tp,
         )
@@ -292,6 +294,7 @@ def test_cp2() -> None:
 def test_cp4_and_with_dp_fsdp_ep_tp() -> None:
     cases = [
         Case("qwen3", cp=4),
+        Case("qwen3", cp=4, split_cp=True),  # the sequence split 4 ways: weights sharded 2, replicated 2
         Case("qwen3", cp=2, dp=2),  # HSDP: FSDP over cp, replicas over dp
         Case("qwen3_moe", cp=2, fsdp=2, ep=4),
         Case("qwen3", cp=2, tp=2, sp=True),
