@@ -288,6 +288,29 @@ def test_overflowing_steps_rerun_under_pipeline_and_expert_parallelism(tmp_path:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        {"context_parallel_shard": 2, "expert_parallel": 2},  # the ep ranks hold halves of each sequence
+        {"tensor_parallel": 2, "expert_parallel": 2},  # token-split MoE layers
+    ],
+    ids=["cp2xep2", "tp2xep2"],
+)
+def test_overflowing_steps_rerun_under_context_and_tensor_parallelism(
+    tmp_path: Path, mesh: dict[str, int]
+) -> None:
+    """The static-capacity exchange where the expert ranks split sequences (cp) or route a token split (tp):
+    steps overflow and rerun, and the losses equal the reading exchange's bitwise."""
+    reading = {"kind": "all_to_all"}
+    capacity = {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}
+    run_distributed(_train, 2, "reading", reading, mesh, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_train, 2, "capacity", capacity, mesh, tmp_dir=tmp_path, timeout=300)
+    want, got = torch.load(tmp_path / "reading.pt"), torch.load(tmp_path / "capacity.pt")
+    assert got["repeated"], "no step overflowed: the rerun path did not run"
+    assert got["losses"] == want["losses"]
+
+
+@pytest.mark.distributed
 def test_a_resumed_run_keeps_the_capacities_of_the_uninterrupted_one(tmp_path: Path) -> None:
     """Capacities grow on overflows and shrink every 2 steps; a run stopped after step 3 and resumed equals
     the uninterrupted run in each step's capacity, rerun count and loss: the capacities and the loads since
