@@ -396,6 +396,8 @@ FOUR_RANK_MATRIX = [
     ({"data_parallel_replicate": 2, "tensor_parallel": 2, "expert_parallel": 2}, True, False),
     # the latent attention's replicated down projections and norms beside TP DTensors, under FSDP
     ({"data_parallel_shard": 2, "tensor_parallel": 2}, True, True),
+    # the shared rotary key's gradient summed over tp, its keys gathered over cp
+    ({"context_parallel_shard": 2, "tensor_parallel": 2}, True, False),
 ]
 
 
