@@ -242,6 +242,19 @@ def test_tensor_parallelism_of_adapted_layers_is_refused(source: Path) -> None:
         ValueError, match=r"mesh\.tensor_parallel=2: LoRA-adapted layers cannot be tensor-parallel"
     ):
         provider.parallelize(module, ctx)  # type: ignore[arg-type]
+    # and at config time, before any process starts: LoRA, also inside a stack; full tuning alone is fine
+    stacked = {"kind": "stack", "methods": [{"kind": "full_tune", "target_modules": ".*norm"}, method]}
+    for lora in (method, stacked):
+        job = {**_config(Path("unused"), source, lora), "mesh": {"tensor_parallel": 2}}
+        job["model"]["provider"] = "peft"  # the catalogue's name (a plug-in path is refused when built)
+        with pytest.raises(
+            ConfigError, match=r"mesh\.tensor_parallel = 2 with model\.options\.method \(LoRA\)"
+        ):
+            parse_config(job)
+    full = {"kind": "full_tune", "target_modules": ".*norm"}
+    job = {**_config(Path("unused"), source, full), "mesh": {"tensor_parallel": 2}}
+    job["model"]["provider"] = "peft"
+    parse_config(job)
 
 
 def test_provider_options_are_checked_at_config_time(source: Path, tmp_path: Path) -> None:

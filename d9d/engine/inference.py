@@ -40,7 +40,11 @@ from d9d.engine.components import (
     build_inference_task,
 )
 from d9d.engine.config import DeterminismConfig, RunConfig, TimeoutsConfig, _Section
-from d9d.engine.parallel_checks import check_context_parallel, check_pipeline_parallel
+from d9d.engine.parallel_checks import (
+    check_context_parallel,
+    check_lora_tensor_parallel,
+    check_pipeline_parallel,
+)
 from d9d.engine.providers import DataSetup
 from d9d.engine.registry import ModelComponent, build_model
 from d9d.engine.stages import build_stages
@@ -98,6 +102,7 @@ class InferenceConfig(_Section):
                 ) from e
         check_context_parallel(self.mesh, self.model, self.data, self.task)
         check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
+        check_lora_tensor_parallel(self.mesh, self.model)
         return self
 
 

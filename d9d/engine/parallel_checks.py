@@ -18,6 +18,7 @@ from d9d.engine.registry import PeftModel
 from d9d.models.family import check_checkpointing_family, families
 from d9d.modules.checkpointing import ActivationCheckpointingConfig, NoActivationCheckpointing
 from d9d.parallel.compile import CompileConfig
+from d9d.peft.config import FullTuneConfig, LoRAConfig, PeftConfig, StackConfig
 from d9d.pipeline.api import PipelineStageInfo, balance_layers
 
 _CP_KEYS = "mesh.context_parallel_shard × mesh.context_parallel_replicate"
@@ -59,6 +60,28 @@ def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stag
             f"{where} with {stages_per_rank} stage(s) per rank (pipelining.stages_per_rank): {field}'s "
             f"{architecture.num_layers} layers: {e}"
         ) from e
+
+
+def check_lora_tensor_parallel(mesh: DeviceMeshParameters, model: ModelChoice) -> None:
+    """LoRA-adapted layers cannot be tensor-parallel (the TP styles would shard the factors like the weights
+    they sit on): refused here, before any process starts, as the provider refuses it when parallelizing."""
+    if mesh.tensor_parallel == 1 or not isinstance(model, PeftModel):
+        return
+    if _has_lora(model.options.method):
+        raise ValueError(
+            f"mesh.tensor_parallel = {mesh.tensor_parallel} with model.options.method (LoRA): LoRA-adapted "
+            "layers cannot be tensor-parallel; use data (replicate/FSDP), expert or pipeline parallelism"
+        )
+
+
+def _has_lora(method: PeftConfig) -> bool:
+    match method:
+        case LoRAConfig():
+            return True
+        case FullTuneConfig():
+            return False
+        case StackConfig(methods=methods):
+            return any(_has_lora(m) for m in methods)
 
 
 def check_context_parallel(
