@@ -170,3 +170,42 @@ def test_deferred_weight_grads_need_a_split_backward_schedule_and_no_fullgraph()
                 "compile": {"defer_weight_grads": True, "fullgraph": True},
             }
         )
+
+
+def test_deep_ep_needs_bf16_and_a_group_its_kernels_serve_at_config_time() -> None:
+    """What DeepEP's intranode kernels take that the config already tells: refused when the job is validated,
+    before any process starts (CUDA and the package are checked when the stages are built)."""
+    architecture = {
+        "vocab_size": 32,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    }
+
+    def job(dtype: str, mesh: dict[str, int]) -> dict:
+        options = {
+            "architecture": architecture,
+            "dtype": dtype,
+            "parallel": {"expert_backend": {"kind": "deep_ep"}},
+        }
+        return {
+            **BASE,
+            "mesh": mesh,
+            "model": {"provider": "qwen3_moe", "options": options},
+            "task": {"provider": "causal_lm"},
+        }
+
+    parse_config(job("bfloat16", {"data_parallel_shard": 2, "expert_parallel": 2}))
+    with pytest.raises(
+        ConfigError, match=r"model\.options\.parallel\.expert_backend\.kind 'deep_ep': .*bfloat16 .*'float32'"
+    ):
+        parse_config(job("float32", {"data_parallel_shard": 2, "expert_parallel": 2}))
+    three = {"data_parallel_shard": 3, "expert_parallel": 3}
+    with pytest.raises(ConfigError, match=r"groups of \(2, 4, 8\) ranks, got mesh\.expert_parallel = 3"):
+        parse_config({**job("bfloat16", three), "batching": {"global_batch_size": 6, "microbatch_size": 2}})

@@ -30,6 +30,7 @@ from d9d.engine.errors import ConfigError, format_validation_error
 from d9d.engine.parallel_checks import (
     check_activation_checkpointing,
     check_context_parallel,
+    check_expert_backend,
     check_lora_tensor_parallel,
     check_pipeline_parallel,
 )
@@ -367,6 +368,7 @@ class TrainConfig(_Section):
         check_context_parallel(self.mesh, self.model, self.data, self.task)
         check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
         check_lora_tensor_parallel(self.mesh, self.model)
+        check_expert_backend(self.mesh, self.model)
         check_activation_checkpointing(self.mesh, self.model, self.activation_checkpointing, self.compile)
         return self
 

@@ -42,6 +42,7 @@ from d9d.engine.components import (
 from d9d.engine.config import DeterminismConfig, RunConfig, TimeoutsConfig, _Section
 from d9d.engine.parallel_checks import (
     check_context_parallel,
+    check_expert_backend,
     check_lora_tensor_parallel,
     check_pipeline_parallel,
 )
@@ -103,6 +104,7 @@ class InferenceConfig(_Section):
         check_context_parallel(self.mesh, self.model, self.data, self.task)
         check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
         check_lora_tensor_parallel(self.mesh, self.model)
+        check_expert_backend(self.mesh, self.model)
         return self
 
 

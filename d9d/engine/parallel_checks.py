@@ -18,6 +18,8 @@ from d9d.engine.registry import PeftModel
 from d9d.models.family import check_checkpointing_family, families
 from d9d.modules.checkpointing import ActivationCheckpointingConfig, NoActivationCheckpointing
 from d9d.parallel.compile import CompileConfig
+from d9d.parallel.expert.backend import DeepEPBackendConfig
+from d9d.parallel.expert.deepep import INTRANODE_GROUP_SIZES
 from d9d.peft.config import FullTuneConfig, LoRAConfig, PeftConfig, StackConfig
 from d9d.pipeline.api import PipelineStageInfo, balance_layers
 
@@ -60,6 +62,28 @@ def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stag
             f"{where} with {stages_per_rank} stage(s) per rank (pipelining.stages_per_rank): {field}'s "
             f"{architecture.num_layers} layers: {e}"
         ) from e
+
+
+def check_expert_backend(mesh: DeviceMeshParameters, model: ModelChoice) -> None:
+    """DeepEP's intranode kernels take bf16 activations and expert-parallel groups of 2, 4 or 8 ranks: both
+    known from the config (whether CUDA and `deep_ep` are there is checked when the stages are built)."""
+    base, field = _base(model)
+    if not isinstance(base, BuiltinModel):
+        return
+    backend = base.options.parallel.expert_backend
+    if not isinstance(backend, DeepEPBackendConfig):
+        return
+    key = f"{field}.options.parallel.expert_backend.kind 'deep_ep'"
+    if mesh.expert_parallel not in INTRANODE_GROUP_SIZES:
+        raise ValueError(
+            f"{key}: its intranode kernels serve expert-parallel groups of {INTRANODE_GROUP_SIZES} ranks, "
+            f"got mesh.expert_parallel = {mesh.expert_parallel}; choose kind 'all_to_all' or 'auto'"
+        )
+    if base.options.dtype != "bfloat16":
+        raise ValueError(
+            f"{key}: it needs bfloat16 activations, got {field}.options.dtype {base.options.dtype!r}; set "
+            "dtype: bfloat16, or choose kind 'all_to_all' or 'auto'"
+        )
 
 
 def check_lora_tensor_parallel(mesh: DeviceMeshParameters, model: ModelChoice) -> None:
