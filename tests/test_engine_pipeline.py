@@ -138,18 +138,20 @@ def test_pipelines_train_on_the_text_providers_batches(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_zbv_with_compiled_blocks_and_deferred_weight_grads_equals_one_process(tmp_path: Path) -> None:
-    """ZBV over compiled blocks whose projections stay eager (`compile.defer_weight_grads`, aot_eager: the
-    same graphs as inductor without its slow CPU code generation), against one eager process."""
+    """ZBV and DualPipeV over compiled blocks whose projections stay eager (`compile.defer_weight_grads`,
+    aot_eager: the same graphs as inductor without its slow CPU code generation), against one eager
+    process."""
     _write_corpus(tmp_path)
     make_hf_qwen3(tmp_path / "hf-dense", num_layers=6, vocab_size=259)
     run_distributed(_text_runs, 1, [("one-padded", {}, None, "padded")], tmp_dir=tmp_path, timeout=300)
-    run = ("pp2-zbv-deferred", {"pipeline_parallel": 2}, "zbv", "padded")
+    runs = [(f"pp2-{s}-deferred", {"pipeline_parallel": 2}, s, "padded") for s in ("zbv", "dualpipev")]
     compile_section = {"enabled": True, "backend": "aot_eager", "defer_weight_grads": True}
-    run_distributed(_text_runs, 2, [run], compile_section, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_text_runs, 2, runs, compile_section, tmp_dir=tmp_path, timeout=300)
     reference = torch.tensor(torch.load(tmp_path / "one-padded.pt"))
-    losses = torch.tensor(torch.load(tmp_path / "pp2-zbv-deferred.pt"))
-    assert len(losses) == 3 and losses[-1] < losses[0]
-    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6)
+    for name, *_ in runs:
+        losses = torch.tensor(torch.load(tmp_path / f"{name}.pt"))
+        assert len(losses) == 3 and losses[-1] < losses[0], name
+        torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.distributed
