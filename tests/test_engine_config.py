@@ -7,6 +7,7 @@ import yaml
 
 from d9d.engine.components import AdamW, BuiltinModel, ModelPlugin
 from d9d.engine.config import ConfigError, apply_overrides, load_config, parse_config
+from tests.test_engine_builtin import ARCH
 
 BASE = {
     "run": {"name": "t"},
@@ -175,22 +176,10 @@ def test_deferred_weight_grads_need_a_split_backward_schedule_and_no_fullgraph()
 def test_deep_ep_needs_bf16_and_a_group_its_kernels_serve_at_config_time() -> None:
     """What DeepEP's intranode kernels take that the config already tells: refused when the job is validated,
     before any process starts (CUDA and the package are checked when the stages are built)."""
-    architecture = {
-        "vocab_size": 32,
-        "hidden_size": 32,
-        "num_layers": 2,
-        "num_attention_heads": 4,
-        "num_kv_heads": 2,
-        "head_dim": 8,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 16,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-    }
 
     def job(dtype: str, mesh: dict[str, int]) -> dict:
         options = {
-            "architecture": architecture,
+            "architecture": ARCH,
             "dtype": dtype,
             "parallel": {"expert_backend": {"kind": "deep_ep"}},
         }

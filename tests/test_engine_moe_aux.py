@@ -7,6 +7,7 @@ import copy
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -244,41 +245,52 @@ def test_balancing_loss_of_a_token_split_over_two_groups_equals_one_process() ->
     run_distributed(_balancing_over_two_groups, 4, timeout=120)
 
 
-def _aux_run(
-    env: RankEnv, name: str, mesh: dict[str, int], compiled: bool = False, sequence_parallel: bool = False
-) -> None:
+def _train_moe(env: RankEnv, name: str, mesh: dict[str, int], **sections: Any) -> Any:
+    """Train the tiny Qwen3-MoE of `<tmp>/hf` under `mesh`; `sections` replace the job's sections, and
+    `architecture` / `parallel` go into the model's options. Returns the trainer and its result."""
     from d9d.engine.checkpoint import LocalRunReporter
     from d9d.engine.config import parse_config
     from d9d.engine.trainer import Trainer
 
-    config = parse_config(
-        {
-            "run": {"name": name, "dir": str(env.tmp_dir / name)},
-            "mesh": mesh,
-            "batching": {"global_batch_size": 4, "microbatch_size": 2},
-            "trainer": {"total_steps": 4},
-            "logging": {"progress_bar": "off"},
-            "checkpointing": {"save_at_end": False},
-            "model": {
-                "provider": "qwen3_moe",
-                "options": {
-                    "source_checkpoint": str(env.tmp_dir / "hf"),
-                    "architecture": {"router_aux_loss_coef": 0.5},
-                    "parallel": {"sequence_parallel": sequence_parallel},
-                },
-            },
-            "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
-            # SGD: an update proportional to the gradient (Adam would blow float32 noise in tiny gradient
-            # components up to a full learning-rate step)
-            "optimizer": {"provider": "sgd", "options": {"lr": 0.5}},
-            "compile": {"enabled": compiled, "backend": "aot_eager"},
-        }
-    )
+    options: dict[str, Any] = {"source_checkpoint": str(env.tmp_dir / "hf")}
+    for key in ("architecture", "parallel"):
+        if key in sections:
+            options[key] = sections.pop(key)
+    job: dict[str, Any] = {
+        "run": {"name": name, "dir": str(env.tmp_dir / name)},
+        "mesh": mesh,
+        "batching": {"global_batch_size": 8, "microbatch_size": 2},
+        "trainer": {"total_steps": 6},
+        "logging": {"progress_bar": "off"},
+        "checkpointing": {"save_at_end": False},
+        "model": {"provider": "qwen3_moe", "options": options},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "optimizer": {"provider": "adamw", "options": {"lr": 3e-3}},
+    }
+    config = parse_config(job | sections)
     trainer = Trainer(
         config, DistributedContext.create(config.mesh), LocalRunReporter(config.checkpoint_dir, 1)
     )
     trainer.setup()
-    result = trainer.train()
+    return trainer, trainer.train()
+
+
+def _aux_run(
+    env: RankEnv, name: str, mesh: dict[str, int], compiled: bool = False, sequence_parallel: bool = False
+) -> None:
+    trainer, result = _train_moe(
+        env,
+        name,
+        mesh,
+        architecture={"router_aux_loss_coef": 0.5},
+        parallel={"sequence_parallel": sequence_parallel},
+        batching={"global_batch_size": 4, "microbatch_size": 2},
+        trainer={"total_steps": 4},
+        # SGD: an update proportional to the gradient (Adam would blow float32 noise in tiny gradient
+        # components up to a full learning-rate step)
+        optimizer={"provider": "sgd", "options": {"lr": 0.5}},
+        compile={"enabled": compiled, "backend": "aot_eager"},
+    )
     routers = {
         f"{i}.{n}": (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         for i, module in enumerate(trainer.modules)
@@ -321,34 +333,8 @@ def test_balancing_loss_under_tp_and_cp_trains_like_one_process(tmp_path: Path) 
 
 
 def _bias_run(env: RankEnv, name: str, mesh: dict[str, int]) -> None:
-    from d9d.engine.checkpoint import LocalRunReporter
-    from d9d.engine.config import parse_config
-    from d9d.engine.trainer import Trainer
-
-    config = parse_config(
-        {
-            "run": {"name": name, "dir": str(env.tmp_dir / name)},
-            "mesh": mesh,
-            "batching": {"global_batch_size": 8, "microbatch_size": 2},
-            "trainer": {"total_steps": 6},
-            "logging": {"progress_bar": "off"},
-            "checkpointing": {"save_at_end": False},
-            "model": {
-                "provider": "qwen3_moe",
-                "options": {
-                    "source_checkpoint": str(env.tmp_dir / "hf"),
-                    "architecture": {"expert_bias": True, "expert_bias_update_rate": 0.01},
-                },
-            },
-            "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
-            "optimizer": {"provider": "adamw", "options": {"lr": 3e-3}},
-        }
-    )
-    trainer = Trainer(
-        config, DistributedContext.create(config.mesh), LocalRunReporter(config.checkpoint_dir, 1)
-    )
-    trainer.setup()
-    trainer.train()
+    architecture = {"expert_bias": True, "expert_bias_update_rate": 0.01}
+    trainer, _ = _train_moe(env, name, mesh, architecture=architecture)
     biases = {
         f"{i}.{n}": m.expert_bias.clone()
         for i, module in enumerate(trainer.modules)
