@@ -64,14 +64,21 @@ class _FullTensorRandomMode(TorchDispatchMode):
             or _mesh_has_offset_rng(target.device_mesh)
         ):
             return func(*args, **kwargs)
-        local = target.to_local()
-        full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+        full = torch.empty(target.shape, dtype=target.dtype, device=target.to_local().device)
         func(full, *args[1:], **kwargs)
-        # src_data_rank=None: no communication, every rank slices its shard out of its own (identical) copy.
-        shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-        with torch.no_grad():
-            local.copy_(shard.to_local())
+        copy_full_(target, full)
         return target
+
+
+def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
+    """`target` takes the values of the whole tensor `full`, which every rank holds the same: a DTensor keeps
+    its shard of it, sliced out locally (no communication)."""
+    full = full.to(target.device, target.dtype)
+    if isinstance(target, DTensor):
+        full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target = target.to_local()
+    with torch.no_grad():
+        target.copy_(full)
 
 
 @contextlib.contextmanager

@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from d9d.determinism.dtensor_rng import copy_full_
 from d9d.determinism.seeds import mix_seed
 
 
@@ -97,13 +97,7 @@ def init_uniform_(param: torch.Tensor, bound: float, generator: torch.Generator 
         nn.init.uniform_(param, -bound, bound)
         return
     full = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
-    if isinstance(param, DTensor):
-        local = distribute_tensor(
-            full.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None
-        )
-        param.to_local().copy_(local.to_local())
-    else:
-        param.copy_(full)
+    copy_full_(param, full)
 
 
 @contextmanager
