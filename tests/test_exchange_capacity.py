@@ -256,10 +256,14 @@ def test_overflowing_steps_rerun_to_the_reading_exchange_results(tmp_path: Path)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
 
 
-def _six_layers(tmp: Path, name: str, backend: dict[str, Any]) -> dict[str, Any]:
+# Exactly the first step's largest load, no rounding: later steps overflow and rerun.
+EXACT_CAPACITY = {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}
+
+
+def _six_layers(backend: dict[str, Any]) -> dict[str, Any]:
     """The model section with 6 layers: a V schedule at pp 2 needs a layer per stage (embedding and head
     count as layers in the split)."""
-    model: dict[str, Any] = _config(tmp / name, backend, DP2_EP2, None)["model"]
+    model: dict[str, Any] = _config(Path("unused"), backend, DP2_EP2, None)["model"]
     model["options"]["architecture"] = {**ARCH, "num_layers": 6}
     return {"model": model}
 
@@ -272,13 +276,11 @@ def test_overflowing_steps_rerun_under_pipeline_and_expert_parallelism(tmp_path:
     1F1B, under ZBV (split backward: the weight passes of the dropped pass must not leak into the rerun)
     and with full activation checkpointing (each recompute dispatches again at the same capacity)."""
     mesh = {"pipeline_parallel": 2, "data_parallel_replicate": 2, "expert_parallel": 2}
-    reading = {"kind": "all_to_all"}
-    capacity = {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}
     schedule = variant.split("-")[0]
-    for name, backend in (("pp-reading", reading), ("pp-capacity", capacity)):
+    for name, backend in (("pp-reading", {"kind": "all_to_all"}), ("pp-capacity", EXACT_CAPACITY)):
         sections: dict[str, Any] = {}
         if schedule == "zbv":
-            sections = _six_layers(tmp_path, name, backend)
+            sections = _six_layers(backend)
         if variant.endswith("full-ac"):
             sections["activation_checkpointing"] = {"mode": "full"}
         run_distributed(_train, 4, name, backend, mesh, schedule, sections, tmp_dir=tmp_path, timeout=400)
@@ -301,10 +303,8 @@ def test_overflowing_steps_rerun_under_context_and_tensor_parallelism(
 ) -> None:
     """The static-capacity exchange where the expert ranks split sequences (cp) or route a token split (tp):
     steps overflow and rerun, and the losses equal the reading exchange's bitwise."""
-    reading = {"kind": "all_to_all"}
-    capacity = {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}
-    run_distributed(_train, 2, "reading", reading, mesh, tmp_dir=tmp_path, timeout=300)
-    run_distributed(_train, 2, "capacity", capacity, mesh, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_train, 2, "reading", {"kind": "all_to_all"}, mesh, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_train, 2, "capacity", EXACT_CAPACITY, mesh, tmp_dir=tmp_path, timeout=300)
     want, got = torch.load(tmp_path / "reading.pt"), torch.load(tmp_path / "capacity.pt")
     assert got["repeated"], "no step overflowed: the rerun path did not run"
     assert got["losses"] == want["losses"]
