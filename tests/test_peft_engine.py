@@ -72,13 +72,16 @@ def _train(
     """`sections` replace whole sections of the job; results go to `<name or dp<world size>>.pt`."""
     name = name or f"dp{env.world_size}"
     method = {"kind": "lora", "target_modules": TARGETS, "rank": RANK, "alpha": ALPHA}
-    raw = _config(env.tmp_dir / name, source, method)
-    config = parse_config({**raw, "mesh": mesh, **(sections or {})})
-    reporter = LocalRunReporter(config.checkpoint_dir, 1)
+    _run(env, name, {**_config(env.tmp_dir / name, source, method), "mesh": mesh, **(sections or {})})
+
+
+def _run(env: RankEnv, name: str, job: dict[str, Any]) -> None:
+    """Train `job` on this rank; rank 0 saves the losses to `<name>.pt`."""
+    config = parse_config(job)
     runtime = RankRuntime(
         rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
     )
-    result = run_rank(config, runtime, reporter)
+    result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 1))
     if env.rank == 0:
         torch.save({"losses": list(result.losses)}, env.tmp_dir / f"{name}.pt")
 
@@ -193,21 +196,13 @@ def _train_moe(env: RankEnv, source: Path, mesh: dict[str, int], name: str) -> N
     raw = _config(env.tmp_dir / name, source, method)
     raw["model"]["options"]["base"]["provider"] = "qwen3_moe"
     raw["model"]["options"]["export_adapters"] = False  # the peft layout has no expert LoRA
-    config = parse_config(
-        {
-            **raw,
-            "mesh": mesh,
-            "trainer": {"total_steps": 10},
-            "batching": {"global_batch_size": 8, "microbatch_size": 2},
-            "checkpointing": {"save_at_end": False},
-        }
-    )
-    runtime = RankRuntime(
-        rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
-    )
-    result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 1))
-    if env.rank == 0:
-        torch.save({"losses": list(result.losses)}, env.tmp_dir / f"{name}.pt")
+    sections = {
+        "mesh": mesh,
+        "trainer": {"total_steps": 10},
+        "batching": {"global_batch_size": 8, "microbatch_size": 2},
+        "checkpointing": {"save_at_end": False},
+    }
+    _run(env, name, {**raw, **sections})
 
 
 @pytest.mark.distributed
