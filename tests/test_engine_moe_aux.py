@@ -213,7 +213,7 @@ def _balancing_over_two_groups(env: RankEnv) -> None:
     probabilities and the token counts are summed over both groups."""
     import torch.distributed as dist
 
-    mesh = torch.arange(4).view(2, 2)  # rows: cp groups' members differ in tp; [cp, tp]
+    mesh = torch.arange(4).view(2, 2)  # [cp, tp]: a row is one cp coordinate's tp group, a column a cp group
     tp_group = [dist.new_group(mesh[c].tolist()) for c in range(2)][env.rank // 2]
     cp_group = [dist.new_group(mesh[:, t].tolist()) for t in range(2)][env.rank % 2]
     generator = torch.Generator().manual_seed(5)
