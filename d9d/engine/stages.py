@@ -160,11 +160,11 @@ def _log_compile(ctx: DistributedContext, reports: list[CompileReport], *, split
             "pipelining: this schedule splits backward into input and weight passes, but a compiled "
             "block's backward computes its weight gradients in the input pass; only what lies outside the "
             "compiled regions (embedding, final norm, head) is deferred, so the weight passes fill little "
-            "of the bubble. Measured on 2 × H200 (docs/benchmarks.md): ZBV at 0.58-0.68x of 1F1B with "
-            "compile. Set compile.defer_weight_grads: true (the blocks' projections run outside the "
-            "compiled graphs, so their weight gradients are deferred; not yet measured on a GPU), or prefer "
-            "pipelining.kind 1f1b or interleaved_1f1b with compile, or compile.enabled: false with a "
-            "zero-bubble schedule (docs/pipelining.md)"
+            "of the bubble. Measured on 2 × H200, compiled dense pp 2 (docs/benchmarks.md): ZBV at 0.95x of "
+            "1F1B; compile.defer_weight_grads: true (projections outside the compiled graphs, their weight "
+            "gradients deferred) at 0.44x of ZBV without it. Prefer pipelining.kind 1f1b or "
+            "interleaved_1f1b with compile, or compile.enabled: false with a zero-bubble schedule "
+            "(docs/pipelining.md)"
         )
 
 
