@@ -1,5 +1,6 @@
 """MoE balancing as the engine uses it: the balancing loss summed over real tokens when the objective is a
-token sum, its logged statistics, and the expert bias kept through Hugging Face export and import."""
+token sum, its logged statistics, the expert bias moved by real tokens' loads only and kept through Hugging
+Face export and import."""
 
 from __future__ import annotations
 
@@ -159,6 +160,8 @@ def test_padding_is_excluded_from_the_balancing_loss_and_its_scale() -> None:
     torch.testing.assert_close(layer.gate.weight.grad, ref.gate.weight.grad)
     assert layer.last_aux_loss is not None
     torch.testing.assert_close(layer.last_aux_loss, load_balancing_loss(routing.probs, routing.topk_ids))
+    # and out of the expert load that moves the bias: the real tokens' copies per expert
+    assert torch.equal(layer.gate.expert_load, torch.bincount(routing.topk_ids.reshape(-1), minlength=4))
 
 
 def test_decoder_layers_hand_the_padding_mask_to_moe_layers() -> None:
@@ -363,3 +366,57 @@ def test_expert_bias_is_the_same_on_every_tensor_and_context_parallel_rank(tmp_p
         assert got.keys() == reference.keys()
         for key, bias in reference.items():
             assert torch.equal(got[key], bias), (name, rank, key, got[key], bias)
+
+
+# -- the expert bias with padded microbatches ----------------------------------------------------------------
+
+
+def _padded_bias_run(env: RankEnv, name: str, mesh: dict[str, int], microbatch: int) -> None:
+    corpus = env.tmp_dir / "corpus.txt"
+    trainer, result = _train_moe(
+        env,
+        name,
+        mesh,
+        # no balancing loss: it is defined per microbatch, so it would change with the grouping by design
+        architecture={"expert_bias": True, "expert_bias_update_rate": 0.01, "router_aux_loss_coef": 0.0},
+        batching={"global_batch_size": 8, "microbatch_size": microbatch},
+        # each microbatch padded to its longest sample (rounded up to 4), not to a fixed length
+        data={
+            "provider": "text",
+            "options": {"dataset": {"paths": [str(corpus)], "max_length": 32}, "pad_to_multiple_of": 4},
+        },
+    )
+    if env.rank == 0:
+        biases = {
+            f"{i}.{n}": m.expert_bias.clone()
+            for i, module in enumerate(trainer.modules)
+            for n, m in module.named_modules()
+            if isinstance(m, TopKRouter) and m.expert_bias is not None
+        }
+        torch.save((list(result.losses), biases), env.tmp_dir / f"{name}.pt")
+
+
+@pytest.mark.distributed
+def test_expert_bias_counts_real_tokens_whatever_the_microbatch_grouping(tmp_path: Path) -> None:
+    """Samples of different lengths padded per microbatch: which samples share a microbatch (the
+    microbatch size, the data-parallel degree that deals them out) decides the padding, and the expert
+    bias must not see it — the loads that move it count real tokens only (regression: padding positions
+    were routed and counted, so dp 2 and a microbatch change moved the bias by ~20% against one process)."""
+    from tests.engine_fixtures import make_hf_qwen3_moe
+
+    make_hf_qwen3_moe(tmp_path / "hf", num_layers=2, vocab_size=259)  # the text provider's byte tokenizer
+    (tmp_path / "corpus.txt").write_text(
+        "".join(f"{i} {'x' * (i * 7 % 25)}\n" for i in range(64))
+    )  # 2-28 bytes
+    run_distributed(_padded_bias_run, 1, "one-mb1", {}, 1, tmp_dir=tmp_path, timeout=300)  # no padding
+    run_distributed(_padded_bias_run, 1, "one-mb2", {}, 2, tmp_dir=tmp_path, timeout=300)
+    run_distributed(
+        _padded_bias_run, 2, "dp2-mb2", {"data_parallel_replicate": 2}, 2, tmp_dir=tmp_path, timeout=300
+    )
+    losses, reference = torch.load(tmp_path / "one-mb1.pt")
+    assert reference and all(b.abs().sum() > 0 for b in reference.values()), "the bias never moved"
+    for name in ("one-mb2", "dp2-mb2"):
+        got_losses, got = torch.load(tmp_path / f"{name}.pt")
+        torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-4, atol=1e-5)
+        for key, bias in reference.items():
+            assert torch.equal(got[key], bias), (name, key, got[key], bias)

@@ -23,12 +23,19 @@ class ExpertPermutation:
     num_rows: int
 
 
-def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 [num_experts] counts of `expert_ids` (any shape). Unlike `torch.bincount`, whose output size
-    depends on the data, a scatter into a fixed-size buffer never waits for the GPU."""
+def count_per_expert(
+    expert_ids: torch.Tensor, num_experts: int, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """int64 [num_experts] counts of `expert_ids` ([tokens, ...]). Unlike `torch.bincount`, whose output size
+    depends on the data, a scatter into a fixed-size buffer never waits for the GPU. With `token_mask`
+    [tokens] (True for real tokens) the copies of masked-out tokens are not counted (no sync either: they
+    add zero)."""
     flat = expert_ids.reshape(-1)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    if token_mask is None:
+        return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    copies = token_mask.reshape(-1, 1).to(torch.int64).expand(-1, flat.numel() // token_mask.numel())
+    return counts.scatter_add_(0, flat, copies.reshape(-1))
 
 
 def _sort_key(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -23,11 +23,12 @@ class MoELayer(nn.Module):
     """A sparse SwiGLU layer. Where experts live is the communication handler's business (local by default;
     expert parallelism swaps in an all-to-all handler through `communication`).
 
-    Statistics for logging (read them with `d9d.modules.moe.stats`): `gate.expert_load` (token copies per
-    expert, accumulated), `last_aux_loss` (the balancing loss of the latest forward, detached) and
-    `aux_loss_stats` ([sum, forward calls], accumulated until `reset_aux_loss_stats()`). With
-    `aux_loss_coef > 0` the gradient of `aux_loss_coef · aux_loss` is added during backward of every
-    forward call (so once per microbatch); the value never appears in the model's outputs.
+    Statistics for logging (read them with `d9d.modules.moe.stats`): `gate.expert_load` (real tokens'
+    copies per expert, accumulated; padding is not counted), `last_aux_loss` (the balancing loss of the
+    latest forward, detached) and `aux_loss_stats` ([sum, forward calls], accumulated until
+    `reset_aux_loss_stats()`). With `aux_loss_coef > 0` the gradient of `aux_loss_coef · aux_loss` is added
+    during backward of every forward call (so once per microbatch); the value never appears in the model's
+    outputs.
     """
 
     def __init__(
@@ -88,7 +89,7 @@ class MoELayer(nn.Module):
         """`x` [..., hidden] → same shape. `token_mask` [...] (True for real tokens, False for padding)
         keeps padding out of the balancing loss and out of its per-token scale."""
         flat = x.reshape(-1, x.shape[-1])
-        routing = self.gate(flat)
+        routing = self.gate(flat, None if token_mask is None else token_mask.reshape(-1))
         out = self.communication.exchange(
             RoutedTokens(flat, routing.topk_ids, routing.topk_weights, self.gate.num_experts),
             self.experts,

@@ -146,8 +146,10 @@ class TopKRouter(nn.Module):
                 self.expert_bias.zero_()
             self.expert_load.zero_()
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """`x` [tokens, hidden] → routing decisions."""
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> Routing:
+        """`x` [tokens, hidden] → routing decisions. `token_mask` [tokens] (True for real tokens) keeps
+        padding out of `expert_load`: the bias moves by the real tokens' loads alone, so how samples are
+        grouped into microbatches (which decides the padding) does not change it."""
         routing = route_topk(
             x @ self.weight.t(),
             self.top_k,
@@ -160,7 +162,7 @@ class TopKRouter(nn.Module):
         )
         if not is_recomputing():
             with torch.no_grad():
-                self.expert_load += tokens_per_expert(routing.topk_ids, self.num_experts)
+                self.expert_load += tokens_per_expert(routing.topk_ids, self.num_experts, token_mask)
         return routing
 
     @torch.no_grad()
