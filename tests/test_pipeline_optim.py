@@ -107,15 +107,25 @@ def test_schedulers_must_match_the_optimizers_stages() -> None:
         PipelinedLRScheduler(swapped, opt)
 
 
-def test_positional_scheduler_state_refuses_another_count() -> None:
+def test_positional_scheduler_state_restores_another_stage_count_only_from_one_schedule() -> None:
+    """A resume that changes the stages per rank (1F1B's one stage → ZBV's two): the saved stages all
+    followed one schedule, so that position restores every stage; states that disagree are refused."""
     opt = PipelinedOptimizer.build(_stages(), lambda ps: torch.optim.SGD(ps, lr=0.1))
     sched = PipelinedLRScheduler.build(opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup))
     opt.step()
     sched.step()
     state = sched.positional_state()
     assert [s["last_epoch"] for s in state] == [1, 1]
-    with pytest.raises(ValueError, match="holds 1 LR scheduler states, this rank has 2"):
-        sched.load_positional_state(state[:1])
+    fresh_opt = PipelinedOptimizer.build(_stages(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    fresh = PipelinedLRScheduler.build(fresh_opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup))
+    fresh.load_positional_state(state[:1])
+    assert fresh.positional_state() == state
+    assert fresh.get_last_lr() == sched.get_last_lr()  # (the groups' own LRs come with the optimizer state)
+    disagreeing = [state[0], {**state[1], "last_epoch": 2}, state[1]]
+    with pytest.raises(ValueError, match="holds 3 LR scheduler states, this rank has 2"):
+        fresh.load_positional_state(disagreeing)
+    with pytest.raises(ValueError, match="holds 0 LR scheduler states, this rank has 2"):
+        fresh.load_positional_state([])
 
 
 def test_live_lr_change_keeps_the_schedules_position() -> None:

@@ -177,10 +177,14 @@ class PipelinedLRScheduler:
 
     def load_positional_state(self, states: Sequence[Mapping[str, Any]]) -> None:
         if len(states) != len(self.schedulers):
-            raise ValueError(
-                f"the checkpoint holds {len(states)} LR scheduler states, this rank has "
-                f"{len(self.schedulers)} stages with a scheduler (lr_scheduler added or removed since?)"
-            )
+            # A resume that changes the stages per rank (1F1B → ZBV): the saved stages followed one
+            # schedule, so their states are equal and any of them restores every stage here.
+            if not states or any(dict(state) != dict(states[0]) for state in states[1:]):
+                raise ValueError(
+                    f"the checkpoint holds {len(states)} LR scheduler states, this rank has "
+                    f"{len(self.schedulers)} stages with a scheduler (lr_scheduler added or removed since?)"
+                )
+            states = [states[0]] * len(self.schedulers)
         for scheduler, state in zip(self.schedulers.values(), states, strict=True):
             scheduler.load_state_dict(dict(state))
 
