@@ -420,3 +420,38 @@ def test_expert_bias_counts_real_tokens_whatever_the_microbatch_grouping(tmp_pat
         torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-4, atol=1e-5)
         for key, bias in reference.items():
             assert torch.equal(got[key], bias), (name, key, got[key], bias)
+
+
+def _eval_bias_run(env: RankEnv, name: str, with_eval: bool) -> None:
+    sections: dict[str, Any] = {}
+    if with_eval:  # an eval pass after every step
+        data = {"provider": "tests.engine_fixtures:GlobalIndexData"}
+        sections["eval"] = {"data": data, "batch_size": 4, "batches": 2, "period": 1}
+    architecture = {"expert_bias": True, "expert_bias_update_rate": 0.01}
+    trainer, result = _train_moe(env, name, {}, architecture=architecture, **sections)
+    biases = {
+        n: m.expert_bias.clone()
+        for module in trainer.modules
+        for n, m in module.named_modules()
+        if isinstance(m, TopKRouter) and m.expert_bias is not None
+    }
+    torch.save((list(result.losses), biases), env.tmp_dir / f"{name}.pt")
+
+
+@pytest.mark.distributed
+def test_evaluation_during_training_leaves_the_expert_bias_alone(tmp_path: Path) -> None:
+    """The eval set's tokens are not training load: a run that evaluates after every step trains exactly
+    as one that never evaluates (regression: eval forwards were counted into the next bias update)."""
+    from tests.engine_fixtures import make_hf_qwen3_moe
+
+    make_hf_qwen3_moe(tmp_path / "hf", num_layers=2)
+    run_distributed(_eval_bias_run, 1, "without", False, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_eval_bias_run, 1, "with", True, tmp_dir=tmp_path, timeout=300)
+    losses, biases = torch.load(tmp_path / "without.pt")
+    got_losses, got = torch.load(tmp_path / "with.pt")
+    assert biases and any(b.abs().sum() > 0 for b in biases.values()), "the bias never moved"
+    assert got_losses == losses
+    assert got.keys() == biases.keys() and all(torch.equal(got[k], b) for k, b in biases.items()), (
+        got,
+        biases,
+    )

@@ -174,7 +174,7 @@ def test_moe_statistics_and_aux_loss_are_exposed() -> None:
     model(**batch)["loss"].sum().backward()
     moe_layers = {i: layer.mlp for i, layer in model.model.decoder_layers().items() if i != 2}
     assert set(moe_layers) == {0, 1, 3}
-    tokens = batch["input_ids"].numel()
+    tokens = int(batch["attention_mask"].sum())  # the real tokens: padding is not load
     for layer in moe_layers.values():
         assert layer.gate.expert_load.sum().item() == tokens * config.num_experts_per_tok
         assert layer.last_aux_loss is not None and layer.last_aux_loss.item() >= 1.0 - 1e-6

@@ -160,7 +160,9 @@ class TopKRouter(nn.Module):
             topk_groups=self.topk_groups,
             scaling_factor=self.scaling_factor,
         )
-        if not is_recomputing():
+        # Training forwards only: an evaluation or inference forward (no grad) between two steps must not
+        # move the bias the next optimizer step applies, nor a recompute count its tokens twice.
+        if torch.is_grad_enabled() and not is_recomputing():
             with torch.no_grad():
                 self.expert_load += tokens_per_expert(routing.topk_ids, self.num_experts, token_mask)
         return routing
