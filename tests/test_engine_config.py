@@ -198,3 +198,32 @@ def test_deep_ep_needs_bf16_and_a_group_its_kernels_serve_at_config_time() -> No
     three = {"data_parallel_shard": 3, "expert_parallel": 3}
     with pytest.raises(ConfigError, match=r"groups of \(2, 4, 8\) ranks, got mesh\.expert_parallel = 3"):
         parse_config({**job("bfloat16", three), "batching": {"global_batch_size": 6, "microbatch_size": 2}})
+
+
+def test_a_wider_grad_dtype_under_pipeline_fsdp_needs_the_fsdp_reduce_dtype() -> None:
+    """Inside a pipeline step FSDP accumulates the microbatches' gradients in its reduce dtype, where
+    `gradient_manager.grad_dtype` does not reach: a float32 grad_dtype over bf16 FSDP-sharded parameters
+    would silently accumulate in bf16 (measured: 56% of a step's gradient elements differed from one
+    process), so the job is refused, naming the key that makes it true."""
+
+    def job(mesh: dict[str, int], dtype: str = "bfloat16", reduce_dtype: str | None = None) -> dict:
+        options = {"architecture": ARCH, "dtype": dtype, "parallel": {"fsdp": {"reduce_dtype": reduce_dtype}}}
+        return {
+            **BASE,
+            "mesh": mesh,
+            "model": {"provider": "qwen3_moe", "options": options},  # FSDP shards its dense parameters
+            "task": {"provider": "causal_lm"},
+            "gradient_manager": {"grad_dtype": "float32"},
+        }
+
+    pp_fsdp = {"pipeline_parallel": 2, "data_parallel_shard": 2}
+    with pytest.raises(
+        ConfigError,
+        match=r"gradient_manager\.grad_dtype 'float32' with mesh\.pipeline_parallel = 2 and FSDP .*"
+        r"bfloat16 here.* set model\.options\.parallel\.fsdp\.reduce_dtype: float32",
+    ):
+        parse_config(job(pp_fsdp))
+    parse_config(job(pp_fsdp, reduce_dtype="float32"))  # FSDP accumulates in float32 itself
+    parse_config(job(pp_fsdp, dtype="float32"))  # nothing wider to ask for
+    parse_config(job({"data_parallel_shard": 2}))  # no pipeline: the synchronizer accumulates
+    parse_config(job({"pipeline_parallel": 2, "data_parallel_replicate": 2}))  # no FSDP

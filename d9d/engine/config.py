@@ -31,6 +31,7 @@ from d9d.engine.parallel_checks import (
     check_activation_checkpointing,
     check_context_parallel,
     check_expert_backend,
+    check_grad_dtype_under_pipeline_fsdp,
     check_lora_tensor_parallel,
     check_pipeline_parallel,
 )
@@ -369,6 +370,7 @@ class TrainConfig(_Section):
         check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
         check_lora_tensor_parallel(self.mesh, self.model)
         check_expert_backend(self.mesh, self.model)
+        check_grad_dtype_under_pipeline_fsdp(self.mesh, self.model, self.gradient_manager.grad_dtype)
         check_activation_checkpointing(self.mesh, self.model, self.activation_checkpointing, self.compile)
         return self
 

@@ -5,6 +5,8 @@ Shared by training (`TrainConfig`) and inference (`InferenceConfig`); every mess
 
 from __future__ import annotations
 
+import torch
+
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.engine.builtin.models import CausalLMProvider
 from d9d.engine.components import (
@@ -20,6 +22,7 @@ from d9d.modules.checkpointing import ActivationCheckpointingConfig, NoActivatio
 from d9d.parallel.compile import CompileConfig
 from d9d.parallel.expert.backend import DeepEPBackendConfig
 from d9d.parallel.expert.deepep import INTRANODE_GROUP_SIZES
+from d9d.parallel.grad_sync.config import GradDTypeName
 from d9d.peft.config import FullTuneConfig, LoRAConfig, PeftConfig, StackConfig
 from d9d.pipeline.api import PipelineStageInfo, balance_layers
 
@@ -83,6 +86,36 @@ def check_expert_backend(mesh: DeviceMeshParameters, model: ModelChoice) -> None
         raise ValueError(
             f"{key}: it needs bfloat16 activations, got {field}.options.dtype {base.options.dtype!r}; set "
             "dtype: bfloat16, or choose kind 'all_to_all' or 'auto'"
+        )
+
+
+def check_grad_dtype_under_pipeline_fsdp(
+    mesh: DeviceMeshParameters, model: ModelChoice, grad_dtype: GradDTypeName | None
+) -> None:
+    """Inside a pipeline step FSDP accumulates every microbatch's unsharded gradient itself, in its reduce
+    dtype, and reduce-scatters once after the last: the gradient synchronizer (where `grad_dtype` applies)
+    sees only the reduced result. A `grad_dtype` wider than the parameters would silently not apply to the
+    FSDP-sharded ones, so the FSDP reduce dtype must be at least as wide."""
+    if mesh.pipeline_parallel == 1 or grad_dtype is None:
+        return
+    if mesh.data_parallel_shard * mesh.context_parallel_shard == 1:
+        return  # no FSDP: the synchronizer accumulates the stages' gradients in grad_dtype
+    base, field = _base(model)
+    if not isinstance(base, BuiltinModel):
+        return  # a plug-in's sharding is its own business
+    params = getattr(torch, base.options.dtype)
+    accumulated = base.options.parallel.fsdp.resolve_reduce_dtype() or params
+    wanted = getattr(torch, grad_dtype)
+    if wanted.itemsize > accumulated.itemsize:
+        accumulated_name = str(accumulated).removeprefix("torch.")
+        raise ValueError(
+            f"gradient_manager.grad_dtype {grad_dtype!r} with mesh.pipeline_parallel = "
+            f"{mesh.pipeline_parallel} and FSDP (data_parallel_shard × context_parallel_shard = "
+            f"{mesh.data_parallel_shard * mesh.context_parallel_shard}): within a pipeline step FSDP "
+            f"accumulates the microbatches' gradients in its reduce dtype ({accumulated_name} here: "
+            f"{field}.options.dtype {base.options.dtype!r}, {field}.options.parallel.fsdp.reduce_dtype "
+            f"{base.options.parallel.fsdp.reduce_dtype!r}), so grad_dtype would not apply to them; set "
+            f"{field}.options.parallel.fsdp.reduce_dtype: {grad_dtype}"
         )
 
 
