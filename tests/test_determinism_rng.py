@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import random
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -169,3 +171,70 @@ def _cuda_body(env: RankEnv) -> None:
     seed_everything(5)
     ref = torch.empty(8, 4, device="cuda").normal_()
     torch.testing.assert_close(param.to_local(), ref, rtol=0, atol=0)  # one rank: the shard is everything
+
+
+def _zbv_job(tmp: Path) -> dict[str, Any]:
+    architecture = {
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "num_layers": 6,
+        "num_attention_heads": 2,
+        "num_kv_heads": 1,
+        "head_dim": 8,
+        "intermediate_size": 32,
+    }
+    return {
+        "run": {"name": "zbv-init", "dir": str(tmp / "run")},
+        "mesh": {"pipeline_parallel": 2},
+        "pipelining": {"kind": "zbv"},
+        "batching": {"global_batch_size": 4, "microbatch_size": 1},
+        "trainer": {"total_steps": 1},
+        "logging": {"progress_bar": "off"},
+        "model": {"provider": "qwen3", "options": {"architecture": architecture}},  # random init
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "optimizer": {"provider": "stochastic_adamw", "options": {"lr": 1e-3}},
+    }
+
+
+def _zbv_stages_body(env: RankEnv) -> None:
+    from d9d.engine.checkpoint import LocalRunReporter
+    from d9d.engine.config import parse_config
+    from d9d.engine.trainer import Trainer
+
+    config = parse_config(_zbv_job(env.tmp_dir))
+    trainer = Trainer(
+        config, DistributedContext.create(config.mesh), LocalRunReporter(config.checkpoint_dir, 1)
+    )
+    trainer.setup()
+    layers = {
+        name: p.detach().clone()
+        for module in trainer.modules
+        for name, p in module.named_parameters()
+        if name.endswith("self_attn.q_proj.weight")
+    }
+    seeds = {
+        s: [g["seed"] for g in opt.param_groups] for s, opt in trainer.parts.optimizer.optimizers.items()
+    }
+    torch.save((layers, seeds), env.tmp_dir / f"rank{env.rank}.pt")
+
+
+@pytest.mark.distributed
+def test_stages_on_one_rank_draw_their_own_init_and_rounding(tmp_path: Path) -> None:
+    """ZBV puts two stages on each rank; rank 1's two hold only decoder layers, of the same shapes. Each
+    stage draws its own initial weights and stochastic-rounding stream (regression: both stages re-seeded
+    the rank's seed, so their layers started identical and rounded with the same bits), and `d9d export`,
+    which rebuilds every stage in one process, seeds each stage as its rank's training did."""
+    from d9d.engine.config import parse_config
+    from d9d.engine.export import _stages
+
+    run_distributed(_zbv_stages_body, 2, tmp_dir=tmp_path, timeout=200)
+    exported = {stage.info.current_stage: stage.seed for stage in _stages(parse_config(_zbv_job(tmp_path)))}
+    for rank in (0, 1):
+        layers, seeds = torch.load(tmp_path / f"rank{rank}.pt")
+        assert len(layers) >= 2 and len(seeds) == 2, (layers.keys(), seeds)
+        assert len({seed for group_seeds in seeds.values() for seed in group_seeds}) == 2, seeds
+        assert all(group_seeds == [exported[s]] for s, group_seeds in seeds.items()), (seeds, exported)
+        weights = list(layers.values())
+        for i, a in enumerate(weights):
+            for b in weights[i + 1 :]:
+                assert not torch.equal(a, b), list(layers)

@@ -2,7 +2,7 @@
 
 from d9d.determinism.dtensor_rng import full_tensor_random, parameter_init_rng, seed_dtensor_rng
 from d9d.determinism.rng_state import capture_rng_state, restore_rng_state, seed_everything
-from d9d.determinism.seeds import VARYING_DIMS, RankSeeds, SeedPurpose, derive_seed, mix_seed
+from d9d.determinism.seeds import VARYING_DIMS, RankSeeds, SeedPurpose, derive_seed, mix_seed, stage_seed
 
 __all__ = [
     "VARYING_DIMS",
@@ -16,4 +16,5 @@ __all__ = [
     "restore_rng_state",
     "seed_dtensor_rng",
     "seed_everything",
+    "stage_seed",
 ]

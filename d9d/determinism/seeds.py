@@ -67,6 +67,15 @@ def derive_seed(base_seed: int, purpose: SeedPurpose | str, coordinates: Mapping
     return mix_seed(*parts)
 
 
+def stage_seed(rank_seed: int, position: int, stage_index: int) -> int:
+    """The parameter seed of the `position`-th pipeline stage this rank holds (global index `stage_index`).
+    `RankSeeds.parameters` differs per pipeline rank, which tells stages apart when a rank holds one; a rank
+    holding several (ZBV, DualPipeV, interleaved 1F1B) seeds its later stages apart, or stages of the same
+    layer shapes would be initialized, and their updates stochastically rounded, with the same draws. The
+    first stage keeps the rank's seed, so one stage per rank is seeded as it always was."""
+    return rank_seed if position == 0 else mix_seed(rank_seed, "stage", stage_index)
+
+
 @dataclass(frozen=True)
 class RankSeeds:
     """The seeds one rank uses, one per purpose."""

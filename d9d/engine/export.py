@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain, compute_layout
 from d9d.core.storage import AnyLocation, Location, StoragePath, copy_tree
-from d9d.determinism import RankSeeds
+from d9d.determinism import RankSeeds, stage_seed
 from d9d.engine.builtin.models import CausalLMProvider
 from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.checkpoint import (
@@ -177,7 +177,13 @@ def _stages(config: TrainConfig) -> list[_Stage]:
     rank_of_pp = {pp: int(regular.ranks[pp].min()) for pp in range(mesh.pipeline_parallel)}
     n = len(placement.stage_ranks)
     return [
-        _Stage(PipelineStageInfo(s, n), RankSeeds.for_rank(mesh, rank_of_pp[pp], seed).parameters)
+        _Stage(
+            PipelineStageInfo(s, n),
+            # the position of stage s among its rank's stages, as training built them (`local_stages`)
+            stage_seed(
+                RankSeeds.for_rank(mesh, rank_of_pp[pp], seed).parameters, placement.stages_of(pp).index(s), s
+            ),
+        )
         for s, pp in enumerate(placement.stage_ranks)
     ]
 

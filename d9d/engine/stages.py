@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
-from d9d.determinism import parameter_init_rng
+from d9d.determinism import parameter_init_rng, stage_seed
 from d9d.engine.errors import ConfigError
 from d9d.engine.parallel_checks import check_op_checkpointing_compiled
 from d9d.engine.providers import ModelProvider
@@ -90,14 +90,15 @@ def build_stages(
         raise ConfigError(str(error)) from error
     modules = []
     reports: list[CompileReport] = []
-    for info in infos:
+    for position, info in enumerate(infos):
         with torch.device("meta"):
             module = provider.build_stage(info)
         provider.parallelize(module, ctx)
         if training:
             check_gradient_sync(module, ctx, info)
         module.to_empty(device=ctx.device)
-        with torch.no_grad(), parameter_init_rng(parameter_seed, stage_mesh(ctx)):
+        seed = stage_seed(parameter_seed, position, info.current_stage)
+        with torch.no_grad(), parameter_init_rng(seed, stage_mesh(ctx)):
             provider.initialize(module, ctx)
         module.train(training)
         if training:

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
 from d9d.data.prefetch import PrefetchingLoader
-from d9d.determinism import RankSeeds, seed_everything
+from d9d.determinism import RankSeeds, seed_everything, stage_seed
 from d9d.engine.checkpoint import Checkpointer
 from d9d.engine.components import build_data, build_lr_scheduler, build_optimizer, build_task
 from d9d.engine.config import TrainConfig
@@ -25,7 +26,7 @@ from d9d.engine.evaluation import Evaluator
 from d9d.engine.events import EventBus
 from d9d.engine.exchange import ExchangeCapacityGuard
 from d9d.engine.identity import run_identity
-from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, TrainTask
+from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, OptimizerProvider, TrainTask
 from d9d.engine.registry import build_model
 from d9d.engine.reporting import StepReporter, build_flops_budget
 from d9d.engine.runtime import RunReporter
@@ -115,8 +116,8 @@ def build_train_parts(
     optimizer_provider = build_optimizer(c.optimizer)
     optimizer = PipelinedOptimizer(
         {
-            s: optimizer_provider.build(m.parameters(), seed=seeds.parameters)
-            for s, m in stages.by_index.items()
+            s: _stage_optimizer(optimizer_provider, m, stage_seed(seeds.parameters, position, s), ctx.device)
+            for position, (s, m) in enumerate(stages.by_index.items())
         }
     )
     schedulers = None
@@ -195,3 +196,21 @@ def build_train_parts(
         ),
         exchange=exchange,
     )
+
+
+def _stage_optimizer(
+    provider: OptimizerProvider, module: nn.Module, seed: int, device: torch.device
+) -> torch.optim.Optimizer:
+    """The stage's optimizer over its trainable parameters. A pipeline stage may have none (PEFT: the
+    targeted modules are all on other stages, e.g. `model\\.norm` on the last): it still gets the
+    provider's optimizer, with empty parameter groups, so that every stage has the same optimizer type,
+    hyperparameters, LR schedule and checkpoint entry. torch refuses an empty parameter list, so that one is
+    built over a zero-size placeholder (on the stage's device: it picks fused kernels there), then removed."""
+    if any(p.requires_grad for p in module.parameters()):
+        return provider.build(module.parameters(), seed=seed)
+    placeholder = nn.Parameter(torch.empty(0, device=device))
+    optimizer = provider.build([placeholder], seed=seed)
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if p is not placeholder]
+    optimizer.state.pop(placeholder, None)
+    return optimizer
