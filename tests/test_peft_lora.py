@@ -25,6 +25,7 @@ from d9d.peft import (
     StackConfig,
     base_view,
     build_peft_method,
+    check_targets_match,
     inject_and_freeze,
     merge,
     merged,
@@ -216,6 +217,41 @@ def test_configs_and_targets_are_checked() -> None:
     )
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj already carries an adapter"):
         build_peft_method(twice).inject(_model())
+
+
+def test_pipeline_stages_may_miss_a_pattern_that_the_whole_model_matches() -> None:
+    """`require_match=False` (a pipeline stage) reports what matched nothing instead of raising; across
+    the stages of one model only a pattern that matched nowhere is an error, named by its key."""
+    from d9d.pipeline.api import PipelineStageInfo
+
+    config = StackConfig(
+        methods=[
+            LoRAConfig(target_modules=r"model\.layers\.0\.self_attn\.q_proj"),
+            FullTuneConfig(target_modules=r"model\.norm"),
+        ]
+    )
+    stages = [dm.Qwen3ForCausalLM(CONFIG, stage=PipelineStageInfo(s, 2)) for s in range(2)]
+    results = [inject_and_freeze(m, build_peft_method(config), require_match=False) for m in stages]
+    assert [sorted(u.field for u in r.unmatched) for r in results] == [
+        ["methods.1.target_modules"],
+        ["methods.0.target_modules"],
+    ]
+    assert results[0].trainable == {
+        "model.layers.0.self_attn.q_proj.lora_A",
+        "model.layers.0.self_attn.q_proj.lora_B",
+    }
+    assert results[1].trainable == {"model.norm.weight"}
+    check_targets_match(results, "method")
+    with pytest.raises(ValueError, match=r"full_tune method\.methods\.1\.target_modules .* in any of 1 "):
+        check_targets_match(results[:1], "method")
+    # one process: the stack raises every pattern that matched nothing at once, by its index
+    typos = StackConfig(methods=[LoRAConfig(target_modules="qproj"), FullTuneConfig(target_modules="nrom")])
+    with pytest.raises(
+        ValueError,
+        match=r"^lora methods\.0\.target_modules 'qproj' fully matches no nn\.Linear .*; "
+        r"full_tune methods\.1\.target_modules 'nrom' fully matches no module with parameters; ",
+    ):
+        build_peft_method(typos).inject(_model())
 
 
 def test_tied_embeddings_are_one_trainable_parameter() -> None:

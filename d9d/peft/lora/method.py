@@ -11,14 +11,14 @@ from d9d.peft.adapter import AdaptedModule, replace_module
 from d9d.peft.config import LoRAConfig
 from d9d.peft.lora.experts import EXPERT_PROJECTIONS, LoRAGroupedExperts
 from d9d.peft.lora.linear import LoRALinear
-from d9d.peft.method import InjectionResult
+from d9d.peft.method import InjectionResult, UnmatchedTarget, raise_unmatched
 
 
 class LoRA:
     def __init__(self, config: LoRAConfig) -> None:
         self.config = config
 
-    def inject(self, model: nn.Module) -> InjectionResult:
+    def inject(self, model: nn.Module, *, require_match: bool = True) -> InjectionResult:
         c = self.config
         pattern = re.compile(c.target_modules)
         linears: list[tuple[str, nn.Linear]] = []
@@ -38,11 +38,12 @@ class LoRA:
                 if hits:
                     experts.append((name, module, hits))
         if not linears and not experts:
-            shown = ", ".join(candidates[:8]) + (", ..." if len(candidates) > 8 else "")
-            raise ValueError(
-                f"LoRA target_modules {c.target_modules!r} fully matches no nn.Linear module or "
-                f"grouped-expert projection; candidates: {shown or 'none'}"
-            )
+            needs = "nn.Linear module or grouped-expert projection"
+            target = UnmatchedTarget("target_modules", "lora", c.target_modules, needs, tuple(candidates))
+            result = InjectionResult(trainable=frozenset(), unmatched=frozenset({target}))
+            if require_match:
+                raise_unmatched(result)
+            return result
         adapted: list[tuple[str, AdaptedModule]] = []
         for name, linear in linears:
             _refuse_twice(name, linear)
