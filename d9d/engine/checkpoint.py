@@ -365,7 +365,8 @@ class _ModelAndOptimizerState(Stateful):
         optim: dict[str, Any] = {}
         for module, optimizer in self.stages:
             model.update(self._model_state(module))
-            optim.update(get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS))
+            if _has_parameters(optimizer):
+                optim.update(get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS))
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -373,10 +374,18 @@ class _ModelAndOptimizerState(Stateful):
         for module, optimizer in self.stages:
             own_model = {k: model[k] for k in self._model_state(module)}
             set_model_state_dict(module, own_model, options=StateDictOptions(strict=not self.trainable_only))
+            if not _has_parameters(optimizer):
+                continue
             own_optim = {
                 k: optim[k] for k in get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS)
             }
             set_optimizer_state_dict(module, optimizer, own_optim, options=_OPTIM_OPTIONS)
+
+
+def _has_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """False for the optimizer of a pipeline stage that trains nothing (PEFT targets on other stages only):
+    its flattened state, keyed by parameter names, is empty, which torch's state-dict API refuses."""
+    return any(group["params"] for group in optimizer.param_groups)
 
 
 class Checkpointer:

@@ -33,6 +33,7 @@ from d9d.engine.parallel_checks import (
     check_expert_backend,
     check_grad_dtype_under_pipeline_fsdp,
     check_lora_tensor_parallel,
+    check_peft_targets,
     check_pipeline_parallel,
 )
 from d9d.engine.registry import ModelComponent, validate_components
@@ -368,6 +369,7 @@ class TrainConfig(_Section):
     def _check_context_parallel(self) -> Self:
         check_context_parallel(self.mesh, self.model, self.data, self.task)
         check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
+        check_peft_targets(self.mesh, self.model, self.schedule.stages_per_rank)
         check_lora_tensor_parallel(self.mesh, self.model)
         check_expert_backend(self.mesh, self.model)
         check_grad_dtype_under_pipeline_fsdp(self.mesh, self.model, self.gradient_manager.grad_dtype)

@@ -9,6 +9,7 @@ import torch
 
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.engine.builtin.models import CausalLMProvider
+from d9d.engine.builtin.peft import PeftModelProvider
 from d9d.engine.components import (
     BuiltinModel,
     CausalLMTaskComponent,
@@ -65,6 +66,17 @@ def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stag
             f"{where} with {stages_per_rank} stage(s) per rank (pipelining.stages_per_rank): {field}'s "
             f"{architecture.num_layers} layers: {e}"
         ) from e
+
+
+def check_peft_targets(mesh: DeviceMeshParameters, model: ModelChoice, stages_per_rank: int) -> None:
+    """Under pipelining a PEFT pattern may match nothing on some stages (`model\\.norm` is on the last one
+    only) but must match on one: each stage of a built-in base is built on meta and injected here, so a
+    pattern that matches nothing in the whole model (a typo) is refused before any process starts,
+    naming its key. (Without pipelining, each rank's one stage refuses it when built.)"""
+    pp = mesh.pipeline_parallel
+    if pp == 1 or not isinstance(model, PeftModel) or isinstance(model.options.base, ModelPlugin):
+        return  # a plug-in base's stages are checked when the provider builds them
+    PeftModelProvider(model.options).check_targets(pp * stages_per_rank)
 
 
 def check_expert_backend(mesh: DeviceMeshParameters, model: ModelChoice) -> None:

@@ -204,8 +204,9 @@ def _stage_optimizer(
     """The stage's optimizer over its trainable parameters. A pipeline stage may have none (PEFT: the
     targeted modules are all on other stages, e.g. `model\\.norm` on the last): it still gets the
     provider's optimizer, with empty parameter groups, so that every stage has the same optimizer type,
-    hyperparameters, LR schedule and checkpoint entry. torch refuses an empty parameter list, so that one is
-    built over a zero-size placeholder (on the stage's device: it picks fused kernels there), then removed."""
+    hyperparameters and LR schedule (it adds no optimizer state to checkpoints, `d9d.engine.checkpoint`).
+    torch refuses an empty parameter list, so that one is built over a zero-size placeholder (on the
+    stage's device: it picks fused kernels there), then removed."""
     if any(p.requires_grad for p in module.parameters()):
         return provider.build(module.parameters(), seed=seed)
     placeholder = nn.Parameter(torch.empty(0, device=device))

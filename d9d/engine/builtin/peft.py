@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, ModelWrapValidatorHandler, ValidationError, model_validator
 from torch import nn
 
@@ -31,14 +32,17 @@ from d9d.peft import (
     base_view,
     build_peft_method,
     check_peft_exportable,
+    check_targets_match,
     inject_and_freeze,
     merged,
+    raise_unmatched,
     reset_adapters,
     save_peft_adapter,
 )
 from d9d.pipeline.api import PipelineStageInfo
 
 ADAPTER_DIR = "adapter"
+METHOD_KEY = "model.options.method"  # where the method's config is, for messages
 
 
 class PeftModelProvider:
@@ -95,10 +99,31 @@ class PeftModelProvider:
                 "export_adapters needs a base provider with a Hugging Face mapping (a built-in model "
                 f"family); {config.base.provider!r} has none"
             )
+        self._targets_checked: set[int] = set()
+
+    def check_targets(self, num_stages: int) -> None:
+        """Raise a `ValueError` naming each `target_modules` of the method that matches nothing in the whole
+        model split into `num_stages` pipeline stages: every stage is built on meta and injected (a
+        pattern may miss a stage, e.g. `model\\.norm` all but the last). Deterministic, so every rank
+        that calls it raises the same error, before any collective; the config check calls it for the
+        built-in bases before any process starts."""
+        if num_stages in self._targets_checked:
+            return
+        results = []
+        for index in range(num_stages):
+            with torch.device("meta"):
+                part = self.base.build_stage(PipelineStageInfo(index, num_stages))
+            results.append(inject_and_freeze(part, self.method, require_match=False))
+        check_targets_match(results, METHOD_KEY)
+        self._targets_checked.add(num_stages)
 
     def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
         module: nn.Module = self.base.build_stage(stage)
-        inject_and_freeze(module, self.method)
+        if stage.num_stages == 1:
+            raise_unmatched(inject_and_freeze(module, self.method, require_match=False), METHOD_KEY)
+        else:  # a pattern may match on other stages only; it must match on one
+            self.check_targets(stage.num_stages)
+            inject_and_freeze(module, self.method, require_match=False)
         if self.hf_config is not None and self.config.export_adapters:
             check_peft_exportable(module, d9d_to_hf_mapper(self.hf_config))  # fail now, not after training
         return module
