@@ -9,6 +9,13 @@ With `pipeline_parallel > 1` each step's microbatches flow through d9d.pipeline'
 (`pipelining`, default `inference`); the task sees the outputs on the ranks holding the last stage, and
 the others contribute nothing to its result. With context parallelism every microbatch is split over the
 cp ranks first, as in training.
+
+Uneven data (data-parallel shards of different lengths, or a short last step) runs in lockstep: a forward
+under FSDP, expert, tensor or context parallelism is itself a sequence of collectives, so every rank must
+run the same number of forwards. Each step all ranks agree (one small all-reduce) on the largest
+microbatch count any rank holds; a rank with fewer makes up the difference with placeholders (a copy of
+its last microbatch, or another rank's when it never had one) whose outputs are discarded: they never
+reach the task, its result or the saved progress.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from d9d.core.context import DistributedContext
+from d9d.core.dist_ops import all_gather_object, gather_object
 from d9d.core.domains import MeshDomain
 from d9d.core.files import atomic_write_bytes, atomic_write_text
 from d9d.core.mesh_params import DeviceMeshParameters
@@ -129,6 +137,8 @@ class Inference:
         # result reduced over the world counts every token once.
         self.reports_outputs = not ctx.is_distributed or ctx.coordinates(MeshDomain.REGULAR)["tp"] == 0
         self.steps = 0
+        # The microbatch (as the provider gave it) that placeholders copy once this rank's data runs out.
+        self._placeholder: Any | None = None
 
     def setup(self) -> None:
         c, ctx = self.config, self.ctx
@@ -181,17 +191,22 @@ class Inference:
         if module is None:
             raise RuntimeError("Inference.setup() must run first")
         while True:
-            microbatches = self.data.next_step()
-            if not self._any_rank_has(bool(microbatches)):
+            microbatches = list(self.data.next_step())
+            real = len(microbatches)
+            if microbatches:
+                self._placeholder = microbatches[-1]
+            count = self._step_count(real)
+            if count == 0:
                 break
+            # Placeholders keep this rank in the other ranks' collectives; only the first `real` count.
+            microbatches += [self._placeholder] * (count - real)
             local = [self._prepare(mb) for mb in microbatches]
             if self.pipeline is not None:
-                if local:
-                    self._pipelined(local)
+                self._pipelined(local, real)
             else:
-                for microbatch in local:
+                for index, microbatch in enumerate(local):
                     outputs = module(**self.task.forward_inputs(microbatch))
-                    if self.reports_outputs:
+                    if index < real and self.reports_outputs:
                         self.task.process_outputs(outputs, microbatch)
             self.steps += 1
             period = self.config.save_period
@@ -212,9 +227,10 @@ class Inference:
             )
         return shard_microbatch(microbatch, self.cp)
 
-    def _pipelined(self, microbatches: list[Any]) -> None:
-        """One forward-only pipeline step; the ranks of one pipeline read the same data, so they agree on
-        the number of microbatches (fewer than configured at the end of the data: a program for those)."""
+    def _pipelined(self, microbatches: list[Any], real: int) -> None:
+        """One forward-only pipeline step over `microbatches`, of which the first `real` are data (the rest
+        placeholders). Every rank runs the same count (`_step_count`): fewer than configured at the end of
+        the data, a program for those."""
         setup = self.pipeline
         assert setup is not None
         count = len(microbatches)
@@ -232,22 +248,34 @@ class Inference:
             self._executors[count] = executor
 
         def consume(outputs: Any, microbatch: int) -> None:
-            if self.reports_outputs:
+            if microbatch < real and self.reports_outputs:
                 self.task.process_outputs(outputs, microbatches[microbatch])
 
         executor.forward_step([self.task.forward_inputs(mb) for mb in microbatches], consume)
 
-    def _any_rank_has(self, flag: bool) -> bool:
-        """Ranks may run out of data at different steps (uneven shards); stop when all have."""
+    def _step_count(self, count: int) -> int:
+        """The number of microbatches every rank runs this step: the largest any rank holds (0: all ranks
+        are done). Ranks may run out of data at different steps (uneven shards), but a rank that stopped
+        early would leave the others waiting in the collectives of their next forward (FSDP's all-gathers,
+        expert exchanges, ...), so a rank with fewer fills up with placeholders. One all-reduce of
+        [count, lacks a placeholder, -(lowest rank that has one)]; a rank that never had data (and after a
+        resume, none has a placeholder yet) takes the lowest such rank's microbatch (one object exchange,
+        at most once per rank).
+        """
         if not self.ctx.is_distributed:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0])
+            return count
+        world, has = self.ctx.world_size, self._placeholder is not None
+        t = torch.tensor([float(count), 0.0 if has else 1.0, -float(self.ctx.rank if has else world)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        most, lacking, source = int(t[0].item()), bool(t[1].item()), -int(t[2].item())
+        if most > 0 and lacking:
+            # Every rank takes part; only the source sends a microbatch (the others send None).
+            sent = all_gather_object(self._placeholder if self.ctx.rank == source else None)
+            if not has:
+                self._placeholder = sent[source]
+        return most
 
     def _save(self) -> None:
-        from d9d.core.dist_ops import gather_object
-
         data = gather_object(self.data.state_dict()) if self.ctx.is_distributed else [self.data.state_dict()]
         task = gather_object(self.task.state_dict()) if self.ctx.is_distributed else [self.task.state_dict()]
         if self.ctx.is_main_process:
