@@ -175,3 +175,41 @@ def test_pipelined_eval_equals_transformers(tmp_path: Path) -> None:
     (values,) = torch.load(tmp_path / "pp.pt")
     assert values["eval/tokens"] == 2 * 3 * 8
     assert values["eval/loss"] == pytest.approx(total / (2 * 3 * 8), rel=1e-5)
+
+
+def _eval_runs_out(env: RankEnv) -> None:
+    run_dir = env.tmp_dir / "short"
+    config = {
+        "run": {"name": "short-eval", "dir": str(run_dir)},
+        "mesh": {"data_parallel_shard": 2},
+        "batching": {"global_batch_size": 4, "microbatch_size": 2},
+        "trainer": {"total_steps": 1},
+        "logging": {"progress_bar": "off"},
+        "checkpointing": {"save_at_end": False},
+        "model": {"provider": "qwen3", "options": {"source_checkpoint": str(env.tmp_dir / "hf")}},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "optimizer": {"provider": "sgd", "options": {"lr": 1e-30}},
+        # 3 samples, one per rank per batch: rank 0 gets 2 batches, rank 1 only 1 of the 2 asked for
+        "eval": {
+            "data": {"provider": "tests.test_engine_inference_pp:FiniteSteps", "options": {"num_samples": 3}},
+            "batch_size": 2,
+            "batches": 2,
+            "period": 1,
+        },
+    }
+    reporter = LocalRunReporter(run_dir / "checkpoints", 1)
+    runtime = RankRuntime(rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=run_dir)
+    with pytest.raises(
+        RuntimeError, match=r"eval.data gave \d of eval.batches=2 batches.*1 to 2 over the ranks"
+    ):
+        run_rank(parse_config(config), runtime, reporter)
+    (env.tmp_dir / f"refused-{env.rank}").touch()
+
+
+@pytest.mark.distributed
+def test_an_eval_set_that_runs_out_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Under FSDP a rank that refused alone would leave the other in its forward's all-gather until the
+    collectives time out; the ranks compare their batch counts first and all refuse."""
+    make_hf_qwen3(tmp_path / "hf", num_layers=2)
+    run_distributed(_eval_runs_out, 2, tmp_dir=tmp_path, timeout=120)
+    assert (tmp_path / "refused-0").exists() and (tmp_path / "refused-1").exists()

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
@@ -108,10 +109,18 @@ class Evaluator:
     def _microbatches(self) -> list[PyTree]:
         self.data.load_state_dict(self._start)
         microbatches = self.data.next_step()
-        if len(microbatches) != self.config.batches:
+        # Every rank must run the same number of forwards (under FSDP, expert or tensor parallelism each
+        # is a sequence of collectives), so the ranks compare counts first and all refuse together: a rank
+        # that refused alone would leave the others waiting in the all-gathers of their next forward.
+        counts = torch.tensor([-float(len(microbatches)), float(len(microbatches))])
+        if self.ctx.is_distributed:
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        fewest, most = -int(counts[0].item()), int(counts[1].item())
+        if fewest != self.config.batches or most != self.config.batches:
             raise RuntimeError(
-                f"eval.data gave {len(microbatches)} of eval.batches={self.config.batches} batches (a finite "
-                "eval set ran out?); lower eval.batches or eval.batch_size, or use a larger eval set"
+                f"eval.data gave {len(microbatches)} of eval.batches={self.config.batches} batches on this "
+                f"rank ({fewest} to {most} over the ranks; a finite eval set ran out?); lower eval.batches "
+                "or eval.batch_size, or use a larger eval set"
             )
         return [to_device(mb, self.ctx.device, self.pin_memory) for mb in microbatches]
 
