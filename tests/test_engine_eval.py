@@ -135,23 +135,28 @@ def test_data_loading_config_says_what_the_background_loader_does(tmp_path: Path
         parse_config({**base, "data_loading": {"prefetch_factor": 2}}, check_components=False)
 
 
-def _pipelined(env: RankEnv) -> None:
-    run_dir = env.tmp_dir / "pp"
-    eval_data = {"provider": "tests.engine_fixtures:GlobalIndexData"}
-    config = {
-        "run": {"name": "pp-eval", "dir": str(run_dir)},
-        "mesh": {"pipeline_parallel": 2},
+def _eval_job(run_dir: Path, mesh: dict[str, int], eval_section: dict[str, Any]) -> dict[str, Any]:
+    """One training step of the source checkpoint in `run_dir/../hf` with `eval_section`; an update far
+    below float32 resolution, so the weights stay the source checkpoint's and transformers gives the
+    reference."""
+    return {
+        "run": {"name": run_dir.name, "dir": str(run_dir)},
+        "mesh": mesh,
         "batching": {"global_batch_size": 4, "microbatch_size": 2},
         "trainer": {"total_steps": 1},
         "logging": {"progress_bar": "off"},
         "checkpointing": {"save_at_end": False},
-        "model": {"provider": "qwen3", "options": {"source_checkpoint": str(env.tmp_dir / "hf")}},
+        "model": {"provider": "qwen3", "options": {"source_checkpoint": str(run_dir.parent / "hf")}},
         "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
-        # an update far below float32 resolution: the weights stay the source checkpoint's, so transformers
-        # gives the reference
         "optimizer": {"provider": "sgd", "options": {"lr": 1e-30}},
-        "eval": {"data": eval_data, "batch_size": 2, "batches": 3},
+        "eval": eval_section,
     }
+
+
+def _pipelined(env: RankEnv) -> None:
+    run_dir = env.tmp_dir / "pp"
+    eval_data = {"provider": "tests.engine_fixtures:GlobalIndexData"}
+    config = _eval_job(run_dir, {"pipeline_parallel": 2}, {"data": eval_data, "batch_size": 2, "batches": 3})
     points: list[MetricPoint] = []
     reporter = LocalRunReporter(run_dir / "checkpoints", 1, points.append)
     runtime = RankRuntime(rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=run_dir)
@@ -179,24 +184,11 @@ def test_pipelined_eval_equals_transformers(tmp_path: Path) -> None:
 
 def _eval_runs_out(env: RankEnv) -> None:
     run_dir = env.tmp_dir / "short"
-    config = {
-        "run": {"name": "short-eval", "dir": str(run_dir)},
-        "mesh": {"data_parallel_shard": 2},
-        "batching": {"global_batch_size": 4, "microbatch_size": 2},
-        "trainer": {"total_steps": 1},
-        "logging": {"progress_bar": "off"},
-        "checkpointing": {"save_at_end": False},
-        "model": {"provider": "qwen3", "options": {"source_checkpoint": str(env.tmp_dir / "hf")}},
-        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
-        "optimizer": {"provider": "sgd", "options": {"lr": 1e-30}},
-        # 3 samples, one per rank per batch: rank 0 gets 2 batches, rank 1 only 1 of the 2 asked for
-        "eval": {
-            "data": {"provider": "tests.test_engine_inference_pp:FiniteSteps", "options": {"num_samples": 3}},
-            "batch_size": 2,
-            "batches": 2,
-            "period": 1,
-        },
-    }
+    # 3 samples, one per rank per batch: rank 0 gets 2 batches, rank 1 only 1 of the 2 asked for
+    finite = {"provider": "tests.test_engine_inference_pp:FiniteSteps", "options": {"num_samples": 3}}
+    config = _eval_job(
+        run_dir, {"data_parallel_shard": 2}, {"data": finite, "batch_size": 2, "batches": 2, "period": 1}
+    )
     reporter = LocalRunReporter(run_dir / "checkpoints", 1)
     runtime = RankRuntime(rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=run_dir)
     with pytest.raises(

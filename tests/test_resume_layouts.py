@@ -18,22 +18,19 @@ import torch
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import parse_config
 from tests.harness import RankEnv, run_distributed
+from tests.test_engine_builtin import ARCH
+from tests.test_trust_resume import SCHEDULE
 
 pytestmark = pytest.mark.distributed
 
 STEPS, STOP = 6, 3
+# the engine tests' tiny Qwen3-MoE with the byte tokenizer's vocabulary, six layers (ZBV: four stages, the
+# first also holding the embedding) and no balancing loss (per microbatch by design)
 ARCHITECTURE = {
+    **ARCH,
     "vocab_size": 259,
-    "hidden_size": 32,
-    "num_layers": 6,  # ZBV: 4 stages, the first also holding the embedding
-    "num_attention_heads": 4,
-    "num_kv_heads": 2,
-    "head_dim": 8,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 16,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "expert_bias": True,
+    "num_layers": 6,
+    "router_aux_loss_coef": 0.0,
     "expert_bias_update_rate": 0.01,
 }
 
@@ -53,16 +50,7 @@ def _job(tmp: Path, name: str, mesh: dict[str, int], total: int, schedule: str |
             "options": {"dataset": {"paths": [str(tmp / "corpus.txt")], "max_length": 48}, "pack_length": 48},
         },
         "optimizer": {"provider": "adamw", "options": {"lr": 1e-2, "eps": 0.1, "weight_decay": 0.01}},
-        "lr_scheduler": {
-            "provider": "piecewise",
-            "options": {
-                "initial_multiplier": 0.0,
-                "phases": [
-                    {"kind": "steps", "steps": 2, "target": 1.0, "curve": {"type": "linear"}},
-                    {"kind": "rest", "target": 0.1, "curve": {"type": "cosine"}},
-                ],
-            },
-        },
+        "lr_scheduler": SCHEDULE,
         "gradient_clipping": {"max_norm": 0.5},
     }
 
