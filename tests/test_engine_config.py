@@ -227,3 +227,27 @@ def test_a_wider_grad_dtype_under_pipeline_fsdp_needs_the_fsdp_reduce_dtype() ->
     parse_config(job(pp_fsdp, dtype="float32"))  # nothing wider to ask for
     parse_config(job({"data_parallel_shard": 2}))  # no pipeline: the synchronizer accumulates
     parse_config(job({"pipeline_parallel": 2, "data_parallel_replicate": 2}))  # no FSDP
+
+
+def test_trainable_only_needs_the_frozen_weights_from_a_source_checkpoint(tmp_path: Path) -> None:
+    """A trainable-only checkpoint leaves the frozen weights out; re-created from a seeded random init they
+    differ by device (CUDA and CPU generators) and by layout, so `d9d export` on CPU of a CUDA run would get
+    other weights, silently. Refused for the built-in models without a source checkpoint, directly and under
+    PEFT; a plug-in's initialization is its own business."""
+    from tests.engine_fixtures import make_hf_qwen3
+
+    random_init = {"provider": "qwen3_moe", "options": {"architecture": ARCH}}
+    job = {**BASE, "task": {"provider": "causal_lm"}, "checkpointing": {"trainable_only": True}}
+    lora = {"kind": "lora", "target_modules": r"q_proj", "rank": 2, "alpha": 4.0}
+    with pytest.raises(
+        ConfigError, match=r"checkpointing\.trainable_only with model\.options\.source_checkpoint"
+    ):
+        parse_config({**job, "model": random_init})
+    peft = {"provider": "peft", "options": {"base": random_init, "method": lora}}
+    with pytest.raises(ConfigError, match=r"model\.options\.base\.options\.source_checkpoint unset"):
+        parse_config({**job, "model": peft})
+    make_hf_qwen3(tmp_path / "hf")
+    from_checkpoint = {"provider": "qwen3", "options": {"source_checkpoint": str(tmp_path / "hf")}}
+    parse_config({**job, "model": {"provider": "peft", "options": {"base": from_checkpoint, "method": lora}}})
+    parse_config({**job, "task": BASE["task"], "model": BASE["model"]})  # plug-in (TinyLM)
+    parse_config({**job, "checkpointing": {}, "model": random_init})  # everything saved

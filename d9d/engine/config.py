@@ -20,6 +20,7 @@ from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.core.storage import Location, StorageError, location
 from d9d.engine.components import (
     AdamW,
+    BuiltinModel,
     CausalLMTaskComponent,
     DataComponent,
     LRSchedulerComponent,
@@ -28,6 +29,7 @@ from d9d.engine.components import (
 )
 from d9d.engine.errors import ConfigError, format_validation_error
 from d9d.engine.parallel_checks import (
+    base_model,
     check_activation_checkpointing,
     check_context_parallel,
     check_expert_backend,
@@ -314,6 +316,24 @@ class TrainConfig(_Section):
             raise ValueError(
                 "trainer.on_nonfinite=rollback goes back to the newest commit, so it needs periodic commits: "
                 "set checkpointing.period (or use skip or stop)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_trainable_only(self) -> Self:
+        # The frozen weights a trainable-only checkpoint leaves out are re-created when resuming and
+        # exporting. From a source checkpoint that is exact anywhere; a seeded random init is exact only on
+        # the device kind and layout that drew it (CUDA and CPU generators differ, and so do plain and
+        # sharded parameters' RNGs): `d9d export` on CPU of a CUDA run would silently get other weights.
+        if not self.checkpointing.trainable_only:
+            return self
+        base, key = base_model(self.model)
+        if isinstance(base, BuiltinModel) and base.options.source_checkpoint is None:
+            raise ValueError(
+                f"checkpointing.trainable_only with {key}.options.source_checkpoint unset: the frozen "
+                "weights it does not save would be a seeded random init, re-created exactly only on the "
+                "device and layout that drew it (not by `d9d export` on CPU, nor after a resume on another "
+                f"layout); give {key}.options.source_checkpoint, or set checkpointing.trainable_only: false"
             )
         return self
 

@@ -32,7 +32,7 @@ _CP_KEYS = "mesh.context_parallel_shard × mesh.context_parallel_replicate"
 ModelChoice = BuiltinModel | PeftModel | ModelPlugin
 
 
-def _base(model: ModelChoice) -> tuple[BuiltinModel | ModelPlugin, str]:
+def base_model(model: ModelChoice) -> tuple[BuiltinModel | ModelPlugin, str]:
     """The model component that builds the network (PEFT wraps one), and its key."""
     if isinstance(model, PeftModel):
         return model.options.base, "model.options.base"
@@ -46,7 +46,7 @@ def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stag
     pp = mesh.pipeline_parallel
     if pp == 1:
         return
-    base, field = _base(model)
+    base, field = base_model(model)
     if isinstance(base, ModelPlugin):
         return  # a plug-in's stages are its own business
     where = f"mesh.pipeline_parallel = {pp}"
@@ -82,7 +82,7 @@ def check_peft_targets(mesh: DeviceMeshParameters, model: ModelChoice, stages_pe
 def check_expert_backend(mesh: DeviceMeshParameters, model: ModelChoice) -> None:
     """DeepEP's intranode kernels take bf16 activations and expert-parallel groups of 2, 4 or 8 ranks: both
     known from the config (whether CUDA and `deep_ep` are there is checked when the stages are built)."""
-    base, field = _base(model)
+    base, field = base_model(model)
     if not isinstance(base, BuiltinModel):
         return
     backend = base.options.parallel.expert_backend
@@ -112,7 +112,7 @@ def check_grad_dtype_under_pipeline_fsdp(
         return
     if mesh.data_parallel_shard * mesh.context_parallel_shard == 1:
         return  # no FSDP: the synchronizer accumulates the stages' gradients in grad_dtype
-    base, field = _base(model)
+    base, field = base_model(model)
     if not isinstance(base, BuiltinModel):
         return  # a plug-in's sharding is its own business
     params = getattr(torch, base.options.dtype)
@@ -209,7 +209,7 @@ def check_activation_checkpointing(
     op-level selective with compiled blocks refuses expert parallelism (`check_op_checkpointing_compiled`)."""
     if isinstance(checkpointing, NoActivationCheckpointing):
         return
-    base, field = _base(model)
+    base, field = base_model(model)
     if isinstance(base, BuiltinModel):
         check_checkpointing_family(base.options.family, f"{field}.provider", checkpointing.mode)
     if compile_config.enabled:  # on CUDA by default too: checked again when the stages are built
