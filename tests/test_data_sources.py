@@ -93,6 +93,25 @@ def test_hf_tokenizer_matches_transformers(hf_dir: Path) -> None:
     assert ours.pad_id is None
 
 
+def test_hf_tokenizer_ignores_truncation_and_padding_saved_in_the_file(hf_dir: Path, tmp_path: Path) -> None:
+    """A tokenizer.json saved with truncation or padding on (as many exported ones are) must not cut a
+    document short or put pad ids inside it, where they would train as real tokens: each document is
+    encoded whole, as by the same tokenizer without those settings (regression: both were applied)."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    text = " ".join(TEXTS)
+    plain = HFTokenizer(hf_dir).encode(text)
+    rust = RustTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    rust.enable_truncation(max_length=4)
+    rust.save(str(tmp_path / "truncating.json"))
+    rust.no_truncation()
+    rust.enable_padding(pad_id=3, pad_token="<pad>", length=len(plain) + 16)
+    rust.save(str(tmp_path / "padding.json"))
+    assert len(plain) > 4
+    for name in ("truncating.json", "padding.json"):
+        assert HFTokenizer(tmp_path / name).encode(text) == plain, name
+
+
 def test_hf_tokenizer_explicit_specials_and_errors(hf_dir: Path) -> None:
     tok = HFTokenizer(hf_dir / "tokenizer.json", pad_token="<pad>", eos_token="<s>")
     assert tok.pad_id == tok._tok.token_to_id("<pad>") and tok.eos_id == tok._tok.token_to_id("<s>")

@@ -206,8 +206,9 @@ def test_piecewise_schedule_and_stochastic_adamw_providers(tmp_path: Path) -> No
     run_distributed(_lr_run, 1, tmp_path / "a", "adamw.pt", "adamw", tmp_dir=tmp_path)
     run_distributed(_lr_run, 1, tmp_path / "s", "sr.pt", "stochastic_adamw", tmp_dir=tmp_path)
     adamw, sr = torch.load(tmp_path / "adamw.pt"), torch.load(tmp_path / "sr.pt")
-    # Logged after each step's scheduler update: warmup 0 -> 1 over 2 steps, then linear to 0 at step 6.
-    expected = [1e-2 * m for m in (0.5, 1.0, 0.75, 0.5, 0.25, 0.0)]
+    # The LR each step ran with (read before its scheduler update): warmup 0 -> 1 over 2 steps, then linear
+    # to 0 at step 6 (the rate after the last step, never used).
+    expected = [1e-2 * m for m in (0.0, 0.5, 1.0, 0.75, 0.5, 0.25)]
     torch.testing.assert_close(torch.tensor(adamw["lrs"]), torch.tensor(expected), rtol=1e-9, atol=1e-12)
     assert sr["lrs"] == adamw["lrs"]
     # fp32 parameters: the stochastic optimizer takes the exact AdamW step.

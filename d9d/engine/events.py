@@ -29,8 +29,8 @@ class ForwardBackwardFinished:
 @dataclass(frozen=True)
 class OptimizerStepFinished:
     step: int
-    grad_norm: float | None
-    lr: float
+    grad_norm: float | None  # before clipping
+    lr: float  # the learning rate this step ran with
 
 
 @dataclass(frozen=True)

@@ -235,12 +235,11 @@ class Trainer:
         outcome = self._train_step(step)
         if outcome is None:
             return None, False
-        loss, weight, grad_norm = outcome
+        loss, weight, grad_norm, lr = outcome
         step_time = time.perf_counter() - start
         tokens_per_s = weight / step_time if step_time > 0 else None
         self.progress.finish_step(step, loss)
         self.events.publish(StepFinished(step, loss))
-        lr = self.parts.optimizer.lr
         self.parts.reports.step(step, loss, lr, grad_norm, step_time, tokens_per_s)
         progress.update(step, loss, lr, tokens_per_s)
         return tokens_per_s, True
@@ -305,9 +304,11 @@ class Trainer:
             first_step=self.progress.step,
         )
 
-    def _train_step(self, step: int) -> tuple[float, float, float] | None:
-        """(loss, weight, grad norm) of the step; None when it rolled back (`_nonfinite`)."""
+    def _train_step(self, step: int) -> tuple[float, float, float, float] | None:
+        """(loss, weight, grad norm, the learning rate the step ran with) of the step; None when it rolled
+        back (`_nonfinite`). The LR is read before the scheduler moves it on to the next step's."""
         parts = self.parts
+        lr = parts.optimizer.lr
         microbatches = parts.data.next_step()
         if len(microbatches) != parts.grad_accumulation:
             raise RuntimeError(
@@ -369,8 +370,8 @@ class Trainer:
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
                 parts.schedulers.step()
         if values.finite:
-            self.events.publish(OptimizerStepFinished(step, values.grad_norm, parts.optimizer.lr))
-        return values.loss_sum / values.weight, values.weight, values.grad_norm
+            self.events.publish(OptimizerStepFinished(step, values.grad_norm, lr))
+        return values.loss_sum / values.weight, values.weight, values.grad_norm, lr
 
     def _nonfinite(self, step: int, values: StepValues, local_loss: torch.Tensor) -> bool:
         """A step whose loss or gradient norm is not finite (every rank gets here at the same step). Stop,

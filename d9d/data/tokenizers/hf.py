@@ -40,6 +40,11 @@ class HFTokenizer:
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file {self.path} does not exist")
         self._tok = _RustTokenizer.from_file(str(self.path))
+        # A tokenizer.json may carry truncation and padding settings (saved from a pipeline that used them):
+        # applied to whole documents they would cut each one short, or put pad ids inside it that then train
+        # as real tokens. Length is the dataset's business (`max_length`, packing) and padding the collator's.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         defaults = self._config_tokens()
         self._bos = self._special_id("bos_token", bos_token or defaults.get("bos_token"))
         self._eos = self._special_id("eos_token", eos_token or defaults.get("eos_token"))
