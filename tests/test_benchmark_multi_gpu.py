@@ -98,7 +98,7 @@ def test_smoke_runs_rows_on_two_gloo_ranks(tmp_path: Path) -> None:
     ]
     cmd += ["--launchers", "torchrun", "--out", str(out), "--work-dir", str(tmp_path / "work")]
     proc = subprocess.run(
-        cmd, env=subprocess_env(GLOO_SOCKET_IFNAME="lo"), capture_output=True, text=True, timeout=180
+        cmd, env=subprocess_env(GLOO_SOCKET_IFNAME="lo"), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -248,7 +248,9 @@ def test_balancing_loss_of_a_token_split_over_two_groups_equals_one_process() ->
     run_distributed(_balancing_over_two_groups, 4, timeout=120)
 
 
-def _train_moe(env: RankEnv, name: str, mesh: dict[str, int], **sections: Any) -> Any:
+def _train_moe(
+    env: RankEnv, name: str, mesh: dict[str, int], points: list[Any] | None = None, **sections: Any
+) -> Any:
     """Train the tiny Qwen3-MoE of `<tmp>/hf` under `mesh`; `sections` replace the job's sections, and
     `architecture` / `parallel` go into the model's options. Returns the trainer and its result."""
     from d9d.engine.checkpoint import LocalRunReporter
@@ -272,7 +274,9 @@ def _train_moe(env: RankEnv, name: str, mesh: dict[str, int], **sections: Any) -
     }
     config = parse_config(job | sections)
     trainer = Trainer(
-        config, DistributedContext.create(config.mesh), LocalRunReporter(config.checkpoint_dir, 1)
+        config,
+        DistributedContext.create(config.mesh),
+        LocalRunReporter(config.checkpoint_dir, 1, None if points is None else points.append),
     )
     trainer.setup()
     return trainer, trainer.train()
@@ -455,3 +459,39 @@ def test_evaluation_during_training_leaves_the_expert_bias_alone(tmp_path: Path)
         got,
         biases,
     )
+
+
+def _logged_aux_run(env: RankEnv, name: str, mesh: dict[str, int]) -> None:
+    points: list[Any] = []
+    _train_moe(
+        env,
+        name,
+        mesh,
+        points,
+        architecture={"router_aux_loss_coef": 0.01},
+        batching={"global_batch_size": 4, "microbatch_size": 1},
+        trainer={"total_steps": 3},
+        logging={"progress_bar": "off", "period": 1},
+    )
+    if env.rank == 0:
+        logged = [
+            {k: v for k, v in p.values.items() if k.endswith("aux_loss")} for p in points if p.kind == "train"
+        ]
+        torch.save(logged, env.tmp_dir / f"{name}.pt")
+
+
+@pytest.mark.distributed
+def test_logged_balancing_loss_is_the_mean_over_every_data_parallel_rank(tmp_path: Path) -> None:
+    """One sample per microbatch, so dp 2's microbatches are one process's: the logged per-layer balancing
+    loss and its mean equal one process's (regression: rank 0's microbatches only)."""
+    from tests.engine_fixtures import make_hf_qwen3_moe
+
+    make_hf_qwen3_moe(tmp_path / "hf", num_layers=2)
+    run_distributed(_logged_aux_run, 1, "one", {}, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_logged_aux_run, 2, "dp2", {"data_parallel_replicate": 2}, tmp_dir=tmp_path, timeout=300)
+    one, dp2 = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "dp2.pt")
+    assert len(one) == 3 and all("moe/aux_loss" in step for step in one), one
+    for got, want in zip(dp2, one, strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5), (key, got, want)

@@ -42,6 +42,7 @@ from d9d.models.hf.io import side_files
 from d9d.models.hf.mapping import d9d_to_hf_mapper, hf_to_d9d_mapper_for
 from d9d.modules.base import ModuleLateInit
 from d9d.modules.moe import MoELayer, MoEMetrics, TopKRouter, take_aux_loss_stats
+from d9d.modules.moe.stats import AuxLossStats
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.state import load_model_state, read_header, resolve_checkpoint, save_model_state
@@ -284,6 +285,19 @@ class ExpertLoadBalancer:
             router.reset_expert_load()
         take_aux_loss_stats(self.moe_metrics.layers)
 
+    def _global_aux_stats(self, stats: AuxLossStats) -> AuxLossStats:
+        """Each layer's [balancing-loss sum, forwards] summed over the data-parallel ranks, so the logged
+        mean covers every microbatch of the step, not rank 0's (one small all-reduce, no host read). Not over
+        tp and cp: their ranks each computed the same whole-microbatch loss (`shares_tokens_with`)."""
+        if not stats or not self.ctx.is_distributed:
+            return stats
+        batch = self.ctx.mesh_for(MeshDomain.BATCH)
+        if batch.size(batch.mesh_dim_names.index("dp")) == 1:  # type: ignore[union-attr]
+            return stats
+        stacked = torch.stack([s for _, s in stats])
+        torch.distributed.all_reduce(stacked, group=batch.get_group("dp"))
+        return [(name, s) for (name, _), s in zip(stats, stacked, strict=True)]
+
     @torch.no_grad()
     def after_optimizer_step(self, step: int) -> None:
         loads = torch.stack([r.expert_load for _, r in self.routers])
@@ -302,7 +316,7 @@ class ExpertLoadBalancer:
         # read then. Reading them every step (`.cpu()`) left the GPU idle ~2 ms per step on one H200
         # (the host waited for the optimizer, then had to start the next step from an empty queue).
         on_host = HostCopy(loads)
-        aux_stats = take_aux_loss_stats(self.moe_metrics.layers)
+        aux_stats = self._global_aux_stats(take_aux_loss_stats(self.moe_metrics.layers))
         names = [name.rpartition(".")[0] or name for name, _ in self.routers]
 
         def fill(metrics: StepMetrics) -> None:
