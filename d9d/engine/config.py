@@ -31,12 +31,8 @@ from d9d.engine.errors import ConfigError, format_validation_error
 from d9d.engine.parallel_checks import (
     base_model,
     check_activation_checkpointing,
-    check_context_parallel,
-    check_expert_backend,
     check_grad_dtype_under_pipeline_fsdp,
-    check_lora_tensor_parallel,
-    check_peft_targets,
-    check_pipeline_parallel,
+    check_model_layout,
 )
 from d9d.engine.registry import ModelComponent, validate_components
 from d9d.modules.checkpointing import ActivationCheckpointingConfig, NoActivationCheckpointing
@@ -387,11 +383,7 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _check_context_parallel(self) -> Self:
-        check_context_parallel(self.mesh, self.model, self.data, self.task)
-        check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
-        check_peft_targets(self.mesh, self.model, self.schedule.stages_per_rank)
-        check_lora_tensor_parallel(self.mesh, self.model)
-        check_expert_backend(self.mesh, self.model)
+        check_model_layout(self.mesh, self.model, self.data, self.task, self.schedule.stages_per_rank)
         check_grad_dtype_under_pipeline_fsdp(self.mesh, self.model, self.gradient_manager.grad_dtype)
         check_activation_checkpointing(self.mesh, self.model, self.activation_checkpointing, self.compile)
         return self

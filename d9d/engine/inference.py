@@ -48,13 +48,7 @@ from d9d.engine.components import (
     build_inference_task,
 )
 from d9d.engine.config import DeterminismConfig, RunConfig, TimeoutsConfig, _Section
-from d9d.engine.parallel_checks import (
-    check_context_parallel,
-    check_expert_backend,
-    check_lora_tensor_parallel,
-    check_peft_targets,
-    check_pipeline_parallel,
-)
+from d9d.engine.parallel_checks import check_model_layout
 from d9d.engine.providers import DataSetup
 from d9d.engine.registry import ModelComponent, build_model
 from d9d.engine.stages import build_stages
@@ -110,11 +104,7 @@ class InferenceConfig(_Section):
                     f"pipelining ({self.schedule.kind}, mesh.pipeline_parallel="
                     f"{self.mesh.pipeline_parallel}, microbatches_per_step={self.num_microbatches}): {e}"
                 ) from e
-        check_context_parallel(self.mesh, self.model, self.data, self.task)
-        check_pipeline_parallel(self.mesh, self.model, self.schedule.stages_per_rank)
-        check_peft_targets(self.mesh, self.model, self.schedule.stages_per_rank)
-        check_lora_tensor_parallel(self.mesh, self.model)
-        check_expert_backend(self.mesh, self.model)
+        check_model_layout(self.mesh, self.model, self.data, self.task, self.schedule.stages_per_rank)
         return self
 
 

@@ -68,6 +68,18 @@ def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stag
         ) from e
 
 
+def check_model_layout(
+    mesh: DeviceMeshParameters, model: ModelChoice, data: object, task: object, stages_per_rank: int
+) -> None:
+    """The checks training and inference share: the model, data and task against the mesh (context and
+    pipeline parallelism, PEFT targets over the stages, LoRA under TP, the expert backend)."""
+    check_context_parallel(mesh, model, data, task)
+    check_pipeline_parallel(mesh, model, stages_per_rank)
+    check_peft_targets(mesh, model, stages_per_rank)
+    check_lora_tensor_parallel(mesh, model)
+    check_expert_backend(mesh, model)
+
+
 def check_peft_targets(mesh: DeviceMeshParameters, model: ModelChoice, stages_per_rank: int) -> None:
     """Under pipelining a PEFT pattern may match nothing on some stages (`model\\.norm` is on the last one
     only) but must match on one: each stage of a built-in base is built on meta and injected here, so a

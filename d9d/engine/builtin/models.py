@@ -289,23 +289,25 @@ class ExpertLoadBalancer:
         """Each layer's [balancing-loss sum, forwards] summed over the data-parallel ranks, so the logged
         mean covers every microbatch of the step, not rank 0's (one small all-reduce, no host read). Not over
         tp and cp: their ranks each computed the same whole-microbatch loss (`shares_tokens_with`)."""
-        if not stats or not self.ctx.is_distributed:
-            return stats
-        batch = self.ctx.mesh_for(MeshDomain.BATCH)
-        if batch.size(batch.mesh_dim_names.index("dp")) == 1:  # type: ignore[union-attr]
+        if not stats or not self.ctx.is_distributed or self.ctx.params.data_parallel == 1:
             return stats
         stacked = torch.stack([s for _, s in stats])
-        torch.distributed.all_reduce(stacked, group=batch.get_group("dp"))
+        self._sum_over_batch(stacked, "dp")
         return [(name, s) for (name, _), s in zip(stats, stacked, strict=True)]
+
+    def _sum_over_batch(self, tensor: torch.Tensor, *dims: str) -> None:
+        """All-reduce `tensor` in place over each of the batch mesh's `dims` ("dp", "cp") that has ranks."""
+        sizes = {"dp": self.ctx.params.data_parallel, "cp": self.ctx.params.context_parallel}
+        batch = self.ctx.mesh_for(MeshDomain.BATCH)
+        for dim in dims:
+            if sizes[dim] > 1:
+                torch.distributed.all_reduce(tensor, group=batch.get_group(dim))
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int) -> None:
         loads = torch.stack([r.expert_load for _, r in self.routers])
         if self.ctx.is_distributed:
-            batch = self.ctx.mesh_for(MeshDomain.BATCH)
-            for dim in ("dp", "cp"):
-                if batch.size(batch.mesh_dim_names.index(dim)) > 1:  # type: ignore[union-attr]
-                    torch.distributed.all_reduce(loads, group=batch.get_group(dim))
+            self._sum_over_batch(loads, "dp", "cp")
             if self.ctx.params.tensor_parallel > 1:
                 tp_group = self.ctx.mesh_for(MeshDomain.REGULAR).get_group("tp")
                 torch.distributed.all_reduce(loads, group=tp_group)
