@@ -214,8 +214,9 @@ def jsonl_losses(run_dir) -> list[float]:
     ]
 
 
-def make_hf_qwen3_moe(path, num_layers: int = 4, vocab_size: int = VOCAB):
-    """A tiny random transformers Qwen3-MoE (4 experts, top 2) saved at `path`."""
+def make_hf_qwen3_moe(path, num_layers: int = 4, vocab_size: int = VOCAB, mlp_only_layers=()):
+    """A tiny random transformers Qwen3-MoE (4 experts, top 2) saved at `path`; `mlp_only_layers` have a
+    plain MLP instead of experts."""
     import transformers
 
     config = transformers.Qwen3MoeConfig(
@@ -230,6 +231,7 @@ def make_hf_qwen3_moe(path, num_layers: int = 4, vocab_size: int = VOCAB):
         num_experts=4,
         num_experts_per_tok=2,
         tie_word_embeddings=False,
+        mlp_only_layers=list(mlp_only_layers),
     )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()

@@ -252,12 +252,13 @@ def _train_moe(
     env: RankEnv, name: str, mesh: dict[str, int], points: list[Any] | None = None, **sections: Any
 ) -> Any:
     """Train the tiny Qwen3-MoE of `<tmp>/hf` under `mesh`; `sections` replace the job's sections, and
-    `architecture` / `parallel` go into the model's options. Returns the trainer and its result."""
+    `architecture` / `parallel` go into the model's options, `hf` names another checkpoint under `<tmp>`.
+    Returns the trainer and its result."""
     from d9d.engine.checkpoint import LocalRunReporter
     from d9d.engine.config import parse_config
     from d9d.engine.trainer import Trainer
 
-    options: dict[str, Any] = {"source_checkpoint": str(env.tmp_dir / "hf")}
+    options: dict[str, Any] = {"source_checkpoint": str(env.tmp_dir / sections.pop("hf", "hf"))}
     for key in ("architecture", "parallel"):
         if key in sections:
             options[key] = sections.pop(key)
@@ -495,3 +496,71 @@ def test_logged_balancing_loss_is_the_mean_over_every_data_parallel_rank(tmp_pat
         assert got.keys() == want.keys()
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-5), (key, got, want)
+
+
+def _logged_moe_run(env: RankEnv, runs: list[tuple[str, dict[str, int], str | None]], hf: str = "hf") -> None:
+    """Each run's logged `moe/` metrics per step (rank 0 logs) from the checkpoint `<tmp>/<hf>`; SGD keeps
+    the runs' weights together."""
+    for name, mesh, schedule in runs:
+        points: list[Any] = []
+        _train_moe(
+            env,
+            name,
+            mesh,
+            points,
+            hf=hf,
+            architecture={"router_aux_loss_coef": 0.01},
+            pipelining=None if schedule is None else {"kind": schedule},
+            batching={"global_batch_size": 4, "microbatch_size": 1},
+            trainer={"total_steps": 3},
+            logging={"progress_bar": "off", "period": 1},
+            optimizer={"provider": "sgd", "options": {"lr": 0.5}},
+        )
+        if env.rank == 0:
+            logged = [
+                {k: v for k, v in p.values.items() if k.startswith("moe/")}
+                for p in points
+                if p.kind == "train"
+            ]
+            torch.save(logged, env.tmp_dir / f"{name}.pt")
+
+
+@pytest.mark.distributed
+def test_logged_moe_metrics_cover_every_pipeline_stage(tmp_path: Path) -> None:
+    """Under pipelining each rank holds some of the MoE layers; rank 0 logs every layer's expert-load
+    metrics (by its global index) and balancing loss, and their mean, as one process running the whole
+    model on the same batches does — under a one-stage-per-rank schedule, a V schedule (rank 0 holds the
+    first and the last stage), and pp × dp (regression: only rank 0's stages were logged)."""
+    from tests.engine_fixtures import make_hf_qwen3_moe
+
+    make_hf_qwen3_moe(tmp_path / "hf", num_layers=6)
+    run_distributed(_logged_moe_run, 1, [("one", {}, None)], tmp_dir=tmp_path, timeout=300)
+    pp2 = {"pipeline_parallel": 2}
+    run_distributed(
+        _logged_moe_run,
+        2,
+        [("pp2-1f1b", pp2, "1f1b"), ("pp2-zbv", pp2, "zbv")],
+        tmp_dir=tmp_path,
+        timeout=300,
+    )
+    pp2_dp2 = {"pipeline_parallel": 2, "data_parallel_replicate": 2}
+    run_distributed(_logged_moe_run, 4, [("pp2-dp2", pp2_dp2, "1f1b")], tmp_dir=tmp_path, timeout=300)
+    # the second stage (layers 3-5 under 1F1B) without experts: its rank balances nothing, joins the gather
+    make_hf_qwen3_moe(tmp_path / "hf-dense", num_layers=6, mlp_only_layers=[3, 4, 5])
+    run_distributed(_logged_moe_run, 1, [("one-dense", {}, None)], "hf-dense", tmp_dir=tmp_path, timeout=300)
+    dense_pp2 = [("pp2-dense", pp2, "1f1b")]
+    run_distributed(_logged_moe_run, 2, dense_pp2, "hf-dense", tmp_dir=tmp_path, timeout=300)
+    one = torch.load(tmp_path / "one.pt")
+    layers = {f"moe/model.layers.{i}.mlp/{m}" for i in range(6) for m in ("max_load_ratio", "aux_loss")}
+    assert len(one) == 3 and all(layers | {"moe/aux_loss"} <= set(step) for step in one), one
+    one_dense = torch.load(tmp_path / "one-dense.pt")
+    assert all(step and not any(".3.mlp" in k or ".5.mlp" in k for k in step) for step in one_dense), (
+        one_dense
+    )
+    for name, reference in (("pp2-1f1b", one), ("pp2-zbv", one), ("pp2-dp2", one), ("pp2-dense", one_dense)):
+        got_steps = torch.load(tmp_path / f"{name}.pt")
+        assert len(got_steps) == 3, name
+        for step, (got, want) in enumerate(zip(got_steps, reference, strict=True), 1):
+            assert got.keys() == want.keys(), (name, step, sorted(set(want) ^ set(got)))
+            for key, value in want.items():
+                assert got[key] == pytest.approx(value, rel=1e-5), (name, step, key, got[key], value)

@@ -1,9 +1,12 @@
 """What a training rank reports per step: train metrics (rank 0), health (every rank), task metrics (the
 rank that holds them), and the paused marker launchers read (see `d9d.engine.runtime`).
 
-MFU (`mfu`, a fraction) is reported when the model provider has the `ModelFlops` trait and the device's
-peak is known: tokens/s × FLOPs per token ÷ (ranks × the device's dense bf16 peak). The sequence length the
-attention term needs is the step's mean: tokens ÷ sequences in the global batch.
+Throughput: `tokens_per_s` counts the positions the model processed (every non-padding input position of
+the global batch, `d9d.engine.step.processed_positions`), `loss_tokens_per_s` the tokens the loss is taken
+over (the loss weight: masked prompts and padding excluded). MFU (`mfu`, a fraction) is reported when the
+model provider has the `ModelFlops` trait and the device's peak is known: processed tokens/s × FLOPs per
+token ÷ (ranks × the device's dense bf16 peak). The sequence length the attention term needs is the step's
+mean: processed positions ÷ sequences in the global batch.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class FlopsBudget:
     peak_flops: float
 
     def mfu(self, tokens_per_s: float, step_time_s: float) -> float:
+        """`tokens_per_s`: processed positions (padding excluded) per second, which the model computed on."""
         seq_len = max(1, round(tokens_per_s * step_time_s / self.sequences_per_step))
         return tokens_per_s * self.flops_per_token(seq_len) / self.peak_flops
 
@@ -114,7 +118,10 @@ class StepReporter:
         grad_norm: float | None,
         step_time: float,
         tokens_per_s: float | None,
+        loss_tokens_per_s: float | None = None,
     ) -> None:
+        """`tokens_per_s`: the positions the model processed (padding excluded) per second, which MFU
+        counts; `loss_tokens_per_s`: the tokens the loss is taken over per second."""
         now = time.time()
         self.publish_task_metrics()
         if not reports_train_metrics(step, self.period, self.total_steps):
@@ -129,6 +136,8 @@ class StepReporter:
                 values["tokens_per_s"] = tokens_per_s
                 if self.flops is not None:
                     values["mfu"] = self.flops.mfu(tokens_per_s, step_time)
+            if loss_tokens_per_s is not None:
+                values["loss_tokens_per_s"] = loss_tokens_per_s
             self.step_metrics.resolve()
             values.update(self.step_metrics)
             self.reporter.metrics(MetricPoint(step=step, rank=0, values=values, kind="train", wall_time=now))

@@ -100,7 +100,7 @@ class RankResult:
     status: Literal["finished", "stopped"]
     steps: int  # last completed step
     final_loss: float | None
-    tokens_per_s: float | None
+    tokens_per_s: float | None  # the last step's processed (non-padding) positions per second
     losses: tuple[float, ...] = ()  # per-step global loss of the steps this attempt ran (main rank)
 
 

@@ -9,6 +9,7 @@ single process, DP, FSDP, EP and PP.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -193,26 +194,69 @@ class LocalGradientReducer:
             scale_(grads, global_weight.reciprocal().to(torch.float32))
 
 
+def processed_positions(microbatches: Sequence[PyTree]) -> float:
+    """The positions of a step's microbatches the model computes on (padding excluded), as the collators
+    mark them: the non-zero entries of a microbatch's `attention_mask` (0 on padding), else its
+    `segment_ids` >= 0 (packed rows: -1 on padding), else every position of its `input_ids`. NaN when a
+    microbatch has none of them (a plug-in's batch: the throughput is then not reported rather than
+    guessed). Counted on the batches as the data provider gives them, host tensors, before they move to the
+    device: no device work, no synchronization."""
+    total = 0
+    for microbatch in microbatches:
+        keys = microbatch if isinstance(microbatch, Mapping) else {}
+        mask, segments, ids = (keys.get(k) for k in ("attention_mask", "segment_ids", "input_ids"))
+        if isinstance(mask, torch.Tensor):
+            total += int(torch.count_nonzero(mask))
+        elif isinstance(segments, torch.Tensor):
+            total += int(torch.count_nonzero(segments >= 0))
+        elif isinstance(ids, torch.Tensor):
+            total += ids.numel()
+        else:
+            return math.nan
+    return float(total)
+
+
+def counts_positions(ctx: DistributedContext, loss_pp_rank: int) -> bool:
+    """Whether this rank's `processed_positions` enter the step's global count: one rank per distinct batch.
+    Data-parallel ranks hold different batches; pipeline, context- and tensor-parallel ranks get copies of
+    their data-parallel rank's (counted before the context-parallel split), so pipeline rank `loss_pp_rank`
+    and cp 0 count (tp 0: `global_loss` drops the other tp ranks' share)."""
+    if not ctx.is_distributed:
+        return True
+    coords = ctx.coordinates(MeshDomain.BATCH)
+    return coords["pp"] == loss_pp_rank and coords["cp"] == 0
+
+
 def global_loss(
     ctx: DistributedContext,
     loss_sum: torch.Tensor,
     weight: torch.Tensor,
     exchange_overflow: torch.Tensor | None = None,
+    positions: float | None = None,
 ) -> torch.Tensor:
     """[loss sum, weight] (float64) summed over every rank that computes a distinct loss; with
     `exchange_overflow` (this rank's 0/1 flag, `d9d.engine.exchange`) a third element, the number of ranks
-    whose expert exchange overflowed — in the same all-reduce, so the flag costs no collective of its own.
+    whose expert exchange overflowed; with `positions` (this rank's share of the step's processed positions,
+    `processed_positions` where `counts_positions`, else 0) a last element, their global sum — in the same
+    all-reduce, so neither costs a collective of its own.
 
     Runners return zeros where no loss is computed (pipeline ranks without the last stage), and
     tensor-parallel ranks compute the same loss, so only tp coordinate 0 contributes. Context-parallel ranks
     hold disjoint tokens of each sequence (`ContextShardedStepRunner`), so their sums add up to each token
-    once — as do tokens/s, which divide this total by the step time.
+    once.
     """
     totals = torch.stack([loss_sum, weight]).double()
+    # a host count becomes a device value through a fill: no host-to-device copy, which would synchronize
+    counted = (
+        None if positions is None else torch.full((1,), positions, dtype=totals.dtype, device=totals.device)
+    )
     if ctx.is_distributed and ctx.coordinates(MeshDomain.REGULAR)["tp"] != 0:
         totals = torch.zeros_like(totals)
+        counted = None if counted is None else torch.zeros_like(counted)
     if exchange_overflow is not None:  # every rank's own exchange, tp ranks included
         totals = torch.cat([totals, exchange_overflow.to(totals).reshape(1)])
+    if counted is not None:
+        totals = torch.cat([totals, counted])
     if ctx.is_distributed:
         dist.all_reduce(totals)
     return totals

@@ -10,6 +10,7 @@ The loop itself knows nothing about which parallelism is in use.
 from __future__ import annotations
 
 import gc
+import math
 import time
 import warnings
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from d9d.core.context import DistributedContext
+from d9d.core.host_copy import HostCopy
 from d9d.core.storage import Location
 from d9d.engine.async_save import STALL_METRIC, AsyncSaver, report_metrics, resolve_async
 from d9d.engine.commands import CommandHandler, broadcast_commands
@@ -50,7 +52,7 @@ from d9d.engine.resume import base_lrs, committed_config, decide_resume, resume_
 from d9d.engine.runtime import MetricPoint, RankResult, RunReporter, mark_failed_step
 from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
-from d9d.engine.step import global_loss, to_device
+from d9d.engine.step import counts_positions, global_loss, processed_positions, to_device
 from d9d.engine.train_parts import TrainParts, build_train_parts
 from d9d.parallel.expert import release_expert_communication
 from d9d.profiling import NullProfiler, StepHook, StepProfiler
@@ -90,6 +92,7 @@ class Trainer:
         self._offload = HostOffload(ctx.device)
         self._saver: AsyncSaver | None = None
         self._nonfinite_steps = 0  # non-finite steps skipped or rolled back in this attempt
+        self._counts_positions = True  # whether this rank's batch enters the step's processed positions
 
     @property
     def parts(self) -> TrainParts:
@@ -105,6 +108,7 @@ class Trainer:
     def setup(self) -> None:
         self.ctx.set_timeout(timedelta(seconds=self.config.timeouts.init_s))
         self._parts = build_train_parts(self.config, self.ctx, self.reporter, self.events, self.progress)
+        self._counts_positions = counts_positions(self.ctx, self._parts.runner.loss_pp_rank)
         if resolve_async(self.config.checkpointing.async_save, self.ctx.device):
             self._saver = AsyncSaver(self._parts.checkpointer, self.ctx, self._committed)
         self._resume()
@@ -227,20 +231,24 @@ class Trainer:
         )
 
     def _run_step(self, progress: StepProgress) -> tuple[float | None, bool]:
-        """One optimizer step with its reporting; returns its tokens per second, and False when the step
-        rolled the run back to its newest commit (nothing to report or save at this step)."""
+        """One optimizer step with its reporting; returns its tokens per second (processed positions), and
+        False when the step rolled the run back to its newest commit (nothing to report or save at this
+        step)."""
         step = self.progress.step + 1
         start = time.perf_counter()
         self.events.publish(StepStarted(step))
         outcome = self._train_step(step)
         if outcome is None:
             return None, False
-        loss, weight, grad_norm, lr = outcome
+        loss, weight, positions, grad_norm, lr = outcome
         step_time = time.perf_counter() - start
-        tokens_per_s = weight / step_time if step_time > 0 else None
+        # tokens/s: the positions the model processed (padding excluded), what MFU counts; loss tokens/s:
+        # the tokens the loss is taken over (masked prompts and padding excluded)
+        tokens_per_s = positions / step_time if step_time > 0 and math.isfinite(positions) else None
+        loss_tokens_per_s = weight / step_time if step_time > 0 else None
         self.progress.finish_step(step, loss)
         self.events.publish(StepFinished(step, loss))
-        self.parts.reports.step(step, loss, lr, grad_norm, step_time, tokens_per_s)
+        self.parts.reports.step(step, loss, lr, grad_norm, step_time, tokens_per_s, loss_tokens_per_s)
         progress.update(step, loss, lr, tokens_per_s)
         return tokens_per_s, True
 
@@ -304,9 +312,10 @@ class Trainer:
             first_step=self.progress.step,
         )
 
-    def _train_step(self, step: int) -> tuple[float, float, float, float] | None:
-        """(loss, weight, grad norm, the learning rate the step ran with) of the step; None when it rolled
-        back (`_nonfinite`). The LR is read before the scheduler moves it on to the next step's."""
+    def _train_step(self, step: int) -> tuple[float, float, float, float, float] | None:
+        """(loss, weight, processed positions (NaN: unknown), grad norm, the learning rate the step ran with)
+        of the step, weight and positions summed over the ranks; None when it rolled back (`_nonfinite`).
+        The LR is read before the scheduler moves it on to the next step's."""
         parts = self.parts
         lr = parts.optimizer.lr
         microbatches = parts.data.next_step()
@@ -316,6 +325,8 @@ class Trainer:
                 f"expected gradient_accumulation={parts.grad_accumulation} (a finite dataset ran out? "
                 "repeat it, e.g. data.options.epochs=null for the text provider, or train for fewer steps)"
             )
+        # counted on the host batches (no device work); one rank per distinct batch contributes
+        positions = processed_positions(microbatches) if self._counts_positions else 0.0
         pin = self.config.data_loading.pin_memory
         microbatches = [to_device(mb, self.ctx.device, pin) for mb in microbatches]
         exchange = parts.exchange
@@ -328,7 +339,7 @@ class Trainer:
             loss_sum, weight = parts.runner.forward_backward(microbatches)
             record = exchange.take()
             overflow = None if record is None else exchange.overflowed(record)
-            totals = global_loss(self.ctx, loss_sum, weight, overflow)
+            totals = global_loss(self.ctx, loss_sum, weight, overflow, positions)
             # Where the optimizer divides gradients inside its update (fused Adam), they stay sums until
             # then: no pass over every gradient for the division, nor for clipping (its factor joins the
             # divisor).
@@ -340,11 +351,14 @@ class Trainer:
             # with state), its update is queued before that read, gated by the same values on the device,
             # so the host's wait ends when backward does and the next step's host work overlaps the
             # optimizer kernels.
-            read = StepValuesRead(totals, norm)
+            read = StepValuesRead(totals[:-1], norm)
+            # queued right behind the values' copy: waiting for it after them costs nothing more
+            positions_read = HostCopy(totals[-1])
             stepped = parts.optimizer.skips_on_device
             if stepped:
                 parts.optimizer.step(skip_if=read.skip, grad_divisor=divisor)
             values = read.wait()
+            global_positions = float(positions_read.wait())
             if record is None or not exchange.settle(step, record, values.exchange_overflow):
                 break
             assert start_state is not None
@@ -371,7 +385,7 @@ class Trainer:
                 parts.schedulers.step()
         if values.finite:
             self.events.publish(OptimizerStepFinished(step, values.grad_norm, lr))
-        return values.loss_sum / values.weight, values.weight, values.grad_norm, lr
+        return values.loss_sum / values.weight, values.weight, global_positions, values.grad_norm, lr
 
     def _nonfinite(self, step: int, values: StepValues, local_loss: torch.Tensor) -> bool:
         """A step whose loss or gradient norm is not finite (every rank gets here at the same step). Stop,

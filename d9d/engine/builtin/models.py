@@ -29,6 +29,7 @@ from pydantic import (
 from torch import nn
 
 from d9d.core.context import DistributedContext
+from d9d.core.dist_ops import all_gather_object
 from d9d.core.domains import MeshDomain
 from d9d.core.host_copy import HostCopy
 from d9d.engine.errors import prefixed
@@ -167,8 +168,11 @@ class CausalLMProvider:
         routers = [
             (name, m) for module in modules for name, m in module.named_modules() if isinstance(m, TopKRouter)
         ]
-        if routers:
-            balancer = ExpertLoadBalancer(routers, ctx, metrics, MoEMetrics(modules))
+        # Under pipelining a rank may hold no MoE layer while others do: it balances nothing, but joins the
+        # gather of the logged metrics over the stages.
+        layers = model_moe_layers(routers, ctx)
+        if layers:
+            balancer = ExpertLoadBalancer(routers, ctx, metrics, MoEMetrics(modules), layers)
             events.subscribe(OptimizerStepFinished, lambda event: balancer.after_optimizer_step(event.step))
             events.subscribe(StepSkipped, lambda event: balancer.drop_step())
             events.subscribe(StepRepeated, lambda event: balancer.drop_step())
@@ -256,6 +260,44 @@ def build_base_model(component: BuiltinModel | ModelPlugin, field: str) -> Model
             return provider
 
 
+def _layer_name(router_name: str) -> str:
+    """The MoE layer a router belongs to (`model.layers.3.mlp` for `model.layers.3.mlp.gate`)."""
+    return router_name.rpartition(".")[0] or router_name
+
+
+def _layer_order(name: str) -> tuple[str | int, ...]:
+    """Sort key: the numbers in a name compared as numbers (`layers.2` before `layers.10`)."""
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", name)))
+
+
+def _pipeline_group(ctx: DistributedContext) -> torch.distributed.ProcessGroup | None:
+    if not ctx.is_distributed or ctx.params.pipeline_parallel == 1:
+        return None
+    return ctx.mesh_for(MeshDomain.REGULAR).get_group("pp")
+
+
+def model_moe_layers(
+    routers: Sequence[tuple[str, TopKRouter]], ctx: DistributedContext
+) -> list[tuple[str, int]]:
+    """(name, experts) of every MoE layer of the whole model, in layer order: the local stages' routers, and
+    under pipelining every pipeline rank's (one gather over pp, at setup; every rank calls it). Names must
+    be unique over the stages (the decoders name layers by their global index): the logged per-layer metrics
+    are keyed by them."""
+    local = [(_layer_name(name), router.num_experts) for name, router in routers]
+    group = _pipeline_group(ctx)
+    if group is None:
+        return local
+    layers = [layer for part in all_gather_object(local, group=group) for layer in part]
+    names = [name for name, _ in layers]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(
+            f"MoE layers {repeated} are named alike on several pipeline stages; their logged metrics would "
+            "mix: name a stage's layers by their global index (as `DecoderBackbone` does)"
+        )
+    return sorted(layers, key=lambda layer: _layer_order(layer[0]))
+
+
 class ExpertLoadBalancer:
     """After each optimizer step: sum every router's expert load over the ranks that saw different tokens,
     update the aux-loss-free expert bias from it (identically on every replica), and record balance metrics.
@@ -263,6 +305,11 @@ class ExpertLoadBalancer:
     Ranks that route different tokens: data-parallel and context-parallel ranks, and tensor-parallel ranks,
     since the plan runs MoE layers token-parallel over tp (each tp rank routes its share of the sequence,
     `parallelize_moe_tp`); summing over tp keeps the bias identical on the tp ranks and equal to tp 1's.
+
+    Under pipelining each rank holds some of the layers (`layers`: the whole model's, `model_moe_layers`):
+    their reduced loads and balancing-loss statistics are summed over pp into one `[layers, experts + 2]`
+    table (each layer's row filled by the rank that holds it, zeros elsewhere) so the logging rank records
+    every stage's layers — the values one process running the whole model logs.
     """
 
     def __init__(
@@ -271,11 +318,25 @@ class ExpertLoadBalancer:
         ctx: DistributedContext,
         metrics: StepMetrics,
         moe_metrics: MoEMetrics,
+        layers: Sequence[tuple[str, int]] | None = None,
     ) -> None:
         self.routers = routers
         self.ctx = ctx
         self.metrics = metrics
         self.moe_metrics = moe_metrics
+        self.names = [_layer_name(name) for name, _ in routers]
+        self.pp_group = _pipeline_group(ctx)
+        self.layers = (
+            list(layers) if layers is not None else [(_layer_name(n), r.num_experts) for n, r in routers]
+        )
+        if self.pp_group is not None:
+            unknown = sorted({name for name, _ in moe_metrics.layers} - set(self.names))
+            if unknown:
+                raise ValueError(f"MoE layers {unknown} have no router named `<layer>.<router>`")
+            row = {name: i for i, (name, _) in enumerate(self.layers)}
+            # where this rank's layers go in the table (a device index, made once)
+            self._rows = torch.tensor([row[n] for n in self.names], dtype=torch.int64, device=ctx.device)
+            self._width = max(experts for _, experts in self.layers)
 
     @torch.no_grad()
     def drop_step(self) -> None:
@@ -303,26 +364,58 @@ class ExpertLoadBalancer:
             if sizes[dim] > 1:
                 torch.distributed.all_reduce(tensor, group=batch.get_group(dim))
 
+    def _over_stages(self, loads: torch.Tensor | None, aux_stats: AuxLossStats) -> torch.Tensor:
+        """The whole model's `[layers, width + 2]` table (float64: the counts stay exact): each layer's
+        expert loads, then its balancing-loss [sum, forwards]; one all-reduce over pp."""
+        assert self.pp_group is not None
+        device = self.ctx.device
+        block = torch.zeros(len(self.names), self._width + 2, dtype=torch.float64, device=device)
+        if loads is not None:
+            block[:, : loads.shape[1]] = loads
+            present = dict(aux_stats)
+            if present:
+                none = torch.zeros(2, dtype=torch.float32, device=device)
+                block[:, self._width :] = torch.stack([present.get(n, none) for n in self.names])
+        table = torch.zeros(len(self.layers), self._width + 2, dtype=torch.float64, device=device)
+        table.index_copy_(0, self._rows, block)
+        torch.distributed.all_reduce(table, group=self.pp_group)
+        return table
+
     @torch.no_grad()
     def after_optimizer_step(self, step: int) -> None:
-        loads = torch.stack([r.expert_load for _, r in self.routers])
-        if self.ctx.is_distributed:
-            self._sum_over_batch(loads, "dp", "cp")
-            if self.ctx.params.tensor_parallel > 1:
-                tp_group = self.ctx.mesh_for(MeshDomain.REGULAR).get_group("tp")
-                torch.distributed.all_reduce(loads, group=tp_group)
-        for (_, router), load in zip(self.routers, loads, strict=True):
-            router.expert_load.copy_(load)
-            router.update_expert_bias()
+        loads = None
+        if self.routers:  # under pipelining a rank may hold none
+            loads = torch.stack([r.expert_load for _, r in self.routers])
+            if self.ctx.is_distributed:
+                self._sum_over_batch(loads, "dp", "cp")
+                if self.ctx.params.tensor_parallel > 1:
+                    tp_group = self.ctx.mesh_for(MeshDomain.REGULAR).get_group("tp")
+                    torch.distributed.all_reduce(loads, group=tp_group)
+            for (_, router), load in zip(self.routers, loads, strict=True):
+                router.expert_load.copy_(load)
+                router.update_expert_bias()
+        aux_stats = self._global_aux_stats(take_aux_loss_stats(self.moe_metrics.layers))
         # The metrics are read only on the steps that log them: the loads are queued to the host here and
         # read then. Reading them every step (`.cpu()`) left the GPU idle ~2 ms per step on one H200
         # (the host waited for the optimizer, then had to start the next step from an empty queue).
-        on_host = HostCopy(loads)
-        aux_stats = self._global_aux_stats(take_aux_loss_stats(self.moe_metrics.layers))
-        names = [name.rpartition(".")[0] or name for name, _ in self.routers]
+        if self.pp_group is None:
+            assert loads is not None
+            on_host = HostCopy(loads)
+            names = self.names
 
-        def fill(metrics: StepMetrics) -> None:
-            layers = dict(zip(names, on_host.wait(), strict=True))
-            self.moe_metrics.record(metrics, layers, step, aux_stats)
+            def fill(metrics: StepMetrics) -> None:
+                layers = dict(zip(names, on_host.wait(), strict=True))
+                self.moe_metrics.record(metrics, layers, step, aux_stats)
+
+        else:
+            table = HostCopy(self._over_stages(loads, aux_stats))
+            width, layers_of_model = self._width, self.layers
+
+            def fill(metrics: StepMetrics) -> None:
+                rows = table.wait()
+                layers = {name: rows[i, :experts] for i, (name, experts) in enumerate(layers_of_model)}
+                stats = [(name, rows[i, width:]) for i, (name, _) in enumerate(layers_of_model)]
+                # a layer that ran no training forward has [0, 0]: left out, as `take_aux_loss_stats` does
+                self.moe_metrics.record(metrics, layers, step, [(n, s) for n, s in stats if s[1] > 0])
 
         self.metrics.defer("moe", fill)
