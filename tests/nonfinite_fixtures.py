@@ -113,5 +113,5 @@ class OverflowingOptimizer:
     def __init__(self, config: Config) -> None:
         self.config = config
 
-    def build(self, parameters: Any, *, seed: int) -> torch.optim.Optimizer:
-        return _OverflowingSGD(list(parameters), self.config.lr, self.config.overflow_at)
+    def build(self, named_parameters: Any, *, seed: int) -> torch.optim.Optimizer:
+        return _OverflowingSGD([p for _, p in named_parameters], self.config.lr, self.config.overflow_at)

@@ -249,6 +249,7 @@ def test_tensor_parallelism_of_adapted_layers_is_refused(source: Path) -> None:
     full = {"kind": "full_tune", "target_modules": ".*norm"}
     job = {**_config(Path("unused"), source, full), "mesh": {"tensor_parallel": 2}}
     job["model"]["provider"] = "peft"
+    job["model"]["options"]["export_adapters"] = False  # a peft adapter needs LoRA (refused otherwise)
     parse_config(job)
 
 

@@ -151,8 +151,25 @@ class InferenceTask(Protocol):
 
 @runtime_checkable
 class OptimizerProvider(Protocol):
-    def build(self, parameters: Iterable[nn.Parameter], *, seed: int) -> torch.optim.Optimizer:
-        """`seed`: this stage's parameter seed (shared by replicas), for optimizers with randomness."""
+    def build(
+        self, named_parameters: Iterable[tuple[str, nn.Parameter]], *, seed: int
+    ) -> torch.optim.Optimizer:
+        """One stage's optimizer. `named_parameters`: every parameter of the stage (optimize those with
+        `requires_grad`) in `named_parameters()` order, named as the model's state dict and checkpoints name
+        them (module wrappers' `_checkpoint_wrapped_module` / `_orig_mod` segments removed; a pipeline
+        stage's names are the whole model's, `model.layers.5...` on the stage holding layer 5).
+        `seed`: this stage's parameter seed (shared by replicas), for optimizers with randomness."""
+        ...
+
+
+@runtime_checkable
+class OptimizerModelCheck(Protocol):
+    """Optional for an optimizer provider: options that must fit the model (parameter name patterns)."""
+
+    def check_model(self, model: ModelProvider, num_stages: int) -> None:
+        """Raise a `ValueError` when the options do not fit `model` split into `num_stages` pipeline stages
+        (a pattern matching no parameter of any stage). Called on every rank before the stages are built,
+        so it must be deterministic (the same on every rank) and use no collective."""
         ...
 
 

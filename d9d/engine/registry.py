@@ -23,12 +23,13 @@ from d9d.engine.components import (
     PiecewiseLR,
     build_base_model,
     build_lr_scheduler,
+    build_optimizer,
     provider_tag,
     tag,
 )
 from d9d.engine.errors import ConfigError
 from d9d.engine.plugins import PluginSpec
-from d9d.engine.providers import ModelArchitecture, ModelProvider
+from d9d.engine.providers import ModelArchitecture, ModelProvider, OptimizerModelCheck, OptimizerProvider
 from d9d.models.family import check_checkpointing_family
 from d9d.models.hf.config import hf_export_gap
 
@@ -86,6 +87,18 @@ def plugins(config: TrainConfig) -> list[tuple[str, PluginSpec]]:
     return [(field, c) for field, c in sections if isinstance(c, PluginSpec)]
 
 
+def check_optimizer_fits(config: TrainConfig, optimizer: OptimizerProvider, model: ModelProvider) -> None:
+    """Optimizer options that must fit the whole model (a `no_weight_decay` pattern that matches no
+    parameter of any pipeline stage): at config validation, and again on every rank before its stages are
+    built (a rank may be started from a config that skipped validation); deterministic, no collective."""
+    if isinstance(optimizer, OptimizerModelCheck):
+        pp = config.mesh.pipeline_parallel
+        try:
+            optimizer.check_model(model, pp * config.schedule.stages_per_rank if pp > 1 else 1)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def validate_components(config: TrainConfig) -> None:
     """Import and check every plug-in; ask the LR scheduler whether it fits the run's length."""
     for field, plugin in plugins(config):
@@ -108,6 +121,7 @@ def validate_components(config: TrainConfig) -> None:
                 )
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+    check_optimizer_fits(config, build_optimizer(config.optimizer), build_model(config.model))
     checkpointing = config.checkpointing
     if checkpointing.export_hf_dir is not None and not checkpointing.export_inexact:
         gap = export_gap(build_model(config.model))

@@ -26,8 +26,14 @@ from d9d.engine.evaluation import Evaluator
 from d9d.engine.events import EventBus
 from d9d.engine.exchange import ExchangeCapacityGuard
 from d9d.engine.identity import run_identity
-from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, OptimizerProvider, TrainTask
-from d9d.engine.registry import build_model
+from d9d.engine.providers import (
+    DataProvider,
+    DataSetup,
+    ModelProvider,
+    OptimizerProvider,
+    TrainTask,
+)
+from d9d.engine.registry import build_model, check_optimizer_fits
 from d9d.engine.reporting import StepReporter, build_flops_budget
 from d9d.engine.runtime import RunReporter
 from d9d.engine.stages import Stages, build_stages
@@ -44,6 +50,7 @@ from d9d.engine.step import (
 )
 from d9d.engine.step_metrics import StepMetrics
 from d9d.metrics import AsyncMetricCollector, ComposeMetric
+from d9d.optim.param_groups import parameter_name
 from d9d.parallel.context import ContextParallelGroup
 from d9d.parallel.expert import exchange_capacities
 from d9d.pipeline.api import PipelineStageInfo
@@ -95,6 +102,8 @@ def build_train_parts(
     )
     data = PrefetchingLoader(provider, c.data_loading.prefetch_depth)
     model = build_model(c.model)
+    optimizer_provider = build_optimizer(c.optimizer)
+    check_optimizer_fits(c, optimizer_provider, model)
     pipeline: PipelineSetup | None = None
     infos = [PipelineStageInfo()]
     if ctx.params.pipeline_parallel > 1:
@@ -113,7 +122,6 @@ def build_train_parts(
     seed_everything(seeds.activations)
     step_metrics = StepMetrics()
     model.subscribe(events, stages.modules, ctx, step_metrics)
-    optimizer_provider = build_optimizer(c.optimizer)
     optimizer = PipelinedOptimizer(
         {
             s: _stage_optimizer(optimizer_provider, m, stage_seed(seeds.parameters, position, s), ctx.device)
@@ -201,16 +209,18 @@ def build_train_parts(
 def _stage_optimizer(
     provider: OptimizerProvider, module: nn.Module, seed: int, device: torch.device
 ) -> torch.optim.Optimizer:
-    """The stage's optimizer over its trainable parameters. A pipeline stage may have none (PEFT: the
+    """The stage's optimizer over its trainable parameters, handed to the provider with their state-dict
+    names (`parameter_name`: wrapper segments removed). A pipeline stage may have none (PEFT: the
     targeted modules are all on other stages, e.g. `model\\.norm` on the last): it still gets the
     provider's optimizer, with empty parameter groups, so that every stage has the same optimizer type,
     hyperparameters and LR schedule (it adds no optimizer state to checkpoints, `d9d.engine.checkpoint`).
     torch refuses an empty parameter list, so that one is built over a zero-size placeholder (on the
     stage's device: it picks fused kernels there), then removed."""
-    if any(p.requires_grad for p in module.parameters()):
-        return provider.build(module.parameters(), seed=seed)
+    named = [(parameter_name(name), p) for name, p in module.named_parameters()]
+    if any(p.requires_grad for _, p in named):
+        return provider.build(named, seed=seed)
     placeholder = nn.Parameter(torch.empty(0, device=device))
-    optimizer = provider.build([placeholder], seed=seed)
+    optimizer = provider.build([("<placeholder>", placeholder)], seed=seed)
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if p is not placeholder]
     optimizer.state.pop(placeholder, None)

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, ModelWrapValidatorHandler, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from torch import nn
 
 from d9d.core.context import DistributedContext
@@ -27,7 +35,9 @@ from d9d.engine.providers import ModelProvider
 from d9d.engine.step_metrics import StepMetrics
 from d9d.models.hf import d9d_to_hf_mapper, side_files
 from d9d.peft import (
+    LoRAConfig,
     PeftConfig,
+    StackConfig,
     adapted_modules,
     base_view,
     build_peft_method,
@@ -43,6 +53,18 @@ from d9d.pipeline.api import PipelineStageInfo
 
 ADAPTER_DIR = "adapter"
 METHOD_KEY = "model.options.method"  # where the method's config is, for messages
+
+
+def _has_lora(method: PeftConfig) -> bool:
+    if isinstance(method, StackConfig):
+        return any(_has_lora(m) for m in method.methods)
+    return isinstance(method, LoRAConfig)
+
+
+def _kinds(method: PeftConfig) -> str:
+    if isinstance(method, StackConfig):
+        return "stack of " + ", ".join(_kinds(m) for m in method.methods)
+    return method.kind
 
 
 class PeftModelProvider:
@@ -87,6 +109,21 @@ class PeftModelProvider:
                     "base.provider: a peft provider cannot wrap another; stack the methods instead"
                 )
             return self
+
+        @field_validator("export_adapters")
+        @classmethod
+        def _check_export_adapters(cls, export_adapters: bool, info: ValidationInfo) -> bool:
+            # The peft layout is a LoRA adapter (full-tuned parameters only ride along as
+            # modules_to_save): without a lora method there is nothing to write, which the export would
+            # otherwise find only at the end of training.
+            method = info.data.get("method")  # absent when invalid: that error is reported instead
+            if export_adapters and method is not None and not _has_lora(method):
+                raise ValueError(
+                    "the Hugging Face peft adapter layout needs LoRA adapters, and method "
+                    f"({_kinds(method)}) has no lora method; full-tuned weights are in the merged export "
+                    "(checkpointing.export_hf_dir): remove export_adapters, or add a lora method"
+                )
+            return export_adapters
 
     def __init__(self, config: Config) -> None:
         self.config = config
