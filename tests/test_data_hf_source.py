@@ -328,3 +328,48 @@ def test_hf_tokenizer_reads_the_dataset(corpus: Path, tmp_path: Path) -> None:
     config = TextDataProvider.Config.model_validate({"dataset": _source(corpus, "disk", tokenizer=no_pad)})
     with pytest.raises(ValueError, match="tokenizer has no padding token"):
         TextDataProvider(config).validate()
+
+
+def _swapped_rows() -> list[dict[str, Any]]:
+    """Other rows of the same count and text lengths: saved, their Arrow files have the same sizes."""
+    return [{**row, "text": str(row["text"]).replace("a", "z")} for row in ROWS]
+
+
+@pytest.mark.parametrize(("name", "split"), [("disk", None), ("dict", "train")])
+def test_resume_refuses_another_saved_dataset_of_the_same_size(
+    corpus: Path, tmp_path: Path, name: str, split: str | None
+) -> None:
+    other = datasets.Dataset.from_list(_swapped_rows())
+    if split is None:
+        other.save_to_disk(str(tmp_path / name))
+    else:
+        datasets.DatasetDict({"train": other, "validation": other.select(range(5))}).save_to_disk(
+            str(tmp_path / name)
+        )
+    ours, theirs = corpus / name, tmp_path / name
+    ours_sizes, theirs_sizes = (
+        {p.relative_to(root): p.stat().st_size for p in root.rglob("*.arrow")} for root in (ours, theirs)
+    )
+    assert ours_sizes == theirs_sizes  # same file names and sizes: only the content differs
+    provider = _provider(_source(corpus, name, split=split))
+    provider.next_step()
+    state = provider.state_dict()
+    swapped = _provider({**_source(corpus, name, split=split), "paths": [str(theirs)]})
+    with pytest.raises(ValueError, match=f"hf documents of dataset {theirs}.*saved"):
+        swapped.load_state_dict(state)
+    # The same directory resumes, and continues where the first provider is.
+    again = _provider(_source(corpus, name, split=split))
+    again.load_state_dict(state)
+    assert _same(again.next_step(), provider.next_step())
+
+
+def test_state_from_before_saved_directories_were_fingerprinted_still_resumes(corpus: Path) -> None:
+    provider = _provider(_source(corpus, "disk"))
+    provider.next_step()
+    state = provider.state_dict()
+    documents = state["dataset"]["documents"]
+    assert documents["saved"]["fingerprint"]  # what datasets recorded in state.json
+    del documents["saved"]
+    again = _provider(_source(corpus, "disk"))
+    again.load_state_dict(state)
+    assert _same(again.next_step(), provider.next_step())

@@ -259,3 +259,203 @@ def _new_job(env: RankEnv, n_items: int, ckpt: str) -> None:
 def test_elastic_shrink_on_gloo_ranks(tmp_path: Path) -> None:
     run_distributed(_old_job, 4, 50, 6, tmp_dir=tmp_path, timeout=120)
     run_distributed(_new_job, 3, 50, str(tmp_path / "ck.pt"), timeout=120)
+
+
+# -- `drop` over several passes: the samples that sit out move each pass ----------------------------------
+
+
+def _pass_order(n_items: int, n: int, epoch: int) -> list[int]:
+    """Reference: pass `epoch` of a fixed-order dataset at n shards leaves out n_items mod n samples, a
+    window that starts at the tail in pass 0 and moves on by its width each pass (wrapping)."""
+    width = n_items % n
+    start = (n_items - width + epoch * width) % n_items
+    left_out = {(start + j) % n_items for j in range(width)}
+    return [i for i in range(n_items) if i not in left_out]
+
+
+def _deal(order: list[int], n: int) -> list[list[int]]:
+    """Reference: sequential dealing, dropping the tail that does not fill a round."""
+    usable = order[: len(order) - len(order) % n]
+    return [usable[r::n] for r in range(n)]
+
+
+@pytest.mark.parametrize(("n_items", "n"), [(23, 2), (23, 3), (10, 3), (5, 3), (16, 5)])
+def test_drop_moves_the_left_out_samples_so_every_sample_is_dealt(n_items: int, n: int) -> None:
+    passes = 4
+    got = [list(s) for s in _shards(n_items, n, "sequential", "drop", epochs=passes)]
+    per_pass = n_items // n
+    want = [[] for _ in range(n)]  # type: list[list[int]]
+    for epoch in range(passes):
+        for r, part in enumerate(_deal(_pass_order(n_items, n, epoch), n)):
+            want[r] += part
+    assert got == want
+    for epoch in range(passes):
+        dealt = [x for g in got for x in g[epoch * per_pass : (epoch + 1) * per_pass]]
+        assert len(set(dealt)) == len(dealt) == n * per_pass  # no repeats inside a pass
+    # Any two consecutive passes together deal every sample (a fixed tail would never be dealt).
+    for epoch in range(passes - 1):
+        two = {x for g in got for x in g[epoch * per_pass : (epoch + 2) * per_pass]}
+        assert two == set(range(n_items))
+
+
+def _lockstep_read(shards: list[ShardedDataset[int]], rounds: int | None) -> list[list[int]]:
+    """Each shard's next `rounds` samples (None: to the end), read one round at a time."""
+    its = [iter(s) for s in shards]
+    out: list[list[int]] = [[] for _ in shards]
+    for _ in itertools.count() if rounds is None else range(rounds):
+        step = [list(itertools.islice(it, 1)) for it in its]
+        if not any(step):
+            break
+        for mine, got in zip(out, step, strict=True):
+            mine += got
+    return out
+
+
+@pytest.mark.parametrize(("old_n", "new_n"), [(2, 3), (3, 2), (3, 3)])
+@pytest.mark.parametrize("rounds", [4, 7, 11, 14, 15, 20])  # passes of 11 (2 shards), 7 (3)
+def test_drop_resume_at_another_dp_mid_pass_and_across_a_pass_boundary(
+    old_n: int, new_n: int, rounds: int
+) -> None:
+    n_items, passes = 23, 3
+    old = _shards(n_items, old_n, "sequential", "drop", epochs=passes)
+    before = _lockstep_read(old, rounds)
+    state = _roundtrip(old[0].state_dict())
+    new = _shards(n_items, new_n, "sequential", "drop", epochs=passes, on_reshard="keep_position")
+    for s in new:
+        s.load_state_dict(state)
+    after = _lockstep_read(new, None)
+    # Reference: the old job's global stream up to the switch, the rest of that pass dealt to the new
+    # shards (its last len mod new_n samples sit out), then whole passes at the new shard count.
+    # A pass the old job had not started is laid out for the new shard count.
+    epoch, done = divmod(rounds, n_items // old_n)
+    stream = _pass_order(n_items, old_n if done else new_n, epoch)
+    assert sorted(x for g in before for x in g) == sorted(
+        [x for e in range(epoch) for x in _pass_order(n_items, old_n, e)] + stream[: done * old_n]
+    )
+    want = _deal(stream[done * old_n :], new_n)
+    for e in range(epoch + 1, passes):
+        want = [w + part for w, part in zip(want, _deal(_pass_order(n_items, new_n, e), new_n), strict=True)]
+    assert after == want
+    uninterrupted = _lockstep_read(_shards(n_items, new_n, "sequential", "drop", epochs=passes), None)
+    if old_n == new_n:
+        assert after == [u[rounds:] for u in uninterrupted]
+    elif done == 0:
+        # At a pass boundary the new job continues exactly as a job that ran at new_n all along.
+        skip = epoch * (n_items // new_n)
+        assert after == [u[skip:] for u in uninterrupted]
+
+
+def test_drop_state_from_before_the_moving_window_finishes_its_pass_as_saved() -> None:
+    # What a state of the previous version looked like mid-pass 1: the full pool (the tail left out by the
+    # layout) and no `block` key. It finishes that pass as it would have, then passes move the window.
+    n_items, n = 23, 3
+    old_state = {
+        "length": n_items,
+        "epoch": 1,
+        "position": 2,
+        "pool": [[0, n_items]],
+        "num_shards": n,
+        "mode": "sequential",
+        "uneven": "drop",
+    }
+    shards = _shards(n_items, n, "sequential", "drop", epochs=3)
+    for s in shards:
+        s.load_state_dict(old_state)
+    got = _lockstep_read(shards, None)
+    rest_of_pass = [list(range(n_items - n_items % n))[r::n][2:] for r in range(n)]
+    last_pass = _deal(_pass_order(n_items, n, 2), n)
+    assert got == [a + b for a, b in zip(rest_of_pass, last_pass, strict=True)]
+
+
+def test_drop_keeps_the_tail_of_an_epoch_aware_dataset() -> None:
+    """A dataset that reorders itself each pass leaves out its own tail (so its neighbourhoods stay)."""
+
+    class Reversing:
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def __len__(self) -> int:
+            return 11
+
+        def __getitem__(self, index: int) -> int:
+            return 10 - index if self.epoch % 2 else index
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+    shards = [
+        ShardedDataset(Reversing(), num_shards=2, shard_index=r, uneven="drop", epochs=2) for r in range(2)
+    ]
+    got = _lockstep_read(shards, None)
+    assert got == [
+        list(range(0, 10, 2)) + list(range(10, 0, -2)),
+        list(range(1, 10, 2)) + list(range(9, 0, -2)),
+    ]
+
+
+# -- `block`: runs of consecutive samples stay on one shard ----------------------------------------------
+
+
+def _reference_blocks(n_items: int, n: int, block: int, uneven: str) -> list[list[int]]:
+    """Runs of `block` dealt round-robin; the last, partial round split evenly (`pad`: a short shard repeats
+    pool position shard - (n_items mod n)), or left out (`drop`)."""
+    full = n_items // (n * block)
+    shards = [[(k * n + r) * block + j for k in range(full) for j in range(block)] for r in range(n)]
+    tail = [] if uneven == "drop" else list(range(full * n * block, n_items))
+    for r, part in enumerate(np.array_split(np.asarray(tail, dtype=int), n)):
+        shards[r] += part.tolist()
+    if uneven == "pad":
+        longest = max(map(len, shards))
+        for r, s in enumerate(shards):
+            if len(s) < longest:
+                s.append((r - n_items % n) % n_items)
+    return shards
+
+
+@pytest.mark.parametrize("uneven", ["keep", "pad", "drop"])
+@pytest.mark.parametrize(
+    ("n_items", "n", "block"), [(29, 2, 4), (29, 3, 4), (40, 4, 5), (7, 3, 2), (13, 1, 4)]
+)
+def test_blocks_deal_runs_of_consecutive_samples(n_items: int, n: int, block: int, uneven: str) -> None:
+    got = [list(s) for s in _shards(n_items, n, "sequential", uneven, block=block)]
+    assert got == _reference_blocks(n_items, n, block, uneven)
+    if uneven == "keep":
+        assert sorted(itertools.chain(*got)) == list(range(n_items))
+
+
+@pytest.mark.parametrize(("old_n", "new_n"), [(4, 2), (2, 3), (3, 1), (1, 4)])
+@pytest.mark.parametrize("rounds", [0, 3, 4, 7, 8])
+def test_blocks_reshard_keeps_position(old_n: int, new_n: int, rounds: int) -> None:
+    n_items, block = 61, 4
+    old = _shards(n_items, old_n, "sequential", "keep", block=block)
+    before = _lockstep_consume(old, rounds)
+    new = _shards(n_items, new_n, "sequential", "keep", block=block, on_reshard="keep_position")
+    for s in new:
+        s.load_state_dict(_roundtrip(old[0].state_dict()))
+    after = [list(s) for s in new]
+    assert sorted(before + list(itertools.chain(*after))) == list(range(n_items))
+    if rounds % block == 0:
+        # Whole runs read: the stream continues after a prefix, dealt in runs to the new shards.
+        consumed = min(rounds * old_n, n_items)
+        assert sorted(before) == list(range(consumed))
+        tail = _reference_blocks(n_items - consumed, new_n, block, "keep")
+        assert after == [[consumed + x for x in t] for t in tail]
+
+
+def test_block_needs_sequential_mode() -> None:
+    with pytest.raises(ValueError, match="block=2 needs mode='sequential'"):
+        ShardedDataset(list(range(8)), num_shards=2, shard_index=0, mode="chunked", block=2)
+    with pytest.raises(ValueError, match="block=0"):
+        ShardedDataset(list(range(8)), num_shards=2, shard_index=0, block=0)
+
+
+def test_a_state_from_before_block_is_one_sample_runs() -> None:
+    old = _shards(20, 2, "sequential", "keep")[0]
+    _consume(old, 3)
+    state = old.state_dict()
+    del state["block"]  # what the previous version saved
+    same = ShardedDataset(list(range(20)), num_shards=2, shard_index=0)
+    same.load_state_dict(state)
+    assert list(same) == list(old)
+    with pytest.raises(ValueError, match=r"block=1→4.*keep_position"):
+        ShardedDataset(list(range(20)), num_shards=2, shard_index=0, block=4).load_state_dict(state)

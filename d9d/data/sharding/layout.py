@@ -2,6 +2,10 @@
 
 - `sequential`: shard r takes pool positions r, r+n, r+2n, ... — consecutive samples go to different
   ranks, so the global stream advances as a prefix (this is what keeps "the global position" meaningful).
+  With `block` b > 1 the pool is dealt in runs of b: shard r takes positions [(r + kn)·b, (r + kn + 1)·b)
+  in round k, so b neighbours (a length-bucketed pack) stay together on one rank while the stream still
+  advances as a prefix of n·b per round. A last, partial round is split evenly (`chunked`-style), or sits
+  out with `drop`.
 - `chunked`: shard r takes a contiguous block — neighbours stay on one rank (useful when neighbours were
   bucketed together), and the global position is one run per shard.
 
@@ -9,7 +13,9 @@ Uneven pools (P not a multiple of n):
 - `keep`: shards differ in length by at most one; every sample is dealt exactly once.
 - `pad`: short shards repeat a sample from the start of the pool so all have the same length
   (the repeats are the only duplicates).
-- `drop`: the last P mod n samples are left out of this pass so all have the same length.
+- `drop`: the last P mod n samples are left out of this pass so all have the same length; with `block` b,
+  the last P mod n·b (the partial round), so every shard's pass is whole runs: a shard reading several
+  passes back to back then starts each pass on a run boundary, and its runs stay aligned.
 
 All ranks of a data-parallel job consume in lockstep (one step = the same number of samples on every
 rank), so "k rounds consumed" describes the whole job's progress; that is what a re-shard needs.
@@ -32,6 +38,7 @@ class ShardLayout:
     num_shards: int
     mode: ShardingMode
     uneven: UnevenPolicy
+    block: int = 1
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -40,6 +47,12 @@ class ShardLayout:
             raise ValueError(f"mode={self.mode!r} must be 'sequential' or 'chunked'")
         if self.uneven not in ("keep", "pad", "drop"):
             raise ValueError(f"uneven={self.uneven!r} must be 'keep', 'pad' or 'drop'")
+        if self.block < 1:
+            raise ValueError(f"block={self.block} must be >= 1")
+        if self.block != 1 and self.mode != "sequential":
+            raise ValueError(
+                f"block={self.block} needs mode='sequential' (chunked shards are one block each)"
+            )
 
     @property
     def _base(self) -> int:
@@ -49,15 +62,28 @@ class ShardLayout:
     def _extra(self) -> int:
         return self.pool_size % self.num_shards
 
-    def _chunk(self, shard: int) -> Span:
+    @property
+    def _full(self) -> int:
+        """Sequential mode: samples each shard takes in the complete rounds of `block`-sized runs."""
+        return self.pool_size // (self.num_shards * self.block) * self.block
+
+    def _split(self, offset: int, size: int, shard: int) -> Span:
+        """The shard's even, contiguous share of `size` pool positions from `offset`."""
+        base, extra = divmod(size, self.num_shards)
         if self.uneven == "drop":
-            return shard * self._base, (shard + 1) * self._base
-        start = shard * self._base + min(shard, self._extra)
-        return start, start + self._base + int(shard < self._extra)
+            return offset + shard * base, offset + (shard + 1) * base
+        start = offset + shard * base + min(shard, extra)
+        return start, start + base + int(shard < extra)
+
+    def _chunk(self, shard: int) -> Span:
+        if self.mode == "sequential":  # the last, partial round
+            dealt = self.num_shards * self._full
+            return self._split(dealt, 0 if self.uneven == "drop" else self.pool_size - dealt, shard)
+        return self._split(0, self.pool_size, shard)
 
     def length(self, shard: int) -> int:
         if self.uneven == "drop":
-            return self._base
+            return self._full if self.mode == "sequential" else self._base
         if self.uneven == "pad":
             return self._base + int(self._extra > 0)
         return self._base + int(shard < self._extra)
@@ -66,12 +92,16 @@ class ShardLayout:
         """Pool position of the shard's `i`-th sample."""
         if not 0 <= i < self.length(shard):
             raise IndexError(f"index {i} out of range for shard {shard} of length {self.length(shard)}")
+        offset = 0
         if self.mode == "sequential":
-            return (shard + self.num_shards * i) % self.pool_size
+            if i < self._full:
+                run, within = divmod(i, self.block)
+                return (run * self.num_shards + shard) * self.block + within
+            offset = self._full
         start, stop = self._chunk(shard)
-        if start + i < stop:
-            return start + i
-        # The single padding slot of a short chunk: spread over the pool's first samples.
+        if start + i - offset < stop:
+            return start + i - offset
+        # The single padding slot of a short shard: spread over the pool's first samples.
         return (shard - self._extra) % self.pool_size
 
     def consumed(self, rounds: int) -> list[Span]:
@@ -80,11 +110,16 @@ class ShardLayout:
             return []
         if self.uneven == "pad" and rounds >= self.length(0):
             return [(0, self.pool_size)] if self.pool_size else []
-        if self.mode == "sequential":
-            dealt = self.num_shards * self._base if self.uneven == "drop" else self.pool_size
-            return merge_spans([(0, min(self.num_shards * rounds, dealt))])
         spans = []
+        offset = 0
+        if self.mode == "sequential":
+            runs, within = divmod(min(rounds, self._full), self.block)
+            spans.append((0, runs * self.num_shards * self.block))
+            for shard in range(self.num_shards):  # a run every shard has only started (block > 1)
+                start = (runs * self.num_shards + shard) * self.block
+                spans.append((start, start + within))
+            offset = self._full
         for shard in range(self.num_shards):
             start, stop = self._chunk(shard)
-            spans.append((start, min(stop, start + rounds)))
+            spans.append((start, min(stop, start + max(rounds - offset, 0))))
         return merge_spans(spans)

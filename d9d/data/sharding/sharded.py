@@ -14,6 +14,14 @@ Re-sharding (`on_reshard="keep_position"`): when an elastic restart changes the 
 old shards had consumed are removed from the pass's pool and the rest is dealt to the new shards —
 nothing is skipped or repeated. In `sequential` mode the remainder is exactly the tail of the global
 stream after its saved position.
+
+Uneven passes with `uneven="drop"`: `r = N mod (n·block)` samples sit out each pass so that all shards
+have the same length (whole runs of `block`). Over a dataset in a fixed order they are a window that moves
+on by its width every pass (pass e leaves out positions [(e-1)·r, e·r) mod N: the tail in pass 0, then the
+head, ...), so consecutive passes leave out different samples and every sample is dealt over any two
+passes. An `EpochAware` dataset reorders itself each pass, so its own tail sits out: moving the window
+inside its order would split the neighbourhoods it builds (length-bucketed packs) for the rest of the
+pass. The window is taken out of the pass's pool, so the saved pool already holds it.
 """
 
 from __future__ import annotations
@@ -56,6 +64,10 @@ class _Snapshot(Generic[T]):
 class ShardedDataset(Generic[T]):
     """Shard `shard_index` of `num_shards` over `dataset`, for `epochs` passes (None: forever).
 
+    `block` (sequential mode) deals runs of that many consecutive samples to one shard: set it to the
+    microbatch size when `dataset` puts samples of similar length side by side (`BufferSortedDataset`
+    with `pack_size` = microbatch size), so each shard's microbatch is one pack.
+
     Read it by iterating (the cursor advances as samples are handed out), or — with DataLoader workers —
     wrap `remaining()` in the DataLoader and call `advance(n)` for the samples actually consumed.
     """
@@ -70,11 +82,14 @@ class ShardedDataset(Generic[T]):
         uneven: UnevenPolicy = "keep",
         epochs: int | None = 1,
         on_reshard: ReshardPolicy = "error",
+        block: int = 1,
     ) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index={shard_index} must be in [0, num_shards={num_shards})")
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs={epochs} must be >= 1 or None (repeat forever)")
+        if block < 1:
+            raise ValueError(f"block={block} must be >= 1")
         if on_reshard not in ("error", "keep_position"):
             raise ValueError(f"on_reshard={on_reshard!r} must be 'error' or 'keep_position'")
         size = len(dataset)
@@ -85,8 +100,11 @@ class ShardedDataset(Generic[T]):
                 "uneven='keep' gives shards of different lengths, so with several epochs the ranks would "
                 "start the next epoch at different steps; use uneven='pad' or 'drop'"
             )
-        if epochs != 1 and uneven == "drop" and size < num_shards:
-            raise ValueError(f"uneven='drop' leaves nothing of {size} samples for {num_shards} shards")
+        if epochs != 1 and uneven == "drop" and size < num_shards * block:
+            raise ValueError(
+                f"uneven='drop' leaves nothing of {size} samples for {num_shards} shards"
+                + (f" taking runs of block={block}" if block > 1 else "")
+            )
         self.dataset = dataset
         self.num_shards = num_shards
         self.shard_index = shard_index
@@ -94,17 +112,30 @@ class ShardedDataset(Generic[T]):
         self.uneven: UnevenPolicy = uneven
         self.epochs = epochs
         self.on_reshard: ReshardPolicy = on_reshard
+        self.block = block
         self._start_epoch(0)
 
     # -- the pass ------------------------------------------------------------------------------------
 
     def _layout_for(self, pool: IndexRanges) -> ShardLayout:
-        return ShardLayout(len(pool), self.num_shards, self.mode, self.uneven)
+        return ShardLayout(len(pool), self.num_shards, self.mode, self.uneven, self.block)
+
+    def _pass_pool(self, epoch: int) -> IndexRanges:
+        """The samples dealt in pass `epoch`: all of them, less the moving window of `drop` (module doc)."""
+        size = len(self.dataset)
+        full = IndexRanges.full(size)
+        width = size % (self.num_shards * self.block)
+        if self.uneven != "drop" or width == 0:
+            return full
+        moves = 0 if isinstance(self.dataset, EpochAware) else epoch
+        start = (size - width + moves * width) % size
+        window = [(start, min(start + width, size)), (0, start + width - size)]  # may wrap around
+        return full.select(complement(window, size))
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.position = 0
-        self._pool = IndexRanges.full(len(self.dataset))
+        self._pool = self._pass_pool(epoch)
         self._layout = self._layout_for(self._pool)
         if isinstance(self.dataset, EpochAware):
             self.dataset.set_epoch(epoch)
@@ -170,6 +201,7 @@ class ShardedDataset(Generic[T]):
             "num_shards": self.num_shards,
             "mode": self.mode,
             "uneven": self.uneven,
+            "block": self.block,
         }
         if isinstance(self.dataset, Stateful):
             state["dataset"] = self.dataset.state_dict()
@@ -184,7 +216,11 @@ class ShardedDataset(Generic[T]):
         if isinstance(self.dataset, Stateful):
             self.dataset.load_state_dict(state["dataset"])
         saved_pool = IndexRanges.from_list(state["pool"])
-        saved_layout = ShardLayout(len(saved_pool), int(state["num_shards"]), state["mode"], state["uneven"])
+        # States from before `block` existed were dealt one sample at a time.
+        saved = {**state, "block": int(state.get("block", 1))}
+        saved_layout = ShardLayout(
+            len(saved_pool), int(saved["num_shards"]), saved["mode"], saved["uneven"], saved["block"]
+        )
         self.epoch = int(state["epoch"])
         if isinstance(self.dataset, EpochAware):
             self.dataset.set_epoch(self.epoch)
@@ -193,9 +229,9 @@ class ShardedDataset(Generic[T]):
             self.position = min(int(state["position"]), len(self))  # a shorter shard may be read out already
             return
         changes = ", ".join(
-            f"{key}={state[key]!r}→{getattr(self, key)!r}"
-            for key in ("num_shards", "mode", "uneven")
-            if state[key] != getattr(self, key)
+            f"{key}={saved[key]!r}→{getattr(self, key)!r}"
+            for key in ("num_shards", "mode", "uneven", "block")
+            if saved[key] != getattr(self, key)
         )
         if self.on_reshard == "error":
             raise ValueError(

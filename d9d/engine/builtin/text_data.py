@@ -1,6 +1,7 @@
 """Built-in data provider: text or jsonl files or a Hugging Face dataset, tokenized (byte-level or HF
-tokenizer.json), optionally length-bucketed, dealt to data-parallel ranks from one global order, collated
-for causal LM — one document per row, or packed into rows of `pack_length` tokens.
+tokenizer.json), optionally length-bucketed, dealt to data-parallel ranks from one global order (with
+bucketing, whole packs of one microbatch per rank), collated for causal LM — one document per row, or packed
+into rows of `pack_length` tokens.
 
 The resumable state is the sharded dataset's position in that global order, so a restart with a different
 DP degree continues with the next unread sample (no sample skipped or repeated).
@@ -83,10 +84,14 @@ class TextDataProvider:
         pad_id = dataset.tokenizer.pad_id
         if pad_id is None:
             raise ValueError(_NO_PAD)
+        block = 1
         if c.bucketing_buffer is not None:
+            # Packs of one microbatch, dealt whole (`block`): each rank's microbatch is one pack of similar
+            # lengths, and the global order stays independent of the DP size, so a DP change resumes exactly.
             dataset = BufferSortedDataset(
                 dataset, buffer_size=c.bucketing_buffer, pack_size=setup.microbatch_size, seed=setup.seed
             )
+            block = setup.microbatch_size
         sharded = ShardedDataset(
             dataset,
             num_shards=setup.dp_size,
@@ -94,6 +99,7 @@ class TextDataProvider:
             uneven="keep" if c.epochs == 1 else "drop",
             epochs=c.epochs,
             on_reshard="keep_position",
+            block=block,
         )
         collate = CausalLMCollator(
             pad_id=pad_id,
