@@ -228,6 +228,23 @@ def test_submit_status_logs_stop(ray_head: Head, tmp_path: Path) -> None:
     assert "STOPPED" in final and "ALIVE" not in final
 
 
+def test_status_of_a_submitted_run_that_finished_shows_its_end(ray_head: Head, tmp_path: Path) -> None:
+    """The last progress line of a finished Ray job is the run's end, not the lines after it that say
+    where its files are (`last: [d9d]   rank logs: ...`)."""
+    address = ray_head.dashboard
+    work = tmp_path / "work"
+    work.mkdir()
+    _write(work / "job.yaml", toy_job("short", tmp_path / "run", steps=3))
+    out = _d9d("submit", "job.yaml", "--address", address, "--working-dir", str(work), cwd=work)
+    assert out.returncode == 0, out.stderr
+    status = _wait_for(
+        lambda: _d9d("status", "short", "--address", address, cwd=work).stdout,
+        " SUCCEEDED",
+        "the submitted run never finished",
+    )
+    assert "last: [d9d] run short finished: 3/3 steps" in status, status
+
+
 _ATTACH = """
 import sys
 from d9d.cluster import TrainingJob, connect

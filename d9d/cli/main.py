@@ -13,6 +13,7 @@ import pkgutil
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import d9d
 import d9d.cli.commands as commands
@@ -32,6 +33,43 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"{commands.__name__}.{info.name}")
         module.register(sub)
     return parser
+
+
+def ray_auth_from_token() -> bool:
+    """Ray (2.5x) starts a local instance with token authentication whenever RAY_AUTH_MODE is unset (what
+    `d9d train` without --address does, and `ray.init()`), but a client that joins a cluster by its address
+    sends no token unless told: `d9d status/stop/logs RUN` of that run would be refused ("Authentication
+    token is missing or incorrect"). So with RAY_AUTH_MODE unset and a token at hand where Ray looks for
+    one (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), d9d's commands use it; a cluster without
+    authentication accepts such a client as well. An explicit RAY_AUTH_MODE is left alone. Whether it set
+    the variable."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return False
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    token_file = Path(path).expanduser() if path else Path.home() / ".ray" / "auth_token"
+    if not (os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file()):
+        return False
+    os.environ["RAY_AUTH_MODE"] = "token"
+    return True
+
+
+def auth_refused(error: BaseException) -> bool:
+    """Whether Ray refused to let this process join a cluster for want of the right token (the reason is
+    in the chain of causes, in Ray's own words)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if type(current).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(current):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+AUTH_HINT = (
+    "the cluster requires token authentication and refused this client: put the cluster's token (`ray "
+    "get-auth-token` on the head prints it) in RAY_AUTH_TOKEN or ~/.ray/auth_token here"
+)
 
 
 def _closed_pipe() -> int:
@@ -54,10 +92,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 0
+    set_auth = ray_auth_from_token()
     try:
         return handler(args)
     except BrokenPipeError:
         return _closed_pipe()
+    except ConnectionError as e:
+        if not auth_refused(e):
+            raise
+        print(f"d9d {args.command}: {e}: {AUTH_HINT}", file=sys.stderr)
+        return 2
     except ValueError as e:
         from d9d.engine.errors import ConfigError
 
@@ -67,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # message names the field or file; a traceback would only bury it.
         print(f"d9d {args.command}: {e}", file=sys.stderr)
         return 2
+    finally:
+        if set_auth:  # a caller that runs `main` in its own process (a test, a script) gets its env back
+            os.environ.pop("RAY_AUTH_MODE", None)
 
 
 if __name__ == "__main__":

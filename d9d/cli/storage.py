@@ -8,6 +8,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from d9d.core.storage import Location, StorageError, is_uri, location
@@ -94,3 +95,12 @@ def lookup_run(args: argparse.Namespace, command: str) -> Lookup | None:
         print(f"d9d {command}: {e}", file=sys.stderr)
         return None
     return Lookup(run, run_dir, root, options, found)
+
+
+def not_found(lookup: Lookup) -> str:
+    """Where a run that nothing was found of was looked for: its run directory, spelled out (a run name is
+    looked up under the runs root, `runs/` of the current directory by default)."""
+    where = lookup.run_dir if lookup.run_dir is not None else lookup.root / lookup.run
+    shown = where.resolve() if isinstance(where, Path) else where
+    hint = "" if lookup.run_dir is not None else " (run this where its runs/ is, or pass --run-dir)"
+    return f"no run directory {shown}{hint}"

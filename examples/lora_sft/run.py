@@ -91,6 +91,8 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, help="where the run writes (default: run.dir of the config)")
     parser.add_argument("--small", action="store_true", help="20 steps instead of 200 (CI)")
     args = parser.parse_args()
+    if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
+        parser.error(f"--checkpoint {args.checkpoint}: no config.json, not a Hugging Face checkpoint")
     config_path = args.config.resolve()
     checkpoint = args.checkpoint.resolve() if args.checkpoint else None
     os.chdir(REPO)  # paths in the config are relative to the repository root

@@ -80,6 +80,10 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, help="where the run writes (default: run.dir of the config)")
     parser.add_argument("--small", action="store_true", help="truncate documents to 64 tokens (CI)")
     args = parser.parse_args()
+    if args.text is not None and not args.text.is_file():
+        parser.error(f"--text {args.text}: no such file")
+    if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
+        parser.error(f"--checkpoint {args.checkpoint}: no config.json, not a Hugging Face checkpoint")
     checkpoint = args.checkpoint.resolve() if args.checkpoint else None
     text = args.text.resolve() if args.text else None
     run_dir = args.run_dir.resolve() if args.run_dir else None

@@ -67,7 +67,7 @@ def _logs_dir(run_dir: Location | None, files: Location | None) -> Location | No
 
 
 def _run(args: argparse.Namespace) -> int:
-    from d9d.cli.storage import lookup_run
+    from d9d.cli.storage import lookup_run, not_found
     from d9d.cluster.addresses import dashboard_address
     from d9d.cluster.lookup import attach
 
@@ -86,7 +86,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"d9d logs: run {run!r}: cannot read its files: {e}", file=sys.stderr)
         return 2
     if logs is None:
-        print(f"d9d logs: run {run!r}: no Ray job and no run directory with logs found", file=sys.stderr)
+        where = "no run directory with logs found" if record is not None else not_found(lookup)
+        print(f"d9d logs: run {run!r}: no Ray job, and {where}", file=sys.stderr)
         return 1
     job = attach(loc) if args.follow else None
     return _file_logs(logs, args.follow, lambda: job is not None and not job.status().state.terminal)

@@ -33,8 +33,11 @@ def _submission(lookup: Lookup, address: str | None, as_json: bool) -> int:
     assert sub is not None
     dashboard = jobs.dashboard_address(address)
     actors = jobs.rank_actors(sub.run_name, dashboard)
+    # The driver's own lines; not the indented ones that say where its files are, which end a run's log.
     progress = [
-        line for line in jobs.logs(sub.submission_id, dashboard).splitlines() if line.startswith(PREFIX)
+        line
+        for line in jobs.logs(sub.submission_id, dashboard).splitlines()
+        if line.startswith(PREFIX) and not line.startswith(f"{PREFIX}   ")
     ]
     if as_json:
         record = {
@@ -53,7 +56,7 @@ def _submission(lookup: Lookup, address: str | None, as_json: bool) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from d9d.cli.storage import lookup_run
+    from d9d.cli.storage import lookup_run, not_found
     from d9d.cluster.lookup import attach
     from d9d.cluster.overview import format_overview, overview_from_files, overview_from_status
     from d9d.cluster.registry import launch_of
@@ -88,8 +91,7 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if record is None and not summary.is_file():
             why = loc.jobs_error or f"no Ray job for run {run!r}"
-            where = f"nothing of the run at {run_dir}" if run_dir is not None else "no run directory either"
-            print(f"d9d status: {why}; no live coordinator, and {where}", file=sys.stderr)
+            print(f"d9d status: {why}; no live coordinator, and {not_found(lookup)}", file=sys.stderr)
             return 1
         if launch is None and record is None:
             from d9d.engine.run_files import read_launches

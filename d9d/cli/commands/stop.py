@@ -13,7 +13,7 @@ _STOP_WAIT_S = 120.0
 
 
 def _run(args: argparse.Namespace) -> int:
-    from d9d.cli.storage import lookup_run
+    from d9d.cli.storage import lookup_run, not_found
     from d9d.cluster.lookup import attach
 
     lookup = lookup_run(args, "stop")
@@ -39,6 +39,8 @@ def _run(args: argparse.Namespace) -> int:
     job = attach(loc)
     if job is None:
         where = "it has ended" if loc.ended else "no Ray job or live coordinator found"
+        if loc.record is None:
+            where += f", and {not_found(lookup)}"
         print(f"d9d stop: run {run!r}: {where}", file=sys.stderr)
         return 1
     if args.now:

@@ -10,6 +10,7 @@ from typing import Any
 
 def _run(args: argparse.Namespace) -> int:
     from d9d.cli import exit_codes
+    from d9d.cli import main as cli
     from d9d.cli.commands.train import runtime_env_option
     from d9d.cluster.lease import LeaseHeld
     from d9d.cluster.submit import dashboard_address, submit
@@ -34,6 +35,10 @@ def _run(args: argparse.Namespace) -> int:
     except LeaseHeld as e:
         print(f"d9d submit: {e}", file=sys.stderr)
         return exit_codes.LIVE_LAUNCH
+    except ConnectionError as e:  # the Jobs API did not answer at that address
+        hint = cli.AUTH_HINT if cli.auth_refused(e) else "is the cluster up, and is that its dashboard?"
+        print(f"d9d submit: {str(e).rstrip('.')}: {hint}", file=sys.stderr)
+        return exit_codes.REFUSED
     print(sub.submission_id)
     return 0
 

@@ -22,16 +22,36 @@ if TYPE_CHECKING:
     from d9d.cluster.state import RunSummary
 
 
-class Preempted(Exception):
-    """SIGTERM or SIGINT reached the driver."""
+class Preempted(KeyboardInterrupt):
+    """SIGTERM or SIGINT reached the driver.
+
+    A KeyboardInterrupt because the driver spends most of its time inside Ray's waits (`ray.get`), which
+    turn only a KeyboardInterrupt raised by a signal handler into an exception of their own (a new
+    KeyboardInterrupt); any other exception was left pending there and surfaced as a SystemError, killing
+    the driver without stopping the run."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-def _raise_preempted(signum: int, frame: FrameType | None) -> None:
-    raise Preempted(signum)
+class _Signals:
+    """The handler of SIGTERM and SIGINT while a run is followed: remembers each signal, then raises."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+        raise Preempted(signum)
+
+    def preempted(self, interrupt: KeyboardInterrupt) -> Preempted:
+        """The signal behind `interrupt`: the handler's own exception, or the one a Ray wait replaced."""
+        if isinstance(interrupt, Preempted):
+            return interrupt
+        if not self.received:
+            raise interrupt  # not one of ours
+        return Preempted(self.received[-1])
 
 
 def follow_preemptible(job: TrainingJob, command: str) -> int:
@@ -41,19 +61,20 @@ def follow_preemptible(job: TrainingJob, command: str) -> int:
     from d9d.cli import exit_codes
     from d9d.cluster.follow import follow
 
-    previous = {s: signal.signal(s, _raise_preempted) for s in (signal.SIGTERM, signal.SIGINT)}
+    handler = _Signals()
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
             summary = follow(job)
-        except Preempted as e:
-            return _preempted(job, command, e)
+        except KeyboardInterrupt as e:
+            return _preempted(job, command, handler.preempted(e))
         code = exit_codes.of_run(job, summary)
         if code == exit_codes.PREEMPTED:  # the coordinator stopped it: Ray drained a rank's node
             _say_resume(job, command, summary)
         return code
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, previous_handler in previous.items():
+            signal.signal(s, previous_handler)
 
 
 def _preempted(job: TrainingJob, command: str, signal_: Preempted) -> int:
@@ -69,7 +90,7 @@ def _preempted(job: TrainingJob, command: str, signal_: Preempted) -> int:
     )
     try:
         summary = job.checkpoint_and_stop(grace, reason=reason)
-    except Preempted:
+    except KeyboardInterrupt:  # the second signal (raised by the handler, or by a Ray wait in its place)
         print(f"d9d {command}: killing the ranks of run {job.run_name} now", file=sys.stderr, flush=True)
         job.stop(force=True, reason=f"{reason}, killed by a second signal")
         summary = job.result(timeout=30)
@@ -163,10 +184,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"d9d train: {e}", file=sys.stderr)
         return 2
     except ConnectionError as e:  # ray.init could not join the cluster
+        hint = cli.AUTH_HINT if cli.auth_refused(e) else "is it running, and is that its address?"
         print(
-            f"d9d train: cannot join the Ray cluster at {args.address or 'RAY_ADDRESS'}: {e}. A cluster with "
-            "token authentication (deploy/local_cluster.sh, or ~/.ray/auth_token on the head) needs "
-            "`export RAY_AUTH_MODE=token` here too",
+            f"d9d train: cannot join the Ray cluster at {args.address or 'RAY_ADDRESS'}: {e}; {hint}",
             file=sys.stderr,
         )
         return 2
