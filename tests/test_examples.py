@@ -67,3 +67,29 @@ def test_qwen3_moe_pretrain(tmp_path: Path) -> None:
     out = _run("examples/qwen3_moe_pretrain/run.py", "--small", tmp_path=tmp_path)
     assert "OK: loss dropped" in out and "steps=10" in out
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000010"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("examples/perplexity/run.py", ["--text", "nope.txt"], "--text nope.txt: no such file"),
+        ("examples/perplexity/run.py", ["--checkpoint", "nope"], "--checkpoint nope: no config.json"),
+        ("examples/lora_sft/run.py", ["--checkpoint", "nope"], "--checkpoint nope: no config.json"),
+    ],
+)
+def test_a_missing_input_is_named_before_anything_starts(
+    tmp_path: Path, script: str, args: list[str], message: str
+) -> None:
+    """A mistyped path is an argument error (exit 2, one line), not a traceback from the data provider or
+    the checkpoint loader once the process group and the run directory exist."""
+    out = subprocess.run(
+        [sys.executable, script, *args, "--run-dir", str(tmp_path / "run")],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr[-3000:]
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
