@@ -251,3 +251,26 @@ def test_trainable_only_needs_the_frozen_weights_from_a_source_checkpoint(tmp_pa
     parse_config({**job, "model": {"provider": "peft", "options": {"base": from_checkpoint, "method": lora}}})
     parse_config({**job, "task": BASE["task"], "model": BASE["model"]})  # plug-in (TinyLM)
     parse_config({**job, "checkpointing": {}, "model": random_init})  # everything saved
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_a_builtin_model_config_travels_by_reference(family: str) -> None:
+    """Ray sends the config to the coordinator and the rank actors by pickling it. The family's section,
+    options and provider classes are built at import time; pickled by value they arrived as copies of
+    themselves, and pydantic warned on every dump there ("Expected `Qwen3MoeSection`")."""
+    import pickle
+    import warnings
+
+    from d9d.engine.builtin.models import builtin_provider
+
+    moe_only = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "expert_bias", "router_aux")
+    dense = {k: v for k, v in ARCH.items() if not k.startswith(moe_only)}
+    architecture = ARCH if family == "qwen3_moe" else dense
+    config = parse_config({**BASE, "model": {"provider": family, "options": {"architecture": architecture}}})
+    travelled = pickle.loads(pickle.dumps(config))  # plain pickle: only what it can find by name
+    assert type(travelled.model) is type(config.model)
+    assert type(travelled.model.options) is type(config.model.options)
+    assert pickle.loads(pickle.dumps(builtin_provider(family))) is builtin_provider(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert travelled.model_dump() == config.model_dump()

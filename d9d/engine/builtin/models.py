@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, cast
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar, Union, cast
 
 import torch
 from pydantic import (
@@ -188,6 +188,9 @@ def _camel(name: str) -> str:
     return "".join(part[:1].upper() + part[1:] for part in re.split(r"[^0-9A-Za-z]+", name))
 
 
+_C = TypeVar("_C", bound=type)
+
+
 @cache
 def family_provider(family: ModelFamily[Any]) -> type[CausalLMProvider]:
     """The provider class of `family`: what `model.provider: <family.name>` builds, and what a user family
@@ -195,7 +198,17 @@ def family_provider(family: ModelFamily[Any]) -> type[CausalLMProvider]:
     gets the built-ins' dry run, preflight and Hugging Face import/export."""
     camel = _camel(family.name)
     options = type(f"{camel}Options", (CausalLMOptions,), {"family": family, "__module__": __name__})
-    return type(f"{camel}Provider", (CausalLMProvider,), {"Config": options, "__module__": __name__})
+    provider = type(f"{camel}Provider", (CausalLMProvider,), {"Config": options, "__module__": __name__})
+    _importable(options)
+    return _importable(provider)
+
+
+def _importable(cls: _C) -> _C:
+    """Make a class built here at run time a module attribute, so that pickle finds it by name: a config
+    sent to Ray actors then arrives as instances of the same classes (sent by value, they became copies
+    that pydantic's serializer warned about on every run). The first class of a name keeps it."""
+    globals().setdefault(cls.__name__, cls)
+    return cls
 
 
 def builtin_provider(name: str) -> type[CausalLMProvider]:
@@ -217,12 +230,14 @@ class BuiltinModel(BuiltinComponent):
 
 def _family_section(family: ModelFamily[Any]) -> type[BuiltinModel]:
     provider = cast(Any, Literal)[family.name]
-    return create_model(
-        f"{_camel(family.name)}Section",
-        __base__=BuiltinModel,
-        __module__=__name__,
-        provider=(provider, ...),
-        options=(family_provider(family).Config, ...),
+    return _importable(
+        create_model(
+            f"{_camel(family.name)}Section",
+            __base__=BuiltinModel,
+            __module__=__name__,
+            provider=(provider, ...),
+            options=(family_provider(family).Config, ...),
+        )
     )
 
 
