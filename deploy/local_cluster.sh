@@ -56,6 +56,9 @@ wait_started() {  # $1: pid of a `ray start --block`, $2: its log; it prints thi
 }
 
 start_worker() {  # $1: index; one at a time, so a busy machine does not time raylets out
+  # Emptied here, not by the background job's redirection: that one may run after wait_started has already
+  # read the previous start's log and found its "will now block forever".
+  : >"$DIR/worker-$1.log"
   # shellcheck disable=SC2046
   setsid "$RAY" start --address="$(cat "$DIR/address")" --num-cpus="$CPUS" --num-gpus="$GPUS" --block \
     $(agent_ports) >"$DIR/worker-$1.log" 2>&1 &
@@ -72,6 +75,7 @@ case "$COMMAND" in
     fi
     GCS=$(free_port)
     DASHBOARD=$(free_port)
+    : >"$DIR/head.log"  # as in start_worker
     # shellcheck disable=SC2046
     setsid "$RAY" start --head --port="$GCS" --dashboard-port="$DASHBOARD" --dashboard-host=127.0.0.1 \
       --ray-client-server-port="$(free_port)" --num-cpus=0 --num-gpus=0 --block --disable-usage-stats \
