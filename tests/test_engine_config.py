@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,8 @@ def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:
         apply_overrides({}, ["trainer.total_steps"])
     with pytest.raises(ConfigError, match=r"run\.name is not a section"):
         apply_overrides({"run": {"name": "x"}}, ["run.name.first=1"])
+    with pytest.raises(ConfigError, match=re.escape("give the whole list, e.g. --set 'data.paths=[a, b]'")):
+        apply_overrides({"data": {"paths": ["a"]}}, ["data.paths[0]=b"])
 
 
 def test_unknown_key_names_its_path() -> None:

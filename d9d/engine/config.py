@@ -500,6 +500,11 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
                 f"--set {key}: the value is {len(raw.encode()):,} bytes, more than the "
                 f"{MAX_OVERRIDE_BYTES:,} one override may have; put it in the job file"
             )
+        if "[" in key:  # `paths[0]=x` would otherwise become a new key `paths[0]`, refused as unknown
+            raise ConfigError(
+                f"override {item!r}: list items cannot be set one at a time; give the whole list, e.g. "
+                f"--set '{key.partition('[')[0]}=[a, b]'"
+            )
         node = out
         parts = key.split(".")
         for depth, part in enumerate(parts[:-1]):
