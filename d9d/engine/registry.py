@@ -110,10 +110,10 @@ def validate_components(config: TrainConfig) -> None:
             build_lr_scheduler(config.lr_scheduler).check_run(config.trainer.total_steps)
         except ValueError as e:
             raise ConfigError(f"lr_scheduler.options: {e}") from None
+    model = build_model(config.model)
     if config.activation_checkpointing.mode != "none":
         # a plug-in family's provider (the built-ins are checked with the config tree)
-        provider = build_model(config.model)
-        base = provider.base if isinstance(provider, PeftModelProvider) else provider
+        base = model.base if isinstance(model, PeftModelProvider) else model
         if isinstance(base, ModelArchitecture):
             try:
                 check_checkpointing_family(
@@ -121,10 +121,10 @@ def validate_components(config: TrainConfig) -> None:
                 )
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    check_optimizer_fits(config, build_optimizer(config.optimizer), build_model(config.model))
+    check_optimizer_fits(config, build_optimizer(config.optimizer), model)
     checkpointing = config.checkpointing
     if checkpointing.export_hf_dir is not None and not checkpointing.export_inexact:
-        gap = export_gap(build_model(config.model))
+        gap = export_gap(model)
         if gap is not None:
             raise ConfigError(
                 f"checkpointing.export_hf_dir: {gap}. Set checkpointing.export_inexact: true to export "

@@ -26,13 +26,7 @@ from d9d.engine.evaluation import Evaluator
 from d9d.engine.events import EventBus
 from d9d.engine.exchange import ExchangeCapacityGuard
 from d9d.engine.identity import run_identity
-from d9d.engine.providers import (
-    DataProvider,
-    DataSetup,
-    ModelProvider,
-    OptimizerProvider,
-    TrainTask,
-)
+from d9d.engine.providers import DataProvider, DataSetup, ModelProvider, OptimizerProvider, TrainTask
 from d9d.engine.registry import build_model, check_optimizer_fits
 from d9d.engine.reporting import StepReporter, build_flops_budget
 from d9d.engine.runtime import RunReporter

@@ -43,7 +43,7 @@ class DecayExemptions:
             try:
                 re.compile(pattern)
             except re.error as e:
-                raise ValueError(f"[{i}] {pattern!r} is not a valid regular expression ({e})") from None
+                raise ValueError(f"[{i}] {pattern!r} is not a regular expression ({e})") from None
 
     @property
     def enabled(self) -> bool:

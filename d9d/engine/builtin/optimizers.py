@@ -7,7 +7,6 @@ no parameter on a stage is left out (docs/optim.md, "Weight-decay exemptions").
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -43,13 +42,10 @@ class _Options(BaseModel):
     @field_validator("no_weight_decay")
     @classmethod
     def _check_patterns(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
-        for i, pattern in enumerate(patterns):
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(
-                    f"no_weight_decay[{i}] {pattern!r} is not a regular expression ({e})"
-                ) from None
+        try:
+            DecayExemptions(patterns)  # compiles each pattern
+        except ValueError as e:
+            raise ValueError(f"no_weight_decay{e}") from None
         return patterns
 
     @property
