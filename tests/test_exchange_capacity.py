@@ -256,6 +256,52 @@ def test_overflowing_steps_rerun_to_the_reading_exchange_results(tmp_path: Path)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
 
 
+def _train_spying_on_traces(
+    env: RankEnv, name: str, backend: dict[str, Any], sections: dict[str, Any]
+) -> None:
+    """`_train`, noting for every run of the capacity dispatch's Python code whether dynamo was tracing
+    it (True) or it ran eagerly (False): a dispatch traced into the compiled block runs no Python at all
+    afterwards, so an eager run of it after calibration is a graph break."""
+    from d9d.parallel.expert.all_to_all import AllToAllMoECommunication
+
+    original = AllToAllMoECommunication._dispatch_copies_capacity
+    seen: dict[bool, bool] = {}  # a dict, not a list: a list's length is guarded, a recompile per call
+
+    def spy(self: AllToAllMoECommunication, routed: Any, capacity: Any) -> Any:
+        seen[torch.compiler.is_compiling()] = True
+        return original(self, routed, capacity)
+
+    AllToAllMoECommunication._dispatch_copies_capacity = spy  # type: ignore[method-assign]
+    _train(env, name, backend, DP2_EP2, None, sections)
+    # compiled variants of `dispatch` (its own frame on CPU, where the eager grouped matmul breaks the graph)
+    variants = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(AllToAllMoECommunication.dispatch))
+    torch.save((sorted(seen), variants), env.tmp_dir / f"{name}-{env.rank}.traced.pt")
+
+
+@pytest.mark.distributed
+def test_the_capacity_exchange_is_traced_into_the_compiled_block(tmp_path: Path) -> None:
+    """Compiled blocks: once calibrated the exchange reads no split size, so it is traced with the layer
+    (functional collectives) rather than run eagerly between compiled pieces — also after its capacities
+    grew and shrank (the ints become symbols: no recompile per layer or per capacity) — and the run equals
+    the compiled reading exchange's bitwise (`aot_eager`: the same ops, traced)."""
+    sections = {"compile": {"enabled": True, "backend": "aot_eager"}}
+    reading, capacity = {"kind": "all_to_all"}, GROWING_AND_SHRINKING
+    run_distributed(_train_spying_on_traces, 2, "reading", reading, sections, tmp_dir=tmp_path, timeout=300)
+    run_distributed(_train_spying_on_traces, 2, "capacity", capacity, sections, tmp_dir=tmp_path, timeout=300)
+    want, got = torch.load(tmp_path / "reading.pt"), torch.load(tmp_path / "capacity.pt")
+    assert got["repeated"], "no step overflowed: the capacities never changed"
+    assert got["losses"] == want["losses"]
+    for rank in range(2):
+        traced, variants = torch.load(tmp_path / f"capacity-{rank}.traced.pt")
+        assert traced == [True], f"rank {rank}: the capacity dispatch ran eagerly (False in {traced})"
+        # uncalibrated; the spy's first note; the first layer of a step (no load recorded yet); the others —
+        # not one per capacity (they changed at every step)
+        assert variants <= 4, f"rank {rank}: {variants} compiled variants of the dispatch"
+        a = torch.load(tmp_path / f"capacity-{rank}.params.pt")
+        b = torch.load(tmp_path / f"reading-{rank}.params.pt")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
+
+
 # Exactly the first step's largest load, no rounding: later steps overflow and rerun.
 EXACT_CAPACITY = {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1}
 

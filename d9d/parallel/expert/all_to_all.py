@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from d9d.kernels.backend import KernelBackend
 from d9d.kernels.moe import (
@@ -165,6 +166,7 @@ class _CopyState:
     regroup: torch.Tensor  # [received rows, 1]: local-expert-major row of each received row
     send_splits: list[int]
     recv_splits: list[int]
+    static: bool  # the capacity's split sizes (traceable, functional collectives), not read ones
 
 
 @dataclass(frozen=True)
@@ -217,22 +219,37 @@ class AllToAllMoECommunication:
         out: torch.Tensor = self._exchange_overlapped(routed, experts, shared)  # typed Any by the decorator
         return out
 
-    # Eager even inside a compiled MoE block: traced by inductor on CUDA, this exchange trained wrong (a
-    # dp 2 × ep 2 run left the one-GPU losses at the second step, 1.6e-2 apart after 8; eager, 1e-7), while
-    # gloo/CPU inductor was exact. The host sync on the split sizes breaks the graph here anyway.
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def dispatch(self, routed: RoutedTokens) -> DispatchedTokens:
-        if self.dedup:
-            return self._dispatch_dedup(routed)
-        # Only where the engine reads the overflow flag: a training forward (evaluation and inference run
-        # without gradients and take the exact, synchronizing path).
+        # The calibrated capacity's split sizes are Python ints the host knows: that dispatch reads nothing
+        # from the device, so inside a compiled MoE block it is traced with the rest of the layer (its
+        # collectives functional, `_dispatch_copies_capacity`) and the layer stays one graph. Only where the
+        # engine reads the overflow flag: a training forward (evaluation and inference run without
+        # gradients and take the exact, reading path).
         capacity = self.capacity if torch.is_grad_enabled() else None
         if capacity is not None and capacity.rows is not None:
             return self._dispatch_copies_capacity(routed, capacity)
+        dispatched: DispatchedTokens = self._dispatch_reading(routed, capacity)  # typed Any by the decorator
+        return dispatched
+
+    def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
+        state = dispatched.state
+        if isinstance(state, _CopyState) and state.static:
+            return self._combine_copies(expert_outputs, state)  # traced, as its dispatch
+        out: torch.Tensor = self._combine_reading(expert_outputs, dispatched)  # typed Any by the decorator
+        return out
+
+    # Eager even inside a compiled MoE block: the host read of the split sizes breaks the graph anyway, and
+    # traced by inductor on CUDA (c10d's in-place collectives inside autograd Functions) this exchange
+    # trained wrong (a dp 2 × ep 2 run left the one-GPU losses at the second step, 1.6e-2 apart after 8;
+    # eager, 1e-7), while gloo/CPU inductor was exact.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _dispatch_reading(self, routed: RoutedTokens, capacity: ExchangeCapacity | None) -> DispatchedTokens:
+        if self.dedup:
+            return self._dispatch_dedup(routed)
         return self._dispatch_copies(routed, capacity)
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def combine(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
+    def _combine_reading(self, expert_outputs: torch.Tensor, dispatched: DispatchedTokens) -> torch.Tensor:
         state = dispatched.state
         if isinstance(state, _DedupState):
             return self._combine_dedup(expert_outputs, state)
@@ -291,10 +308,15 @@ class AllToAllMoECommunication:
 
     # -- one row per (token, expert) copy ----------------------------------------------------------------
 
-    def _copy_counts(self, routed: RoutedTokens) -> tuple[ExpertPermutation, torch.Tensor]:
+    def _copy_counts(
+        self, routed: RoutedTokens, *, functional: bool = False
+    ) -> tuple[ExpertPermutation, torch.Tensor]:
         """The copies sorted by global expert, and the copies each source rank sends to this rank's local
-        experts ([src rank · local expert], exchanged on the device)."""
+        experts ([src rank · local expert], exchanged on the device; through the functional collective
+        where the exchange is traced)."""
         perm = expert_permutation(routed.topk_ids, routed.num_experts)
+        if functional:
+            return perm, funcol.all_to_all_single(perm.rows_per_expert, None, None, self.group)
         recv_counts = torch.empty_like(perm.rows_per_expert)
         dist.all_to_all_single(recv_counts, perm.rows_per_expert, group=self.group)
         return perm, recv_counts
@@ -316,7 +338,9 @@ class AllToAllMoECommunication:
         grouped = block_regroup(
             recv_counts.view(1, self.size, local_experts), num_received, backend=self.backend
         )
-        state = _CopyState(perm.slot_rows, routed.topk_weights, grouped.slot_rows, send_splits, recv_splits)
+        state = _CopyState(
+            perm.slot_rows, routed.topk_weights, grouped.slot_rows, send_splits, recv_splits, static=False
+        )
         hidden = permute_tokens(rows, grouped.slot_rows, num_received, backend=self.backend)
         return DispatchedTokens(hidden_states=hidden, tokens_per_expert=grouped.rows_per_expert, state=state)
 
@@ -324,9 +348,14 @@ class AllToAllMoECommunication:
         """The copy exchange with `capacity.rows[s][d]` rows from rank s to rank d: split sizes the host knows
         without reading the counts, so nothing here synchronizes (capacity.py). Each peer's segment holds its
         copies grouped by local expert, then zero rows; copies past the pair's rows are not sent (an
-        overflow, recorded for the training loop, which reruns the step)."""
+        overflow, recorded for the training loop, which reruns the step).
+
+        Traceable: its collectives are functional ones (`funcol`), whose waits inductor schedules, so a
+        compiled MoE block keeps routing, this exchange, the experts and the combine in one graph. The
+        capacity's ints become graph constants, and symbols once they change (dynamo's automatic dynamic
+        shapes), so every layer and every later capacity reuse one graph."""
         local_experts = routed.local_experts(self.size)
-        perm, recv_counts = self._copy_counts(routed)
+        perm, recv_counts = self._copy_counts(routed, functional=True)
         per_peer = perm.rows_per_expert.view(self.size, local_experts).sum(1)
         (sent_rows, sent_start), (recv_rows, recv_start) = capacity.splits_on(per_peer.device)
         capacity.record(per_peer, sent_rows)
@@ -336,7 +365,7 @@ class AllToAllMoECommunication:
         offset = perm.slot_rows - (per_peer.cumsum(0) - per_peer)[peer]
         slot_rows = torch.where(offset < sent_rows[peer], sent_start[peer] + offset, -1)
         send = permute_tokens(routed.hidden_states, slot_rows, sum(send_splits), backend=self.backend)
-        rows = all_to_all(send, recv_splits, send_splits, self.group)
+        rows = funcol.all_to_all_single_autograd(send, recv_splits, send_splits, self.group)
         # Local expert of each received row: source s's segment holds its copies for local expert e at
         # offsets [cum[s, e-1], cum[s, e]); offsets past its last copy are padding (group `local_experts`,
         # after every expert's rows, which the grouped matmul leaves out).
@@ -349,7 +378,9 @@ class AllToAllMoECommunication:
         offsets = torch.arange(num_received, device=device) - recv_start[source]
         expert_of_row = (cum[source] <= offsets[:, None]).sum(1)  # experts whose rows end at or before it
         grouped = expert_permutation(expert_of_row[:, None], local_experts + 1)
-        state = _CopyState(slot_rows, routed.topk_weights, grouped.slot_rows, send_splits, recv_splits)
+        state = _CopyState(
+            slot_rows, routed.topk_weights, grouped.slot_rows, send_splits, recv_splits, static=True
+        )
         hidden = permute_tokens(rows, grouped.slot_rows, num_received, backend=self.backend)
         return DispatchedTokens(
             hidden_states=hidden, tokens_per_expert=grouped.rows_per_expert[:local_experts], state=state
@@ -357,7 +388,12 @@ class AllToAllMoECommunication:
 
     def _combine_copies(self, expert_outputs: torch.Tensor, state: _CopyState) -> torch.Tensor:
         received_order = combine_tokens(expert_outputs, state.regroup, backend=self.backend)  # a gather
-        back = all_to_all(received_order, state.send_splits, state.recv_splits, self.group)
+        if state.static:
+            back = funcol.all_to_all_single_autograd(
+                received_order, state.send_splits, state.recv_splits, self.group
+            )
+        else:
+            back = all_to_all(received_order, state.send_splits, state.recv_splits, self.group)
         return combine_tokens(back, state.slot_rows, weights=state.weights, backend=self.backend)
 
     # -- the copy exchange in chunks, their transfers overlapping the experts --------------------------------

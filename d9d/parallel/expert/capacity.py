@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.fx.experimental.sym_node import DynamicInt
 
 ALIGN = 64
 """Rows per peer are a multiple of this by default."""
@@ -70,6 +71,7 @@ class ExchangeCapacity:
         self.growth = growth
         self.recalibrate_every = recalibrate_every
         self.rows: list[list[int]] | None = None  # [source][destination]
+        self._symbolic: list[list[int]] = []  # `rows` for tracing (`set_rows`)
         self._splits: dict[torch.device, torch.Tensor] = {}  # `splits_on`, by device
         # [overflowed (0/1), copies sent to each peer...] since the last `take` (largest), on the device
         self._record: torch.Tensor | None = None
@@ -79,23 +81,35 @@ class ExchangeCapacity:
     def set_rows(self, rows: list[list[int]]) -> None:
         if len(rows) != self.peers or any(len(row) != self.peers for row in rows):
             raise ValueError(f"capacity rows must be {self.peers} x {self.peers}, got {rows}")
-        self.rows = [list(row) for row in rows]
+        self.rows = [[int(r) for r in row] for row in rows]
+        # The same ints as dynamo's `DynamicInt`s, which a traced dispatch reads (`_rows_here`): symbols in
+        # the compiled block from its first trace, so layers with other capacities and later capacities
+        # (overflow growth, recalibration) reuse its graph. Plain ints would be guarded by value: a
+        # recompile per distinct capacity, until the recompile limit sends the block back to eager.
+        self._symbolic = [[DynamicInt(r) for r in row] for row in self.rows]
         self._splits = {}
+
+    def _rows_here(self) -> list[list[int]]:
+        assert self.rows is not None
+        return self._symbolic if torch.compiler.is_compiling() else self.rows
 
     def send_splits(self) -> list[int]:
         """Rows this rank sends each peer (calibrated only)."""
-        assert self.rows is not None
-        return list(self.rows[self.rank])
+        return list(self._rows_here()[self.rank])
 
     def recv_splits(self) -> list[int]:
         """Rows this rank receives from each peer (calibrated only)."""
-        assert self.rows is not None
-        return [row[self.rank] for row in self.rows]
+        return [row[self.rank] for row in self._rows_here()]
 
     def splits_on(self, device: torch.device) -> torch.Tensor:
         """[(rows sent to each peer, where each one's segment starts), (rows received from each peer, where
         each one's segment starts)] as a [2, 2, peers] tensor on `device`: made once per capacity change,
-        from pinned memory without a blocking copy (a dispatch must not wait for the device)."""
+        from pinned memory without a blocking copy (a dispatch must not wait for the device). Traced (a
+        compiled MoE block), the tensor is built in the graph from the ints: a constant, or a few scalars
+        once the ints are symbols; no cache or pinned copy inside a graph."""
+        if torch.compiler.is_compiling():
+            sizes = torch.tensor([self.send_splits(), self.recv_splits()], device=device)
+            return torch.stack([sizes, sizes.cumsum(1) - sizes], 1)
         cached = self._splits.get(device)
         if cached is None:
             sent, received = torch.tensor(self.send_splits()), torch.tensor(self.recv_splits())
@@ -153,7 +167,7 @@ class ExchangeCapacity:
 
     def reset(self) -> None:
         """Back to uncalibrated, nothing recorded."""
-        self.rows, self._splits, self._record, self._window = None, {}, None, None
+        self.rows, self._symbolic, self._splits, self._record, self._window = None, [], {}, None, None
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to exchange exactly as the uninterrupted one: the rows, the factor they
