@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from d9d.cluster.checkpoints import check_launch
 from d9d.cluster.config import ENGINE_ENTRYPOINT
 from d9d.cluster.control.journal import find_run_dir, journal_path, read_journal, spec_of
+from d9d.cluster.control.metrics import StepOrder
 from d9d.cluster.coordinator import Coordinator
 from d9d.cluster.lease import Lease, acquire, release
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
@@ -194,10 +195,17 @@ class TrainingJob:
         else:
             self.spec = load_job(config, overrides, num_workers=num_workers, cpu=cpu)
         self._handle: Any = None
-        self._seq = 0
         self._launch_id = ""
         self._lost: RunSummary | None = None  # what this driver recorded when the coordinator died
         self._lost_lock = threading.Lock()  # `status()` and `follow()` may see the death from two threads
+        self._init_cursor()
+
+    def _init_cursor(self) -> None:
+        """This handle's place in the coordinator's metric buffer: one cursor, read under a lock, so that
+        two threads polling one handle (a notebook's `metrics()` beside `follow`) never both get a point."""
+        self._seq = 0
+        self._poll_lock = threading.Lock()
+        self._order = StepOrder()
 
     @classmethod
     def attach(
@@ -216,10 +224,10 @@ class TrainingJob:
         job = cls.__new__(cls)
         job.spec = spec
         job._handle = handle
-        job._seq = 0
         job._launch_id = ""  # another driver's launch: it records its own end
         job._lost = None
         job._lost_lock = threading.Lock()
+        job._init_cursor()  # from the start of the coordinator's buffer
         return job
 
     @classmethod
@@ -346,26 +354,43 @@ class TrainingJob:
 
     def metrics(self, timeout: float | None = None) -> Iterator[MetricPoint]:
         """New metric points as they arrive (train, eval, per-rank health, and the cluster's own under
-        rank -1); ends when the job has ended and everything was delivered, or after `timeout` seconds."""
+        rank -1); ends when the job has ended and everything was delivered, or after `timeout` seconds.
+
+        Order: each stream (one kind of values from one rank: rank 0's `train` points, rank r's `health`
+        points, `eval`, ...) arrives in strictly increasing step order, each step once; the steps a restarted
+        attempt trains again are not delivered a second time (the tracker records them once too). The
+        points of one poll are sorted by step. Streams are not held back for each other, so a slower rank's
+        points, or task metrics finished in the background, may follow a later step of another stream;
+        sort by `(step, rank)` when one order over all of them matters. The cluster's events (rank -1) are
+        each delivered once, at the step they concern. A fresh handle (`TrainingJob.attach`) starts from
+        the beginning of the coordinator's buffer (the newest 100,000 points)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while deadline is None or time.monotonic() < deadline:
             wait = _CALL_S if deadline is None else max(0.0, min(_CALL_S, deadline - time.monotonic()))
-            points, ended = self.poll_metrics(wait)
+            arrived, points, ended = self._poll(wait, as_received=False)
             yield from points
-            if ended and not points:
+            if ended and not arrived:  # (a poll of replays only may deliver nothing before the end)
                 return
 
-    def poll_metrics(self, wait_s: float) -> tuple[list[MetricPoint], bool]:
-        """Points not seen yet by this handle (waiting up to `wait_s` for one), and whether the job ended."""
-        if self._lost is not None:
-            return [], True
-        try:
-            seq, points, ended = ray.get(self._coordinator.metrics_since.remote(self._seq, wait_s))
-        except RayActorError as e:
-            self._coordinator_lost(e)
-            return [], True
-        self._seq = seq
+    def poll_metrics(self, wait_s: float, *, as_received: bool = False) -> tuple[list[MetricPoint], bool]:
+        """Points not seen yet by this handle (waiting up to `wait_s` for one), and whether the job ended;
+        in the order `metrics()` delivers them. `as_received`: every point as the coordinator received
+        it instead, the steps a restarted attempt trains again included (`follow` prints them again)."""
+        _, points, ended = self._poll(wait_s, as_received)
         return points, ended
+
+    def _poll(self, wait_s: float, as_received: bool) -> tuple[int, list[MetricPoint], bool]:
+        """(how many points arrived, those to deliver, whether the job ended)."""
+        if self._lost is not None:
+            return 0, [], True
+        with self._poll_lock:
+            try:
+                seq, points, ended = ray.get(self._coordinator.metrics_since.remote(self._seq, wait_s))
+            except RayActorError as e:
+                self._coordinator_lost(e)
+                return 0, [], True
+            self._seq = seq
+            return len(points), points if as_received else self._order.take(points), ended
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> JobStatus:
         """Block until `step` is completed (or, without a step, until the job ends)."""

@@ -240,7 +240,7 @@ def follow(job: TrainingJob, out: TextIO | None = None, interactive: bool | None
     phases = 0  # start-up phases printed
     try:
         while True:
-            points, ended = job.poll_metrics(1.0)
+            points, ended = job.poll_metrics(1.0, as_received=True)
             status = job.status()  # after the points: its start-up has the phase their first step ended
             for phase, seconds in status.startup[phases:]:
                 display.line(f"start-up: {LABELS.get(phase, phase)} {seconds:.1f}s")

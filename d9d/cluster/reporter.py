@@ -110,8 +110,19 @@ class RayRunReporter:
 
     def _send(self, wait: bool = False, last_step: int | None = None) -> int | None:
         """One call with the queued points: a boundary when rank 0 moved past `last_step`, else a report.
-        With `wait`, returns once it and the call before it arrived."""
+        One such call in flight at a time: the coordinator is an asynchronous actor, and Ray runs two calls
+        of one caller on it out of order when the first one's arguments are large enough to go through the
+        object store (a big batch of points) and the second one's are not; a step's points would then reach
+        it, and the clients' `metrics()`, after a later step's. So while the previous call has not
+        arrived, the points stay queued for the next tick (without `wait`) or that call is waited for.
+        With `wait`, returns once this call arrived."""
         with self._send_lock:
+            earlier = self._in_flight
+            if earlier is not None:
+                if not wait and not _done(earlier):
+                    return last_step
+                self._in_flight = None
+                self._arrived(earlier)
             with self._lock:
                 points, self._pending = self._pending, []
                 step = self._step
@@ -121,18 +132,14 @@ class RayRunReporter:
                 ref = self._coordinator.report.remote(self.attempt, points)
             else:
                 ref = None
-            earlier = self._in_flight
-            if ref is not None:
-                self._in_flight = ref
+            self._in_flight = ref
             if wait:
-                self._arrived(earlier)
                 self._arrived(ref)
                 self._in_flight = None
         return last_step if ref is None else step
 
     def _arrived(self, ref: Any) -> None:
-        """Wait for a call that carried points. The coordinator is an asynchronous actor: it may run two
-        calls of this rank out of order, so a later call's arrival says nothing about an earlier one."""
+        """Wait for a call that carried points (raising what it raised)."""
         if ref is not None:
             ray.get(ref)
 
@@ -242,6 +249,12 @@ class RayRunReporter:
         nbytes = upload_report(store, self.attempt, report, self._transfer)
         # A long upload at the end of a run is progress, as a step boundary is (the hang detector).
         self._coordinator.uploaded.remote(self.attempt, self._rank, report.step, nbytes)
+
+
+def _done(ref: Any) -> bool:
+    """Whether a call has finished (its result, or its error, is there), without waiting for it."""
+    ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
+    return bool(ready)
 
 
 def storage_stalls(stalled: dict[int, tuple[Operation, float]], stall_s: float, now: float) -> list[str]:

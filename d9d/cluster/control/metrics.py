@@ -39,6 +39,28 @@ def reports_sleep(point: MetricPoint) -> bool | None:
     return None
 
 
+class StepOrder:
+    """What one client handle delivers of the points it polls (`TrainingJob.metrics`, `poll_metrics`): each
+    stream in step order and once.
+
+    A stream is the tracker's (`ReplayFilter`): one kind of values from one rank. Its steps strictly increase:
+    a step a restarted attempt trains again (already delivered by the attempt that failed) is not delivered a
+    second time, as the tracker does not record it twice. Each poll's points are sorted by step first (a
+    stable sort: points of one step keep their arrival order). The cluster's own events (rank -1: world size,
+    resumes, recovery times) are each delivered once, at the step they concern, unfiltered: two restarts from
+    one commit are two events at one step. Streams are not held back for each other: a rank whose courier
+    delivers later, or task metrics that a background collector finishes steps later, may come after a
+    later step of another stream.
+    """
+
+    def __init__(self) -> None:
+        self._replays = ReplayFilter()
+
+    def take(self, points: list[MetricPoint]) -> list[MetricPoint]:
+        ordered = sorted(points, key=lambda p: p.step)
+        return [p for p in ordered if p.rank == CLUSTER_RANK or self._replays.fresh(p)]
+
+
 class MetricsHub:
     def __init__(self, writer: MetricsWriter, buffer: int = _BUFFER) -> None:
         self._writer = writer
