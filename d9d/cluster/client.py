@@ -29,10 +29,11 @@ from d9d.cluster.checkpoints import check_launch
 from d9d.cluster.config import ENGINE_ENTRYPOINT
 from d9d.cluster.control.journal import find_run_dir, journal_path, read_journal, spec_of
 from d9d.cluster.control.metrics import StepOrder
+from d9d.cluster.control.scaling import ScalingPolicy
 from d9d.cluster.coordinator import Coordinator
 from d9d.cluster.lease import Lease, acquire, release
 from d9d.cluster.names import NAMESPACE, coordinator_name, rank_name, wait_names_free
-from d9d.cluster.placement import run_placement_groups
+from d9d.cluster.placement import PlacementError, node_capacity, placement_shortfall, run_placement_groups
 from d9d.cluster.rank import resolve_entrypoint
 from d9d.cluster.registry import register_run
 from d9d.cluster.runtime_env import RuntimeEnvConfig, import_paths
@@ -61,7 +62,7 @@ def connect(
     `runtime_env` (Ray's keys, or a `RuntimeEnvConfig`) becomes the job-level runtime environment of this
     driver: every actor it creates, a run's coordinator and ranks included, gets it. Already connected, it
     changes nothing; a run's own `cluster.runtime_env` reaches its actors either way."""
-    global _job_runtime_env
+    global _job_runtime_env, _started_local
     if ray.is_initialized():
         return
     plain_output_off_a_terminal()
@@ -87,6 +88,12 @@ def connect(
             runtime_env=env or None,
             _system_config=_local_system_config(),
         )
+        _started_local = True
+
+
+# Whether Ray here is the local instance `connect` started: no node can join it, so a run it cannot hold
+# is refused before anything starts (`check_placement`).
+_started_local = False
 
 
 def _local_system_config() -> dict[str, Any]:
@@ -116,8 +123,9 @@ def _isatty(stream: Any) -> bool:
 
 def disconnect() -> None:
     """Leave the cluster (and stop the local Ray instance `connect` started)."""
-    global _job_runtime_env
+    global _job_runtime_env, _started_local
     _job_runtime_env = None
+    _started_local = False
     ray.shutdown()
 
 
@@ -290,6 +298,7 @@ class TrainingJob:
             runtime_env=runtime_env,
         )
         startup["ray"] = time.time()
+        check_placement(spec)
         self._launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
         # One live launch per run (`d9d.cluster.lease`): raises LeaseHeld naming the live one.
         acquire(
@@ -584,6 +593,23 @@ def _preflight_imports(spec: JobSpec) -> None:
         raise ConfigError(f"cluster.entrypoint: {entrypoint!r} does not import: {e!r}") from e
     if entrypoint == ENGINE_ENTRYPOINT:
         preflight(spec.train)
+
+
+def check_placement(spec: JobSpec) -> None:
+    """On the local instance `connect` started, refuse a run its node cannot hold (more GPUs than this
+    machine has) before any actor starts, with `PlacementError` in one line. On a cluster nodes may still
+    join (an autoscaler, a node coming back): there the coordinator waits `cluster.placement_timeout_s`,
+    says so, and fails the run in one line when none came."""
+    if not _started_local:
+        return
+    sizes = [p.world_size for p in ScalingPolicy.for_job(spec).plans(spec.initial_workers)]
+    nodes = ray.nodes()
+    if node_capacity(nodes, spec.cluster.resources) < min(sizes):
+        raise PlacementError(
+            f"run {spec.run_name} cannot be placed on the local Ray instance d9d started: it "
+            f"{placement_shortfall(nodes, spec.cluster.resources, sizes)}; lower cluster.resources or the "
+            "world size (--num-workers), or join a cluster that has them (--address)"
+        )
 
 
 def remove_run_placement_groups(run_name: str) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from d9d.cluster.config import RankResources
+from d9d.engine.config import ConfigError
 
 if TYPE_CHECKING:
     from d9d.cluster.rank import RankNode
@@ -79,6 +80,47 @@ def node_capacity(nodes: Sequence[Mapping[str, Any]], resources: RankResources) 
 def free_capacity(available: Mapping[str, float], resources: RankResources) -> int:
     """Extra rank bundles the cluster's free resources (`ray.available_resources()`) could hold."""
     return int(min(available.get(key, 0.0) // amount for key, amount in bundle_for(resources).items()))
+
+
+class PlacementError(ConfigError):
+    """The run's ranks cannot be placed on the cluster (`placement_shortfall` says why, in one line)."""
+
+
+def _amounts(amounts: Mapping[str, float], joiner: str) -> str:
+    return joiner.join(f"{amount:g} {key}" for key, amount in amounts.items())
+
+
+def placement_shortfall(
+    nodes: Sequence[Mapping[str, Any]],
+    resources: RankResources,
+    world_sizes: Sequence[int],
+    *,
+    available: Mapping[str, float] | None = None,
+    strategy: str = "PACK",
+) -> str:
+    """Why `world_sizes` rank bundles (tried in turn, largest first) do not fit on the cluster whose nodes
+    `ray.nodes()` lists, in one line: what the run asks for and what the alive nodes have. `available`
+    (`ray.available_resources()`), when given, tells room that other jobs hold from room that is free."""
+    need = bundle_for(resources)
+    sizes = sorted(set(world_sizes), reverse=True)
+    count = str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]} (or at least {sizes[-1]})"
+    alive = [n for n in nodes if n.get("Alive", False)]
+    totals = {key: sum(float(n.get("Resources", {}).get(key, 0.0)) for n in alive) for key in need}
+    capacity = node_capacity(nodes, resources)
+    asked = f"needs {count} rank bundles of {_amounts(need, ' + ')} each (cluster.resources)"
+    have = (
+        f"the cluster's {len(alive)} alive node{'' if len(alive) == 1 else 's'} "
+        f"{'has' if len(alive) == 1 else 'have'} {_amounts(totals, ', ')} in all"
+    )
+    if capacity < sizes[-1]:
+        room = f"room for {capacity} such bundles (each must fit on one node)"
+    elif available is not None and (free := free_capacity(available, resources)) < sizes[-1]:
+        room = (
+            f"room for {capacity} such bundles, {free} of them free now (other actors or jobs hold the rest)"
+        )
+    else:
+        room = f"room for {capacity} such bundles, yet Ray did not place them ({strategy} placement)"
+    return f"{asked}; {have}, {room}"
 
 
 def device_placement(nodes: Sequence[RankNode], *, gpus: bool) -> list[tuple[int, int, str | None]]:

@@ -33,7 +33,7 @@ from d9d.cluster.control.scaling import ScalingPolicy
 from d9d.cluster.control.signal import Changes
 from d9d.cluster.control.standby import Standby, StandbyPool
 from d9d.cluster.control.startup import StartupClock
-from d9d.cluster.control.workers import Attempt, Reservation, WorkerGroup
+from d9d.cluster.control.workers import Attempt, NoResources, Reservation, WorkerGroup
 from d9d.cluster.elastic import WorldPlan
 from d9d.cluster.spec import JobSpec
 from d9d.cluster.state import JobState, RunSummary, StateMachine, record_launch
@@ -152,7 +152,7 @@ class Controller:
         self.failures = FailurePolicy(c.max_failures, c.restart_backoff_s, c.max_backoff_s)
         self._scaling = ScalingPolicy.for_job(spec)
         self._standby = StandbyPool(spec, self._standby_ready)
-        group = WorkerGroup(spec, mailbox, self._scaling, self._standby)
+        group = WorkerGroup(spec, mailbox, self._scaling, self._standby, notice)
         self._workers: Workers = workers or group
         self._runner: Runs = runner or AttemptRunner(
             spec, group, mailbox, metrics, self.machine, changes, self._result, self.startup_mark
@@ -219,7 +219,12 @@ class Controller:
                 return state
 
     async def _reserve(self, state: Reserve) -> Run | End:
-        reserved = await self._workers.reserve(state.target)
+        try:
+            reserved = await self._workers.reserve(state.target)
+        except NoResources as e:
+            # A property of the request and the cluster, said in one line; the traceback is no news.
+            _log.debug("run %s: placement failed", self._spec.run_name, exc_info=True)
+            return End(JobState.FAILED, str(e))
         if reserved is None:
             return End(JobState.STOPPED)
         plan, pg = reserved

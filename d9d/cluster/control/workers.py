@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ from d9d.cluster.placement import (
     free_capacity,
     node_capacity,
     placement_group_name,
+    placement_shortfall,
 )
 from d9d.cluster.rank import STACKS_SIGNAL, RankActor, RankLaunch, RankNode, rank_stacks_path
 from d9d.cluster.reporter import CoordinatorTransfer
@@ -52,7 +54,8 @@ _log = logging.getLogger(__name__)
 
 
 class NoResources(RuntimeError):
-    pass
+    """No layout of the run could be placed within `cluster.placement_timeout_s`; the message is one line
+    that says what the run asks for and what the cluster has (`placement_shortfall`)."""
 
 
 @dataclass
@@ -91,11 +94,13 @@ class WorkerGroup:
         mailbox: CommandMailbox,
         scaling: ScalingPolicy,
         standby: StandbyPool | None = None,
+        notice: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self._spec = spec
         self._mailbox = mailbox
         self._scaling = scaling
         self._standby = standby or StandbyPool(spec)
+        self._notice = notice  # the coordinator's: said on the console as it happens
 
     def capacity(self) -> int:
         return node_capacity(ray.nodes(), self._spec.cluster.resources)
@@ -112,6 +117,12 @@ class WorkerGroup:
         c = self._spec.cluster
         await self._standby.withdraw_pending()  # a pending standby group must not take our bundles
         candidates = self._scaling.candidates(target, self.capacity())
+        if candidates[-1].world_size > self.capacity() and self._notice is not None:
+            # Nodes may still join (an autoscaler, a node coming back): say so now, not after the wait.
+            await self._notice(
+                f"waiting up to cluster.placement_timeout_s={c.placement_timeout_s:g}s for room: the run "
+                f"{self._shortfall(candidates)}"
+            )
         bundle = bundle_for(c.resources)
         for plan in candidates:
             standbys = self._standby.take(plan.world_size, self.alive())
@@ -153,8 +164,18 @@ class WorkerGroup:
             if self._mailbox.stop:
                 return None
         raise NoResources(
-            f"no placement group of {[p.world_size for p in candidates]} × {bundle} became ready within "
-            f"cluster.placement_timeout_s={c.placement_timeout_s}"
+            f"run {self._spec.run_name} could not be placed within cluster.placement_timeout_s="
+            f"{c.placement_timeout_s:g}s: it {self._shortfall(candidates)}"
+        )
+
+    def _shortfall(self, candidates: list[WorldPlan]) -> str:
+        c = self._spec.cluster
+        return placement_shortfall(
+            ray.nodes(),
+            c.resources,
+            [p.world_size for p in candidates],
+            available=ray.available_resources(),
+            strategy=c.placement_strategy,
         )
 
     async def _placed(self, pg: PlacementGroup, plan: WorldPlan, *, smaller_exists: bool) -> bool:
