@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from d9d.core.context import DistributedContext
 from d9d.core.dist_ops import all_gather_object
+from d9d.parallel.compile import retrace_blocks
 from d9d.parallel.expert import ExchangeCapacity
 from d9d.parallel.expert.capacity import Loads
 
@@ -124,6 +125,10 @@ class ExchangeCapacityGuard:
             else:
                 capacity.fit(pairs)
                 capacity.take_window()  # the first window begins with the calibrated capacities
+        if not self.calibrated:
+            # The blocks compiled at the first step end their graphs at each MoE layer (the reading exchange
+            # breaks them there); calibrated, the exchange is traceable, so the blocks trace again, whole.
+            retrace_blocks()
         self.reruns += overflowed
         if self.ctx.is_main_process and overflowed:
             self.ctx.logger.warning(

@@ -195,8 +195,23 @@ def check_compile_available(config: CompileConfig, device: torch.device) -> None
             raise ValueError(f"compile.enabled is not supported on device type {other!r}: set it to false")
 
 
+_block_epoch = 0
+"""Read by every compiled block function, so dynamo guards on its value (`retrace_blocks`)."""
+
+
+def retrace_blocks() -> None:
+    """The next call of every compiled decoder block traces anew. For a change the block's own guards cannot
+    see: a graph break deep inside a layer (the expert exchange's read of its split sizes, before its
+    capacity is calibrated) ends the block's graph at that layer's call, with no guard on the state behind
+    the break, so the block would keep running as pieces after that state made the layer traceable whole."""
+    global _block_epoch
+    _block_epoch += 1
+
+
 def _decoder_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Runs a block's class-level forward (the instance's `forward` is the compiled entry point)."""
+    if _block_epoch < 0:  # never true; the read makes dynamo guard on the epoch
+        raise AssertionError(_block_epoch)
     return type(block).forward(block, *args, **kwargs)
 
 
@@ -211,6 +226,8 @@ def _checkpointed_decoder_block(
 ) -> Any:
     """A decoder block under an op-level checkpoint policy, the checkpoint traced with it (its own code
     object: its graphs have their own cache entries and recompile limit)."""
+    if _block_epoch < 0:  # as `_decoder_block`
+        raise AssertionError(_block_epoch)
     return traced_checkpoint(type(block).forward, context_fn, block, *args, **kwargs)
 
 

@@ -75,6 +75,7 @@ class ExchangeCapacity:
         self._splits: dict[torch.device, torch.Tensor] = {}  # `splits_on`, by device
         # [overflowed (0/1), copies sent to each peer...] since the last `take` (largest), on the device
         self._record: torch.Tensor | None = None
+        self._dispatched = False  # since the last `take`
         # the copies sent to each peer since the last `take_window` (largest), on the device
         self._window: torch.Tensor | None = None
 
@@ -121,17 +122,28 @@ class ExchangeCapacity:
 
     def record(self, per_peer: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Note one dispatch's copies per peer ([peers], on the device), sent with `rows` [peers] rows to each
-        (None: sizes read from the counts, nothing can overflow). No host synchronization."""
+        (None: sizes read from the counts, nothing can overflow). No host synchronization.
+
+        Into one buffer, updated in place and zeroed by `take`: a traced dispatch then meets the same
+        state at every layer and step (a tensor), where `None` at a step's first layer would be a second
+        compiled variant of the whole block."""
         loads = per_peer.float()
         overflowed = (loads > rows).any() if rows is not None else torch.zeros((), device=loads.device)
         seen = torch.cat([overflowed.float()[None], loads])
-        self._record = seen if self._record is None else torch.maximum(self._record, seen)
+        if self._record is None:  # the first dispatch: the reading exchange, or right after a restore
+            self._record = torch.zeros_like(seen)
+        self._record.copy_(torch.maximum(self._record, seen))
+        self._dispatched = True
 
     def take(self) -> torch.Tensor | None:
         """[overflowed, copies to each peer] since the last take (the largest; None without a dispatch), then
         clear it. With `recalibrate_every` set the loads also join the window that `take_window` returns."""
-        record, self._record = self._record, None
-        if record is not None and self.recalibrate_every is not None:  # else no kernel per layer and step
+        if not self._dispatched or self._record is None:
+            return None
+        record = self._record.clone()
+        self._record.zero_()
+        self._dispatched = False
+        if self.recalibrate_every is not None:  # else no kernel per layer and step
             self._window = record[1:] if self._window is None else torch.maximum(self._window, record[1:])
         return record
 
@@ -168,6 +180,7 @@ class ExchangeCapacity:
     def reset(self) -> None:
         """Back to uncalibrated, nothing recorded."""
         self.rows, self._symbolic, self._splits, self._record, self._window = None, [], {}, None, None
+        self._dispatched = False
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to exchange exactly as the uninterrupted one: the rows, the factor they
@@ -183,6 +196,8 @@ class ExchangeCapacity:
             )
         if state["rows"] is not None:
             self.set_rows(state["rows"])
+            # the record's buffer before the first (traced) dispatch, as a fresh run has it from calibration
+            self._record = torch.zeros(1 + self.peers, device=device)
         self._window = None if state["window"] is None else torch.tensor(state["window"], device=device)
 
     @property
