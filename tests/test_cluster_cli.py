@@ -281,6 +281,38 @@ def test_detached_run_outlives_its_driver(ray_head: Head, tmp_path: Path) -> Non
     assert json.loads((tmp_path / "run" / "run_summary.json").read_text())["status"] == "finished"
 
 
+_NOTEBOOK = """
+import sys
+import ray  # imported first, as a notebook's earlier cell did, with RAY_AUTH_MODE unset
+from d9d.cluster import connect
+connect(sys.argv[1])
+print("joined", ray.is_initialized())
+"""
+
+
+def test_a_notebook_that_imported_ray_first_joins_by_the_ray_client_with_its_token(
+    ray_head: Head, tmp_path: Path
+) -> None:
+    """Ray reads RAY_AUTH_MODE at import; without it a Ray client sends no token, and the head's client
+    server, which wants one, leaves it to time out ("ray client connection timeout"). `connect()` turns the
+    token at hand on and has Ray read its configuration again."""
+    env = {k: v for k, v in _env().items() if k != "RAY_AUTH_MODE"}  # the token is there, the mode is not
+    for _ in range(
+        3
+    ):  # Ray's client proxy sometimes fails to start its per-client server in time: retry that
+        out = subprocess.run(
+            [sys.executable, "-c", _NOTEBOOK, ray_head.client],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if "Starting Ray client server failed" not in out.stderr:
+            break
+    assert out.returncode == 0 and out.stdout.split() == ["joined", "True"], out.stderr[-3000:]
+
+
 # -- a runtime env's package on the ranks, and runs found by name, on the same head ---------------------
 
 # Each CLI call is a fresh Python process (torch, ray imports): slow on a loaded machine.

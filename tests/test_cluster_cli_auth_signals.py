@@ -107,6 +107,126 @@ def test_d9d_joins_a_local_instance_with_token_authentication_without_anything_e
     assert disabled.returncode == 2 and "requires token authentication" in disabled.stderr
 
 
+# -- a notebook's `connect()` -------------------------------------------------------------------------------
+
+# A notebook that imported Ray (nothing exported) before it joins the cluster with d9d; `before` runs in
+# between, as a later cell would.
+_NOTEBOOK = """
+import os, sys
+import ray
+{before}
+from d9d.cluster import connect
+try:
+    connect(sys.argv[1] or None)  # none: the local instance connect starts
+except ConnectionError as e:
+    print(f"refused: {{type(e).__name__}}: {{e}}")
+    sys.exit(3)
+print("joined", ray.is_initialized())
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_a_notebook_that_imported_ray_first_joins_a_cluster_with_token_authentication(
+    tmp_path: Path, local_instance: tuple[str, Path]
+) -> None:
+    """Ray reads RAY_AUTH_MODE when it is imported: a notebook that imported it before anyone set the
+    variable was refused ("Failed to connect to Ray cluster", after Ray's retries) whatever it set later,
+    `connect()` included. Now `connect()` sends the token at hand and has Ray read its configuration again;
+    a refusal all the same is one line that says what to do."""
+    address, home = local_instance
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    token = (home / ".ray" / "auth_token").read_text().strip()
+    cases = {
+        # the token in ~/.ray/auth_token, RAY_AUTH_MODE unset
+        "token file": (home, {}, ""),
+        # RAY_AUTH_MODE=token set by a cell after `import ray`: too late for Ray alone
+        "mode set after import": (
+            stranger,
+            {"RAY_AUTH_TOKEN": token},
+            "os.environ['RAY_AUTH_MODE'] = 'token'",
+        ),
+        "no token": (stranger, {}, ""),
+        "wrong token": (stranger, {"RAY_AUTH_TOKEN": "0" * 64}, ""),
+        "auth disabled": (home, {"RAY_AUTH_MODE": "disabled"}, ""),
+        # `connect()` starting a local instance: Ray starts it with token authentication, and must then
+        # send a token itself
+        "local, mode set after import": (tmp_path / "local", {}, "os.environ['RAY_AUTH_MODE'] = 'token'"),
+    }
+    (tmp_path / "local").mkdir()
+    procs = {
+        name: subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _NOTEBOOK.format(before=before),
+                "" if name.startswith("local") else address,
+            ],
+            env={**_user_env(where), **extra},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (where, extra, before) in cases.items()
+    }
+    said = {name: proc.communicate(timeout=200) for name, proc in procs.items()}
+    codes = {name: proc.returncode for name, proc in procs.items()}
+
+    for name in ("token file", "mode set after import", "local, mode set after import"):
+        assert codes[name] == 0 and said[name][0].strip() == "joined True", (name, said[name][1][-3000:])
+    refused = f"refused: RayAuthRefused: the Ray cluster at {address} requires token authentication and "
+    refused += "refused this client: "
+    for name in ("no token", "wrong token", "auth disabled"):
+        assert codes[name] == 3, (name, said[name])
+        assert "Traceback" not in said[name][0] + said[name][1]
+    assert said["no token"][0].strip() == refused + (
+        "no token here; put the cluster's token (`ray get-auth-token` on the head prints it) in "
+        "RAY_AUTH_TOKEN or ~/.ray/auth_token here"
+    )
+    assert said["wrong token"][0].strip() == refused + (
+        "the token in RAY_AUTH_TOKEN is not the cluster's (`ray get-auth-token` on the head prints it; put "
+        "it there or in RAY_AUTH_TOKEN)"
+    )
+    assert said["auth disabled"][0].strip() == refused + (
+        "RAY_AUTH_MODE=disabled here; set RAY_AUTH_MODE=token (or unset it) with the cluster's token in "
+        "RAY_AUTH_TOKEN or ~/.ray/auth_token"
+    )
+
+
+def test_the_token_decision(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """When a d9d driver turns Ray's token authentication on, and what a refusal tells the user."""
+    from d9d.cluster import auth
+
+    for name in _AUTH_VARIABLES:
+        # Set first, so that the undo removes what the test sets (delenv of an absent variable records
+        # nothing): a RAY_AUTH_MODE left behind would reach the next test's `ray.init` in this process.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert auth.token_source() is None and not auth.use_token_at_hand()
+    assert "RAY_AUTH_MODE" not in os.environ
+
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t")
+    assert auth.token_source() == str(tmp_path / ".ray" / "auth_token")
+    assert auth.use_token_at_hand() and os.environ["RAY_AUTH_MODE"] == "token"
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's choice: left alone
+    assert not auth.use_token_at_hand() and os.environ["RAY_AUTH_MODE"] == "disabled"
+    assert auth.token_source({"RAY_AUTH_TOKEN": "x"}) == "RAY_AUTH_TOKEN"
+    path = tmp_path / "elsewhere"
+    assert auth.token_source({"RAY_AUTH_TOKEN_PATH": str(path)}) is None  # named, but not there
+    path.write_text("t")
+    assert auth.token_source({"RAY_AUTH_TOKEN_PATH": str(path)}) == str(path)
+
+    # A Ray imported before the mode was set, that could not be made to read it again: say what to do.
+    advice = auth.advice(ray_follows=False, env={"RAY_AUTH_MODE": "token"})
+    assert "set it before importing ray or d9d.cluster" in advice and "restart the kernel" in advice
+    assert auth.auth_refused(auth.RayAuthRefused("x")) and not auth.auth_refused(ConnectionError("x"))
+
+
 @ray.remote(num_cpus=0)
 def _sleep(seconds: float) -> None:
     time.sleep(seconds)

@@ -13,10 +13,12 @@ import pkgutil
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import d9d
 import d9d.cli.commands as commands
+from d9d.cluster.auth import AUTH_HINT, RayAuthRefused, auth_refused, use_token_at_hand
+
+__all__ = ["AUTH_HINT", "auth_refused", "build_parser", "main", "ray_auth_from_token"]
 
 Handler = Callable[[argparse.Namespace], int]
 # When this command began: None for the `d9d` process itself (a launch's start-up then counts from the
@@ -42,34 +44,8 @@ def ray_auth_from_token() -> bool:
     token is missing or incorrect"). So with RAY_AUTH_MODE unset and a token at hand where Ray looks for
     one (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), d9d's commands use it; a cluster without
     authentication accepts such a client as well. An explicit RAY_AUTH_MODE is left alone. Whether it set
-    the variable."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return False
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    token_file = Path(path).expanduser() if path else Path.home() / ".ray" / "auth_token"
-    if not (os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file()):
-        return False
-    os.environ["RAY_AUTH_MODE"] = "token"
-    return True
-
-
-def auth_refused(error: BaseException) -> bool:
-    """Whether Ray refused to let this process join a cluster for want of the right token (the reason is
-    in the chain of causes, in Ray's own words)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if type(current).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(current):
-            return True
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return False
-
-
-AUTH_HINT = (
-    "the cluster requires token authentication and refused this client: put the cluster's token (`ray "
-    "get-auth-token` on the head prints it) in RAY_AUTH_TOKEN or ~/.ray/auth_token here"
-)
+    the variable (`d9d.cluster.auth`, which `connect()` uses too)."""
+    return use_token_at_hand()
 
 
 def _closed_pipe() -> int:
@@ -100,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConnectionError as e:
         if not auth_refused(e):
             raise
-        print(f"d9d {args.command}: {e}: {AUTH_HINT}", file=sys.stderr)
+        said = e if isinstance(e, RayAuthRefused) else f"{e}: {AUTH_HINT}"  # (the former says what to do)
+        print(f"d9d {args.command}: {said}", file=sys.stderr)
         return 2
     except ValueError as e:
         from d9d.engine.errors import ConfigError

@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from d9d.cluster import auth
 from d9d.cluster.checkpoints import check_launch
 from d9d.cluster.config import ENGINE_ENTRYPOINT
 from d9d.cluster.control.journal import find_run_dir, journal_path, read_journal, spec_of
@@ -70,17 +71,9 @@ def connect(
     _job_runtime_env = env
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        try:
-            ray.init(address=address, runtime_env=env or None)
-        except ConnectionAbortedError as error:
-            # Ray client (ray://): the head's proxier starts a server per client and can fail that start
-            # when a process it inspects exits meanwhile (seen as psutil's NoSuchProcess under load): a
-            # race inside Ray, not a property of the request, so one more try is not a blind retry.
-            if "Initialization failure from server" not in str(error):
-                raise
-            time.sleep(1.0)
-            ray.init(address=address, runtime_env=env or None)
+        _join(address, env)
     else:
+        auth.ray_follows_auth_mode()  # a RAY_AUTH_MODE set after `import ray` must reach the new instance too
         ray.init(
             address="local",
             num_cpus=max(os.cpu_count() or 1, local_cpus),
@@ -94,6 +87,35 @@ def connect(
 # Whether Ray here is the local instance `connect` started: no node can join it, so a run it cannot hold
 # is refused before anything starts (`check_placement`).
 _started_local = False
+
+
+def _join(address: str, env: dict[str, Any]) -> None:
+    """`ray.init` at a cluster's address, sending the token at hand when the cluster may want one
+    (`d9d.cluster.auth`): raises `RayAuthRefused`, one line saying what to do, when it is refused."""
+    auth.use_token_at_hand()
+    ray_follows = auth.ray_follows_auth_mode()
+    try:
+        try:
+            ray.init(address=address, runtime_env=env or None)
+        except ConnectionAbortedError as error:
+            # Ray client (ray://): the head's proxier starts a server per client and can fail that start
+            # when a process it inspects exits meanwhile (seen as psutil's NoSuchProcess under load): a
+            # race inside Ray, not a property of the request, so one more try is not a blind retry.
+            if "Initialization failure from server" not in str(error):
+                raise
+            time.sleep(1.0)
+            ray.init(address=address, runtime_env=env or None)
+    except ConnectionError as error:
+        if auth.auth_refused(error):
+            raise auth.RayAuthRefused(auth.refusal(address, ray_follows=ray_follows)) from error
+        if address.startswith("ray://") and not (ray_follows and auth.wants_token()):
+            # A Ray client server that wants a token does not answer a client without one: the same timeout
+            # as an unreachable one.
+            raise ConnectionError(
+                f"{error} at {address}; is the cluster up, and is that its client port? If it uses token "
+                f"authentication: {auth.advice(ray_follows=ray_follows)}"
+            ) from error
+        raise
 
 
 def _local_system_config() -> dict[str, Any]:

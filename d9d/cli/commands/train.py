@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     from d9d.cli import exit_codes
     from d9d.cli import main as cli
     from d9d.cluster import TrainingJob, load_job
+    from d9d.cluster.auth import RayAuthRefused
     from d9d.cluster.checkpoints import RunFinished
     from d9d.cluster.client import started_from_process
     from d9d.cluster.lease import LeaseHeld
@@ -181,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"d9d train: {e}", file=sys.stderr)
         return exit_codes.LIVE_LAUNCH
     except (CheckpointError, ValueError) as e:  # resume refused: identity, run.resume, damaged commits
+        print(f"d9d train: {e}", file=sys.stderr)
+        return 2
+    except RayAuthRefused as e:  # says which cluster and what to do
         print(f"d9d train: {e}", file=sys.stderr)
         return 2
     except ConnectionError as e:  # ray.init could not join the cluster
