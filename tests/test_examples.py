@@ -60,6 +60,13 @@ def test_lora_sft(tmp_path: Path) -> None:
     out = _run("examples/lora_sft/run.py", "--small", tmp_path=tmp_path)
     assert "LoRA fine-tune exported and verified" in out
     assert (tmp_path / "export" / "adapter" / "adapter_model.safetensors").is_file()
+    # The script drives the Trainer itself and records the launch: `d9d list` shows how it ended.
+    from d9d.cluster.registry import find_record, state_from_files
+
+    record = find_record("lora-sft-example", run_dir=tmp_path)
+    assert record is not None and record.launcher == "script"
+    state = state_from_files(record)
+    assert (state.state, state.step) == ("finished", 20) and state.last_loss is not None
 
 
 @pytest.mark.ray

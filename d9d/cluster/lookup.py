@@ -37,7 +37,7 @@ from d9d.core.storage import Location, location
 if TYPE_CHECKING:
     from d9d.cluster.client import TrainingJob
 
-_TERMINAL = ("finished", "stopped", "failed")
+_TERMINAL = ("finished", "stopped", "failed", "died")  # "died": a launch without Ray whose process is gone
 
 
 @dataclass(frozen=True)

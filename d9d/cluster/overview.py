@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from d9d.core.storage import Location
-from d9d.engine.run_files import SUMMARY_FILE, RunRecord
+from d9d.engine.run_files import SUMMARY_FILE, UNRECORDED, RunRecord, newest_commit, state_without_end
 from d9d.tracking.history import HISTORY_FILE, HistorySummary, summarize_history
 
-_LIVE = ("running", "starting", "paused", "restarting", "started", "unknown")
+_LIVE = ("running", "starting", "paused", "restarting", "started", "unknown", UNRECORDED)
 _ERROR_LINES = 4  # of a multi-line error (a rank's traceback): the rest is in `--json` and the rank's log
 
 
@@ -125,12 +125,15 @@ def overview_from_files(
     while the launch has not ended, or when it has none) and its history."""
     history = summarize_history(files / HISTORY_FILE)
     total = record.total_steps if record is not None else None
-    if launch is None:
-        state = "unknown" if record is None or record.launcher == "unknown" else "started"
-    else:
+    commit = None
+    if record is None or record.launcher == "unknown":  # no run.json: its commits say how far it got
+        commit = newest_commit(files / "checkpoints")
+        total = commit.total_steps if commit is not None else None
+    ended = launch is not None and launch.get("status") not in ("starting", "pending")
+    if launch is not None and ended:
         state = str(launch.get("status") or "unknown")
-        if state == "starting":
-            state = "started"
+    else:
+        state = state_without_end(record, files) if record is not None else UNRECORDED
     o = Overview(
         run_name=record.run_name if record is not None else run_name,
         state=state,
@@ -139,13 +142,15 @@ def overview_from_files(
         total_steps=total,
     )
     o.step, o.loss, o.tokens_per_s = history.step, history.loss, history.tokens_per_s
+    if commit is not None and (o.step is None or commit.step > o.step):
+        o.step = commit.step
     if launch is not None:
-        if state not in _LIVE and isinstance(launch.get("steps"), int):
+        if ended and state not in _LIVE and isinstance(launch.get("steps"), int):
             o.step = launch["steps"]
         losses = launch.get("losses") or {}
-        if state not in _LIVE and launch.get("final_loss") is not None:
+        if ended and state not in _LIVE and launch.get("final_loss") is not None:
             o.loss = float(launch["final_loss"])
-        elif state not in _LIVE and losses:
+        elif ended and state not in _LIVE and losses:
             o.loss = float(losses[max(losses, key=int)])
         if launch.get("tokens_per_s") is not None and o.tokens_per_s is None:
             o.tokens_per_s = float(launch["tokens_per_s"])
@@ -164,7 +169,13 @@ def overview_from_files(
 
 def format_overview(o: Overview) -> list[str]:
     """The lines of `d9d status`."""
-    launcher = {"ray": "Ray", "torchrun": "torchrun", "process": "one process"}.get(o.launcher, o.launcher)
+    launcher = {
+        "ray": "Ray",
+        "torchrun": "torchrun",
+        "process": "one process",
+        "script": "a script",
+        "unknown": "no run.json",
+    }.get(o.launcher, o.launcher)
     lines = [f"run {o.run_name}: {o.state} ({launcher}; read from {o.source})"]
 
     def row(label: str, value: str) -> None:

@@ -30,7 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 from d9d.core.storage import Location, StorageError
 from d9d.engine.run_files import RECORD_FILE as RECORD_FILE
-from d9d.engine.run_files import SUMMARY_FILE, infer_record, read_launches, tracker_lines, write_record
+from d9d.engine.run_files import (
+    SUMMARY_FILE,
+    infer_record,
+    newest_commit,
+    read_launches,
+    state_without_end,
+    tracker_lines,
+    write_record,
+)
 from d9d.engine.run_files import RunRecord as RunRecord
 from d9d.engine.run_files import read_record as read_record
 
@@ -49,7 +57,9 @@ class RunState:
     """What `d9d list` shows for one run: from the live coordinator, else from the files."""
 
     run_name: str
-    state: str  # a JobState value, or "started" when a launch has no recorded end and no live coordinator
+    # A JobState value; for a launch with no recorded end, `running`/`died` (its process on this host),
+    # `started` (no live coordinator asked), or `no record` (d9d.engine.run_files.state_without_end).
+    state: str
     step: int | None
     last_loss: float | None
     run_dir: str | None
@@ -153,8 +163,10 @@ def launch_of(record: RunRecord, options: Mapping[str, Any] | None = None) -> di
 
 def state_from_files(record: RunRecord, options: Mapping[str, Any] | None = None) -> RunState:
     """The state of a launch from the `run_summary.json` of its storage root: its record for this launch
-    if it has one ("started" while it has not ended; its step and loss then from history.jsonl);
-    "unreadable" when the store cannot be asked."""
+    if it has one; while it has none of the launch's end, what the directory tells (`state_without_end`:
+    `running`, `died`, `started`, or for a directory without `run.json` `finished` or `no record`), with
+    the step and loss from history.jsonl (or its newest commit); "unreadable" when the store cannot be
+    asked."""
     from d9d.tracking.history import HISTORY_FILE, last_values
 
     def state(value: str, step: int | None, loss: float | None) -> RunState:
@@ -163,8 +175,13 @@ def state_from_files(record: RunRecord, options: Mapping[str, Any] | None = None
     try:
         launch = launch_of(record, options)
         if launch is None or launch.get("status") in ("starting", "pending"):
-            step, loss = last_values(record.files(options) / HISTORY_FILE)
-            return state("started" if record.launcher != "unknown" else "unknown", step, loss)
+            files = record.files(options)
+            step, loss = last_values(files / HISTORY_FILE)
+            if record.launcher == "unknown":  # its commits may say how far it got
+                commit = newest_commit(files / "checkpoints")
+                if commit is not None and (step is None or commit.step > step):
+                    step = commit.step
+            return state(state_without_end(record, files), step, loss)
     except Exception as e:  # StorageError, or whatever the store's client raises
         _log.warning("run %s: cannot read %s: %s", record.run_name, record.storage_root or record.run_dir, e)
         return state("unreadable", None, None)

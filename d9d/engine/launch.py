@@ -78,7 +78,15 @@ class LaunchRecords:
     launch starts and its `run_summary.json` record when it starts and when it ends
     (d9d.engine.run_files), in the run directory and, when elsewhere, the storage root."""
 
-    def __init__(self, config: TrainConfig, decision: ResumeDecision, tracker: Any) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        decision: ResumeDecision | None,
+        tracker: Any,
+        *,
+        launcher: str | None = None,
+        resumed_from: int | None = None,
+    ) -> None:
         self._config = config
         launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
         root, run_dir = config.storage_root, config.run_dir
@@ -94,13 +102,13 @@ class LaunchRecords:
             detach=False,
             driver=f"{socket.gethostname()}:{os.getpid()}",
             storage_root=str(root) if elsewhere else None,
-            launcher="torchrun" if "RANK" in os.environ else "process",
+            launcher=launcher or ("torchrun" if "RANK" in os.environ else "process"),
             total_steps=config.trainer.total_steps,
-            trackers=tracker_lines(tracker, run_dir),
+            trackers=tracker_lines(tracker, run_dir) if tracker is not None else (),
         )
         for where in [run_dir, root] if elsewhere else [run_dir]:
             write_record(record, where)
-        resumed = decision.step if decision.action == "resume" else None
+        resumed = decision.step if decision is not None and decision.action == "resume" else resumed_from
         self.summary = RunSummary(
             run_name=config.run.name,
             status="starting",
@@ -122,6 +130,28 @@ class LaunchRecords:
             s.error = "".join(traceback.format_exception_only(error)).strip() if error else None
         s.ended_at = time.time()
         record_launch(self._config.storage_root, s)
+
+
+def recorded_train(trainer: Trainer, tracker: Any = None) -> RankResult:
+    """`trainer.train()` (set up already) as a recorded launch, for a script that drives the `Trainer`
+    itself: rank 0 writes `run.json` (launcher `script`) and the launch's `run_summary.json` record when
+    it starts and when it ends, as `python -m d9d.engine.launch` does, so `d9d list` and `d9d status` show
+    the run as running, then finished, stopped or failed (with its error). `tracker`: the tracker config
+    the script writes metrics with, for the record's tracker lines."""
+    config = trainer.config
+    records = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        resumed = trainer.progress.step or None  # where setup() resumed from
+        records = LaunchRecords(config, None, tracker, launcher="script", resumed_from=resumed)
+    try:
+        result = trainer.train()
+    except BaseException as e:
+        if records is not None:
+            records.ended(None, e)
+        raise
+    if records is not None:
+        records.ended(result)
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -48,7 +49,8 @@ class RunRecord:
     driver: str  # host:pid of the driver
     storage_root: str | None = None  # the run's durable files (`run.storage`) when not in run_dir
     # What started it: "ray" (`d9d train`, `d9d submit`, `TrainingJob`), "torchrun" or "process"
-    # (`python -m d9d.engine.launch`); "unknown" for a run directory that has no run.json (`infer_record`).
+    # (`python -m d9d.engine.launch`), "script" (a script driving the Trainer, `recorded_train`); "unknown"
+    # for a run directory that has no run.json (`infer_record`).
     launcher: str = "ray"
     total_steps: int | None = None  # trainer.total_steps of the launch
     # Each tracker of the launch: (kind, the command that opens it, or where it keeps the run).
@@ -139,6 +141,82 @@ def infer_record(run_dir: Path) -> RunRecord | None:
         driver="",
         launcher="unknown",
     )
+
+
+# The checkpoint layout d9d.engine.checkpoint writes (which imports torch; the command line reads it here).
+_CHECKPOINTS = "checkpoints"
+_STEP_PREFIX = "step-"
+_MANIFEST = "manifest.json"
+_TRAIN_CONFIG = "train_config.json"
+#: The state of a run directory that records neither its launch nor its end (`state_without_end`).
+UNRECORDED = "no record"
+_PROCESS_LAUNCHERS = ("process", "torchrun", "script")
+
+
+@dataclass(frozen=True)
+class Commit:
+    step: int
+    total_steps: int | None  # the run's length, as the config that wrote the commit says
+
+
+def newest_commit(checkpoints: Location) -> Commit | None:
+    """The newest committed step under `checkpoints` (a step directory with its manifest) and the run
+    length its `train_config.json` names; None without one."""
+    try:
+        found = []
+        for step_dir in checkpoints.glob(f"{_STEP_PREFIX}*"):
+            suffix = step_dir.name[len(_STEP_PREFIX) :]
+            if suffix.isdigit():
+                found.append((int(suffix), step_dir))
+        for step, step_dir in sorted(found, key=lambda f: f[0], reverse=True):
+            if not (step_dir / _MANIFEST).is_file():
+                continue
+            try:
+                trainer = json.loads((step_dir / _TRAIN_CONFIG).read_text()).get("trainer") or {}
+                total = trainer.get("total_steps")
+            except (OSError, ValueError, AttributeError):
+                total = None
+            return Commit(step, total if isinstance(total, int) else None)
+    except OSError:
+        return None
+    return None
+
+
+def process_alive(driver: str, started_at: float) -> bool | None:
+    """Whether the process a record names (`host:pid`, started before `started_at`) still runs; None when
+    it ran on another host, which cannot be asked from here."""
+    import psutil
+
+    host, _, pid = driver.rpartition(":")
+    if not pid.isdigit() or host != socket.gethostname():
+        return None
+    try:
+        process = psutil.Process(int(pid))
+        # A later process that got the same pid started after the record was written.
+        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() <= started_at + 1.0
+    except psutil.Error:
+        return False
+
+
+def state_without_end(record: RunRecord, files: Location) -> str:
+    """The state of a launch with no recorded end (no `run_summary.json` record of it, or one that says
+    `starting`), from what the run directory `files` does tell:
+
+    - a directory without `run.json` (a script that drove the `Trainer` without `recorded_train`, or an
+      older d9d): `finished` when its newest commit is its last step, else `no record` (`UNRECORDED`);
+    - a launch without Ray (a process, torchrun's rank 0, a script) on this host: `running` while its
+      process lives, `died` when that process is gone without recording an end (killed, or lost);
+    - else `started`: a Ray run whose coordinator was not asked, or a process on another host."""
+    if record.launcher == "unknown":
+        commit = newest_commit(files / _CHECKPOINTS)
+        if commit is not None and commit.total_steps is not None and commit.step >= commit.total_steps:
+            return "finished"
+        return UNRECORDED
+    if record.launcher in _PROCESS_LAUNCHERS:
+        alive = process_alive(record.driver, record.started_at)
+        if alive is not None:
+            return "running" if alive else "died"
+    return "started"
 
 
 def tracker_lines(config: TrackerConfig, run_dir: Path) -> tuple[tuple[str, str], ...]:

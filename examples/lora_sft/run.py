@@ -32,6 +32,7 @@ from d9d.core import DistributedContext  # noqa: E402
 from d9d.data import ByteTokenizer  # noqa: E402
 from d9d.engine.checkpoint import LocalRunReporter  # noqa: E402
 from d9d.engine.config import parse_config  # noqa: E402
+from d9d.engine.launch import recorded_train  # noqa: E402
 from d9d.engine.trainer import Trainer  # noqa: E402
 from examples.lora_sft.data import TEMPLATE, read_pairs  # noqa: E402
 
@@ -120,7 +121,9 @@ def main() -> int:
     ctx = DistributedContext.create(config.mesh, backend="gloo")
     trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, config.checkpointing.keep_last))
     trainer.setup()
-    result = trainer.train()  # ends with the exports: merged weights and the adapter
+    # Ends with the exports: merged weights and the adapter. Recorded (run.json, run_summary.json), so
+    # `d9d list` and `d9d status` show the run's state as for any launcher.
+    result = recorded_train(trainer)
     losses = result.losses
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     print(f"{result.status} after {result.steps} steps; loss: first 3 steps {first:.4f}, last 3 {last:.4f}")
