@@ -5,6 +5,7 @@ training run whose exchanges overflow rerunning its steps to the reading exchang
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +273,14 @@ def _train_spying_on_traces(
         return original(self, routed, capacity)
 
     AllToAllMoECommunication._dispatch_copies_capacity = spy  # type: ignore[method-assign]
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("d9d").addHandler(handler)
+    logging.getLogger("d9d").setLevel(logging.INFO)  # d9d sets it only where it adds its own handler
     _train(env, name, backend, DP2_EP2, None, sections)
+    if env.rank == 0:  # the one longer compile is announced where it starts
+        (env.tmp_dir / f"{name}.log").write_text("\n".join(messages))
     # compiled variants of `dispatch` (its own frame on CPU, where the eager grouped matmul breaks the graph)
     variants = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(AllToAllMoECommunication.dispatch))
     torch.save((sorted(seen), variants), env.tmp_dir / f"{name}-{env.rank}.traced.pt")
@@ -291,6 +299,8 @@ def test_the_capacity_exchange_is_traced_into_the_compiled_block(tmp_path: Path)
     want, got = torch.load(tmp_path / "reading.pt"), torch.load(tmp_path / "capacity.pt")
     assert got["repeated"], "no step overflowed: the capacities never changed"
     assert got["losses"] == want["losses"]
+    assert "compiled blocks now trace again" in (tmp_path / "capacity.log").read_text()
+    assert "trace again" not in (tmp_path / "reading.log").read_text()
     for rank in range(2):
         traced, variants = torch.load(tmp_path / f"capacity-{rank}.traced.pt")
         assert traced == [True], f"rank {rank}: the capacity dispatch ran eagerly (False in {traced})"

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from d9d.core.context import DistributedContext
 from d9d.core.dist_ops import all_gather_object
-from d9d.parallel.compile import retrace_blocks
+from d9d.parallel.compile import compiled_blocks_exist, retrace_blocks
 from d9d.parallel.expert import ExchangeCapacity
 from d9d.parallel.expert.capacity import Loads
 
@@ -141,9 +141,13 @@ class ExchangeCapacityGuard:
         elif self.ctx.is_main_process:
             self.ctx.logger.info(
                 "expert exchange capacities: %s rows per pair (source, destination; from step %d's loads); "
-                "dispatches no longer read their split sizes",
+                "dispatches no longer read their split sizes%s",
                 self._span(),
                 step,
+                # the retrace is a compile of the whole block with symbolic sizes: ~60 s on the benchmark MoE
+                "; compiled blocks now trace again with the exchange inside (one longer compile)"
+                if compiled_blocks_exist()
+                else "",
             )
         self.calibrated = True
         return overflowed

@@ -208,6 +208,19 @@ def retrace_blocks() -> None:
     _block_epoch += 1
 
 
+def compiled_blocks_exist() -> bool:
+    """Whether any decoder block has been compiled in this process (so `retrace_blocks` costs a compile).
+    False where torch does not expose dynamo's cache entries."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return False
+    return any(
+        _debug_get_cache_entry_list(fn.__code__)  # type: ignore[attr-defined]
+        for fn in (_decoder_block, _checkpointed_decoder_block)
+    )
+
+
 def _decoder_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Runs a block's class-level forward (the instance's `forward` is the compiled entry point)."""
     if _block_epoch < 0:  # never true; the read makes dynamo guard on the epoch
