@@ -352,8 +352,8 @@ class AllToAllMoECommunication:
 
         Traceable: its collectives are functional ones (`funcol`), whose waits inductor schedules, so a
         compiled MoE block keeps routing, this exchange, the experts and the combine in one graph. The
-        capacity's ints become graph constants, and symbols once they change (dynamo's automatic dynamic
-        shapes), so every layer and every later capacity reuse one graph."""
+        capacity's ints reach dynamo as symbols (`ExchangeCapacity.set_rows`), so every layer and every
+        later capacity reuse one graph."""
         local_experts = routed.local_experts(self.size)
         perm, recv_counts = self._copy_counts(routed, functional=True)
         per_peer = perm.rows_per_expert.view(self.size, local_experts).sum(1)
