@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +143,14 @@ def recorded_train(trainer: Trainer, tracker: Any = None) -> RankResult:
     if int(os.environ.get("RANK", "0")) == 0:
         resumed = trainer.progress.step or None  # where setup() resumed from
         records = LaunchRecords(config, None, tracker, launcher="script", resumed_from=resumed)
+    return _recorded(records, trainer.train)
+
+
+def _recorded(records: LaunchRecords | None, train: Callable[[], RankResult]) -> RankResult:
+    """`train()`, with how it ended (its result, or the exception it raised) in `records` where this rank
+    keeps them."""
     try:
-        result = trainer.train()
+        result = train()
     except BaseException as e:
         if records is not None:
             records.ended(None, e)
@@ -205,14 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reporter = LocalRunReporter(
         config.checkpoint_dir, config.checkpointing.keep_last, sink, config.checkpointing.on_damaged
     )
-    try:
-        result = run_rank(config, runtime, reporter)
-    except BaseException as e:
-        if records is not None:
-            records.ended(None, e)
-        raise
-    if records is not None:
-        records.ended(result)
+    result = _recorded(records, lambda: run_rank(config, runtime, reporter))
     if sink is not None:
         sink.close("finished" if result.status == "finished" else "killed")
     if dist.is_initialized():
