@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from d9d.core.storage import Location
-from d9d.engine.run_files import SUMMARY_FILE, UNRECORDED, RunRecord, newest_commit, state_without_end
+from d9d.engine.run_files import (
+    CHECKPOINTS_DIR,
+    SUMMARY_FILE,
+    UNRECORDED,
+    RunRecord,
+    newest_commit,
+    state_without_end,
+)
 from d9d.tracking.history import HISTORY_FILE, HistorySummary, summarize_history
 
 _LIVE = ("running", "starting", "paused", "restarting", "started", "unknown", UNRECORDED)
@@ -78,7 +85,7 @@ def latest_commit(checkpoints: Location) -> int | None:
 def where_lines(files: Location, record: RunRecord | None) -> list[tuple[str, str]]:
     """Where the run's files are (those that exist) and its trackers, as `d9d train` prints at the end."""
     lines: list[tuple[str, str]] = [("run dir", str(files))]
-    checkpoints = files / "checkpoints"
+    checkpoints = files / CHECKPOINTS_DIR
     try:
         if checkpoints.is_dir():
             latest = latest_commit(checkpoints)
@@ -127,13 +134,13 @@ def overview_from_files(
     total = record.total_steps if record is not None else None
     commit = None
     if record is None or record.launcher == "unknown":  # no run.json: its commits say how far it got
-        commit = newest_commit(files / "checkpoints")
+        commit = newest_commit(files / CHECKPOINTS_DIR)
         total = commit.total_steps if commit is not None else None
     ended = launch is not None and launch.get("status") not in ("starting", "pending")
     if launch is not None and ended:
         state = str(launch.get("status") or "unknown")
     else:
-        state = state_without_end(record, files) if record is not None else UNRECORDED
+        state = state_without_end(record, commit) if record is not None else UNRECORDED
     o = Overview(
         run_name=record.run_name if record is not None else run_name,
         state=state,

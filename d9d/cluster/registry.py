@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from d9d.core.storage import Location, StorageError
-from d9d.engine.run_files import RECORD_FILE as RECORD_FILE
 from d9d.engine.run_files import (
+    CHECKPOINTS_DIR,
     SUMMARY_FILE,
     infer_record,
     newest_commit,
@@ -39,6 +39,7 @@ from d9d.engine.run_files import (
     tracker_lines,
     write_record,
 )
+from d9d.engine.run_files import RECORD_FILE as RECORD_FILE
 from d9d.engine.run_files import RunRecord as RunRecord
 from d9d.engine.run_files import read_record as read_record
 
@@ -177,11 +178,12 @@ def state_from_files(record: RunRecord, options: Mapping[str, Any] | None = None
         if launch is None or launch.get("status") in ("starting", "pending"):
             files = record.files(options)
             step, loss = last_values(files / HISTORY_FILE)
+            commit = None
             if record.launcher == "unknown":  # its commits may say how far it got
-                commit = newest_commit(files / "checkpoints")
+                commit = newest_commit(files / CHECKPOINTS_DIR)
                 if commit is not None and (step is None or commit.step > step):
                     step = commit.step
-            return state(state_without_end(record, files), step, loss)
+            return state(state_without_end(record, commit), step, loss)
     except Exception as e:  # StorageError, or whatever the store's client raises
         _log.warning("run %s: cannot read %s: %s", record.run_name, record.storage_root or record.run_dir, e)
         return state("unreadable", None, None)

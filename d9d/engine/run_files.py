@@ -144,7 +144,7 @@ def infer_record(run_dir: Path) -> RunRecord | None:
 
 
 # The checkpoint layout d9d.engine.checkpoint writes (which imports torch; the command line reads it here).
-_CHECKPOINTS = "checkpoints"
+CHECKPOINTS_DIR = "checkpoints"  # under a run directory
 _STEP_PREFIX = "step-"
 _MANIFEST = "manifest.json"
 _TRAIN_CONFIG = "train_config.json"
@@ -198,17 +198,17 @@ def process_alive(driver: str, started_at: float) -> bool | None:
         return False
 
 
-def state_without_end(record: RunRecord, files: Location) -> str:
+def state_without_end(record: RunRecord, commit: Commit | None) -> str:
     """The state of a launch with no recorded end (no `run_summary.json` record of it, or one that says
-    `starting`), from what the run directory `files` does tell:
+    `starting`), from what its run directory does tell:
 
     - a directory without `run.json` (a script that drove the `Trainer` without `recorded_train`, or an
-      older d9d): `finished` when its newest commit is its last step, else `no record` (`UNRECORDED`);
+      older d9d): `finished` when its newest commit (`commit`, from `newest_commit`: the caller reads it
+      once, for the step it shows too) is its last step, else `no record` (`UNRECORDED`);
     - a launch without Ray (a process, torchrun's rank 0, a script) on this host: `running` while its
       process lives, `died` when that process is gone without recording an end (killed, or lost);
     - else `started`: a Ray run whose coordinator was not asked, or a process on another host."""
     if record.launcher == "unknown":
-        commit = newest_commit(files / _CHECKPOINTS)
         if commit is not None and commit.total_steps is not None and commit.step >= commit.total_steps:
             return "finished"
         return UNRECORDED

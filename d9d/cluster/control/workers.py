@@ -116,8 +116,9 @@ class WorkerGroup:
         ready standbys it takes (None: the job was stopped meanwhile)."""
         c = self._spec.cluster
         await self._standby.withdraw_pending()  # a pending standby group must not take our bundles
-        candidates = self._scaling.candidates(target, self.capacity())
-        if candidates[-1].world_size > self.capacity() and self._notice is not None:
+        capacity = self.capacity()
+        candidates = self._scaling.candidates(target, capacity)
+        if candidates[-1].world_size > capacity and self._notice is not None:
             # Nodes may still join (an autoscaler, a node coming back): say so now, not after the wait.
             await self._notice(
                 f"waiting up to cluster.placement_timeout_s={c.placement_timeout_s:g}s for room: the run "
