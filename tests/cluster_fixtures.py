@@ -47,6 +47,7 @@ from d9d.engine.runtime import (
 )
 
 if TYPE_CHECKING:
+    from d9d.cluster.client import TrainingJob
     from tests.harness import RankEnv
 
 
@@ -417,3 +418,18 @@ def bare_engine_rank(env: RankEnv, raw: dict[str, Any]) -> None:
     if env.rank == 0:
         config.run_dir.mkdir(parents=True, exist_ok=True)
         torch.save(list(result.losses), config.run_dir / "losses.pt")
+
+
+def wait_for_step(job: TrainingJob, step: int, timeout: float = 120.0) -> None:
+    """Until an attempt of the run reports a train point at `step` or later. Reads the points as the
+    coordinator received them: after a restart `metrics()` leaves out the steps the new attempt trains
+    again, so a wait for the restarted attempt's progress there could miss it (and did, when the first
+    attempt had reached the last step before the fault)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        points, ended = job.poll_metrics(1.0, as_received=True)
+        if any(p.kind == "train" and p.step >= step for p in points):
+            return
+        if ended and not points:
+            break
+    raise AssertionError(f"run {job.run_name} never reached step {step}")

@@ -18,7 +18,7 @@ from d9d.cluster.names import NAMESPACE, rank_name
 from d9d.cluster.spec import build_job
 from d9d.engine.checkpoint import read_latest, verify_manifest
 from d9d.tracking.history import RESTART, RESUMED_FROM, read_history
-from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
+from tests.cluster_fixtures import reference_losses, toy_job, trained_samples, wait_for_step
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240), pytest.mark.usefixtures("_ray")]
 
@@ -35,13 +35,6 @@ def _losses(summary: Any) -> list[float]:
     return [summary.losses[s] for s in range(1, STEPS + 1)]
 
 
-def _wait_for_step(job: TrainingJob, step: int) -> None:
-    for point in job.metrics(timeout=120):
-        if point.kind == "train" and point.step >= step:
-            return
-    raise AssertionError(f"run {job.run_name} never reached step {step}")
-
-
 def test_killed_rank_restarts_from_checkpoint_with_identical_losses(
     tmp_path: Path, reference: list[float]
 ) -> None:
@@ -49,7 +42,7 @@ def test_killed_rank_restarts_from_checkpoint_with_identical_losses(
         build_job(toy_job("kill", tmp_path, steps=STEPS, model={"options": {"step_sleep_s": 0.3}}))
     )
     job.start()
-    _wait_for_step(job, 5)
+    wait_for_step(job, 5)
     ray.kill(ray.get_actor(rank_name("kill", 1), namespace=NAMESPACE))
     killed = time.monotonic()
     # Noticed through the actor's death, before the heartbeat timeout (10 s by default) could notice it;
@@ -140,7 +133,7 @@ def test_interactive_pause_checkpoint_update_resume_stop(tmp_path: Path) -> None
             )
         )
     ).start()
-    _wait_for_step(job, 3)
+    wait_for_step(job, 3)
 
     job.pause()
     deadline = time.monotonic() + 30

@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster
 from d9d.cluster import JobState, TrainingJob, build_job
 from d9d.cluster.names import NAMESPACE, rank_name
 from d9d.engine.checkpoint import read_latest, verify_manifest
-from tests.cluster_fixtures import reference_losses, toy_job, trained_samples
+from tests.cluster_fixtures import reference_losses, toy_job, trained_samples, wait_for_step
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -47,13 +47,6 @@ def cluster() -> Iterator[Cluster]:
     c.shutdown()
 
 
-def _wait_for_step(job: TrainingJob, step: int) -> None:
-    for point in job.metrics(timeout=120):
-        if point.kind == "train" and point.step >= step:
-            return
-    raise AssertionError(f"run {job.run_name} never reached step {step}")
-
-
 def _wait_state(job: TrainingJob, predicate, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate(job.status()):
@@ -74,7 +67,7 @@ def test_no_shared_storage_saves_and_restores_through_coordinator(cluster: Clust
     )
     reference = reference_losses(job, world=2)
     tj = TrainingJob(build_job(job)).start()
-    _wait_for_step(tj, 5)
+    wait_for_step(tj, 5)
     ray.kill(ray.get_actor(rank_name("noshare", 1), namespace=NAMESPACE))
     summary = tj.result(timeout=180)
 
@@ -114,7 +107,7 @@ def test_node_loss_shrinks_keeps_global_batch_and_grows_back(cluster: Cluster, t
     )
     reference = reference_losses(job, world=1)  # one process, accumulation 8
     tj = TrainingJob(build_job(job)).start()
-    _wait_for_step(tj, 4)
+    wait_for_step(tj, 4)
     assert tj.status().world_size == 4
 
     victim = next(n for n in cluster.worker_nodes if n is not cluster.head_node)

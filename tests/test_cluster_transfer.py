@@ -35,7 +35,7 @@ from d9d.engine.checkpoint import read_latest, read_manifest, verify_manifest
 from d9d.engine.checkpoint_io import read_dcp_metadata
 from d9d.engine.launch import run_rank
 from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
-from tests.cluster_fixtures import bare_engine_rank
+from tests.cluster_fixtures import bare_engine_rank, wait_for_step
 from tests.harness import RankEnv, run_distributed
 
 
@@ -261,7 +261,7 @@ def test_a_rank_killed_mid_upload_resumes_exactly_fetching_only_what_it_reads(tm
     }
     tj = TrainingJob(build_job(job)).start()
     coordinator = ray.get_actor(coordinator_name("funnel"), namespace=NAMESPACE)
-    _wait_for_step(tj, _HELD_STEP + 1)
+    wait_for_step(tj, _HELD_STEP + 1)
     # Rank 1 trains past step 4 while its upload of step 4 hangs: the step is not committed.
     status = tj.status()
     assert status.step >= _HELD_STEP + 1 and status.latest_checkpoint_step == _HELD_STEP - 2
@@ -274,7 +274,7 @@ def test_a_rank_killed_mid_upload_resumes_exactly_fetching_only_what_it_reads(tm
     # Every rank restarted from the previous commit, which each still held its own files of (rank 1's
     # upload of step 4 never ended, so its step-2 files were never dropped). Of the other rank's files
     # they fetched only what they read: no optimizer or parameter shard, no RNG state.
-    _wait_for_step(tj, _HELD_STEP - 1)
+    wait_for_step(tj, _HELD_STEP - 1)
     calls_after, node = ray.get(coordinator.transfer_stats.remote())
     manifest = read_manifest(previous)["files"]
     others = {r: sum(f["size"] for f in manifest.values() if f["rank"] != r) for r in (0, 1)}
@@ -305,10 +305,3 @@ def test_a_rank_killed_mid_upload_resumes_exactly_fetching_only_what_it_reads(tm
     shard = max(f["size"] for f in manifest.values())
     assert calls_after - calls_before < shard // 10, (calls_after - calls_before, shard)
     assert node.written_bytes >= sum(f["size"] for f in manifest.values())
-
-
-def _wait_for_step(job: TrainingJob, step: int) -> None:
-    for point in job.metrics(timeout=120):
-        if point.kind == "train" and point.step >= step:
-            return
-    raise AssertionError(f"run {job.run_name} never reached step {step}")

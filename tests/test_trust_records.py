@@ -15,7 +15,7 @@ from d9d.cluster.control.outcome import Failed, Finished, Outcome
 from d9d.cluster.spec import build_job
 from d9d.cluster.state import SUMMARY_FILE, JobState, RunSummary, launch_record, record_launch
 from d9d.engine.runtime import RankResult, RankRuntime, RunReporter
-from tests.cluster_fixtures import toy_job
+from tests.cluster_fixtures import toy_job, wait_for_step
 
 # -- run_summary.json ----------------------------------------------------------------------------------------
 
@@ -170,13 +170,6 @@ def _run_pgs(run_name: str) -> list[str]:
     return run_placement_groups(placement_group_table(), run_name)
 
 
-def _wait_for_step(job: Any, step: int) -> None:
-    for point in job.metrics(timeout=120):
-        if point.kind == "train" and point.step >= step:
-            return
-    raise AssertionError(f"run {job.run_name} never reached step {step}")
-
-
 @pytest.mark.ray
 @pytest.mark.timeout(180)
 @pytest.mark.usefixtures("_ray")
@@ -210,7 +203,7 @@ def test_coordinator_death_is_recorded_frees_the_run_and_a_rerun_in_the_same_dri
     job = toy_job("lost", tmp_path, steps=200, model={"options": {"step_sleep_s": 0.1}})
     job["logging"] = {"tracker": {"kind": "log", "stdout": False}}  # metrics.jsonl records how runs end
     first = TrainingJob(build_job(job)).start()
-    _wait_for_step(first, 2)
+    wait_for_step(first, 2)
     assert _run_pgs("lost") != []
     started = json.loads((tmp_path / SUMMARY_FILE).read_text())
     assert [r["status"] for r in started["launches"]] == ["starting"]  # a launch is on record from its start
@@ -224,7 +217,7 @@ def test_coordinator_death_is_recorded_frees_the_run_and_a_rerun_in_the_same_dri
     assert on_disk["status"] == "failed" and on_disk["error"].startswith("coordinator lost")
 
     second = TrainingJob(build_job(job)).start()  # same name, same driver
-    _wait_for_step(second, 2)
+    wait_for_step(second, 2)
     second.stop(force=True)  # what `d9d stop` makes `d9d train` do (SIGTERM)
     stopped = second.result(timeout=120)
     assert stopped.status == "stopped" and stopped.steps >= 2
