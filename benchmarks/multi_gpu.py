@@ -24,11 +24,13 @@ suffix `@ray`. `--launchers` keeps one launcher only.
 | dense-pp-1f1b, -zbv, -dualpipev | Qwen3-0.6B | N | pipeline_parallel 2 × data_parallel_shard h |
 | moe-1gpu | Qwen3-MoE | 1 | one rank: the scaling baseline |
 | moe-fsdp-ep | Qwen3-MoE | N | data_parallel_shard N, expert_parallel N |
+| moe-fsdp | Qwen3-MoE | N | data_parallel_shard N: the experts sharded by FSDP, no token exchange |
 | moe-hsdp-ep | Qwen3-MoE | N | data_parallel_replicate 2 × data_parallel_shard h, expert_parallel N |
 | moe-pp-1f1b, -zbv | Qwen3-MoE | N | pipeline_parallel 2 × data_parallel_shard h, expert_parallel h |
 | titan-dense-1gpu, titan-moe-1gpu | torchtitan | 1 | one rank |
 | titan-dense-fsdp | torchtitan | N | `--parallelism.data_parallel_shard_degree N` |
 | titan-moe-fsdp-ep | torchtitan | N | the same + `--parallelism.expert_parallel_degree N` |
+| titan-moe-fsdp | torchtitan | N | `--parallelism.data_parallel_shard_degree N`, expert parallel degree 1 |
 
 Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, ffn 3072, vocab 151936, untied) and the small
 Qwen3-MoE (16 layers, 64 experts top-8, moe ffn 512) of `throughput/common.py`. Every row trains a randomly
@@ -81,8 +83,9 @@ process, whichever launcher; torchtitan: the recording metrics processor):
 - scaling: tok/s per GPU over the 1-GPU row of the same model and framework (the d9d 1-GPU row runs under
   torchrun; the `@ray` rows are scaled against it too), when both ran in the run or the merged runs.
 - `@ray` rows: tok/s over the same row under torchrun (`x_torchrun`, shown beside the launcher).
-- vs titan: tok/s per GPU over torchtitan's row of the same model at the same GPU count (N-GPU rows against
-  titan's FSDP / FSDP × EP row, 1-GPU rows against titan's 1-GPU row). The CP row runs a longer sequence than
+- vs titan: tok/s per GPU over torchtitan's row of the same model at the same GPU count: its row of the same
+  layout where it has one (`moe-fsdp` against `titan-moe-fsdp`), the other N-GPU rows against titan's
+  FSDP / FSDP × EP row, 1-GPU rows against titan's 1-GPU row. The CP row runs a longer sequence than
   torchtitan's rows: it gets no ratio (compare its MFU).
 - Pipeline rows, the bubble. On every rank the probe times each stage pass (forward F, full backward B,
   input-gradient backward I, weight-gradient backward W; CUDA events on the compute stream, i.e. GPU time,
@@ -259,6 +262,10 @@ def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
             rows.append(
                 (f"titan-{model}-{fsdp_id}", "torchtitan", n, f"FSDP {n}{ep_name}", fsdp, None, seq, mb)
             )
+            if model == "moe":  # the experts sharded by FSDP like every other weight, no token exchange
+                plain = {"data_parallel_shard": n}
+                rows.append(("moe-fsdp", "d9d", n, f"FSDP {n}, no EP", plain, None, seq, mb))
+                rows.append(("titan-moe-fsdp", "torchtitan", n, f"FSDP {n}, no EP", plain, None, seq, mb))
         if even:
             hsdp = {"data_parallel_replicate": 2, "data_parallel_shard": h, **ep}
             rows.append(
@@ -347,6 +354,8 @@ RUN_ORDER = (
     "titan-moe-1gpu",
     "moe-fsdp-ep",
     "titan-moe-fsdp-ep",
+    "moe-fsdp",
+    "titan-moe-fsdp",
     "dense-fsdp@ray",
     "moe-fsdp-ep@ray",
     "moe-pp-zbv",
@@ -893,7 +902,15 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         if base_id(r["id"]) != r["id"] and (x_base := ratio(r, base_id(r["id"]))) is not None:
             r["x_base"] = x_base
         model = r["model"]
-        titan_n = f"titan-{model}-fsdp-ep" if model == "moe" else f"titan-{model}-fsdp"
+        # torchtitan's row of the same layout where it has one, else its FSDP (x EP) row
+        same_layout = f"titan-{base_id(r['id']).partition('@')[0]}"
+        titan_n = (
+            same_layout
+            if same_layout in done
+            else f"titan-{model}-fsdp-ep"
+            if model == "moe"
+            else f"titan-{model}-fsdp"
+        )
         scaling = ratio(r, f"titan-{model}-1gpu" if r["framework"] == "torchtitan" else f"{model}-1gpu")
         x_titan = ratio(r, f"titan-{model}-1gpu" if r["gpus"] == 1 else titan_n)
         if (

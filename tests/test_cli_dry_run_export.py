@@ -104,6 +104,28 @@ def test_dry_run_prints_config_layout_parameters_and_memory(
         assert not sys.modules["ray"].is_initialized()
 
 
+def test_dry_run_shards_the_experts_with_fsdp_without_expert_parallelism(tmp_path: Path) -> None:
+    """With `expert_parallel` 1 the decoder plan leaves the experts to FSDP (tests/test_parallel_qwen3.py
+    checks the shards); the estimate halves them with the rest, and counts them in the gathered model."""
+
+    def memory(mesh: dict[str, int], fsdp: dict[str, Any]) -> Any:
+        model = {"provider": "qwen3_moe", "options": {"architecture": MOE_ARCH, "parallel": {"fsdp": fsdp}}}
+        (estimate,) = dry_run(parse_config(_job(tmp_path, model=model, mesh=mesh))).memory
+        return estimate
+
+    model = build_causal_lm(Qwen3MoEConfig(**MOE_ARCH))  # type: ignore[arg-type]
+    sizes = [(n, p.numel()) for n, p in model.named_parameters()]
+    experts = sum(k for n, k in sizes if ".experts." in n)
+    halves = sum(-(-k // 2) for _, k in sizes)
+    assert memory({"data_parallel_shard": 2}, {"keep_gathered_gib": 0}).parameters == 4 * halves
+    # Kept gathered (the default for a model this small), the gathered experts are on the rank as well.
+    assert memory({"data_parallel_shard": 2}, {}).parameters == 4 * sum(k for _, k in sizes)
+    # Under expert parallelism the experts are split over ep, not FSDP: 4 ranks, ep 2, dp_shard 4.
+    split = memory({"data_parallel_shard": 4, "expert_parallel": 2}, {"keep_gathered_gib": 0})
+    rest = sum(-(-k // 4) for n, k in sizes if ".experts." not in n)
+    assert split.parameters == 4 * (experts // 2 + rest)
+
+
 def test_dry_run_counts_lora_parameters_and_shards_their_memory(tmp_path: Path) -> None:
     arch = {k: v for k, v in MOE_ARCH.items() if "expert" not in k and k != "moe_intermediate_size"}
 

@@ -105,6 +105,7 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 LAYOUTS = {
     "dp2xep2": ({"data_parallel_replicate": 2, "expert_parallel": 2}, None),
     "fsdp2xep2": ({"data_parallel_shard": 2, "expert_parallel": 2}, None),
+    "fsdp2": ({"data_parallel_shard": 2}, None),  # no expert parallelism: the experts sharded by FSDP
     "pp2-1f1b": ({"pipeline_parallel": 2}, "1f1b"),
     "pp2-zbv": ({"pipeline_parallel": 2}, "zbv"),  # split backward through compiled blocks
     "pp2-dualpipev": ({"pipeline_parallel": 2}, "dualpipev"),

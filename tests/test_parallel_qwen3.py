@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from d9d.core import DeviceMeshParameters, DistributedContext
 from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification, parallelize_qwen3
@@ -153,6 +154,8 @@ def _run_cases(env: RankEnv, cases: list[Case], backend: str = "gloo") -> None:
         plan(
             model, ctx, ParallelPlanConfig(sequence_parallel=case.sp, expert_backend=AllToAllBackendConfig())
         )
+        if case.model == "qwen3_moe" and case.ep == 1 and case.tp == 1 and case.shard > 1:
+            _assert_experts_sharded_by_fsdp(model, case.shard)
         if case.meta:
             model.to_empty(device=device)
             model.reset_parameters()  # buffers (rotary tables); weights then come from the "checkpoint"
@@ -165,6 +168,17 @@ def _run_cases(env: RankEnv, cases: list[Case], backend: str = "gloo") -> None:
         sync.close()
 
 
+def _assert_experts_sharded_by_fsdp(model: nn.Module, shard: int) -> None:
+    """Without expert or tensor parallelism the experts are FSDP's, sharded with their block: each rank
+    holds 1/shard of them (not a replica with its own optimizer state, as on the expert mesh)."""
+    experts = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
+    assert experts
+    for name, param in experts:
+        assert isinstance(param, DTensor), name
+        assert param.device_mesh.mesh_dim_names == ("dp_cp_shard",), (name, param.device_mesh)
+        assert param.to_local().shape[0] == param.shape[0] // shard, (name, param.to_local().shape)
+
+
 TWO_RANKS = [
     Case("qwen3", replicate=2),
     Case("qwen3", shard=2),
@@ -172,6 +186,8 @@ TWO_RANKS = [
     Case("qwen3", tp=2, sp=True),
     Case("qwen3_moe", replicate=2, ep=2),
     Case("qwen3_moe", shard=2, ep=2),
+    Case("qwen3_moe", shard=2),  # the experts sharded by FSDP with their block
+    Case("qwen3_moe", replicate=2),  # and replicated with it
     Case("qwen3_moe", tp=2),
     Case("qwen3_moe", tp=2, ep=2, sp=True),
     Case("qwen3_moe", tp=2, ep=2),  # token-split MoE layers whose tokens are gathered back after the layer
@@ -189,6 +205,7 @@ FOUR_RANKS = [
     Case("qwen3_moe", shard=2, tp=2, sp=True),  # experts not split over ep: summed over tp, sharded by FSDP
     Case("qwen3", shard=2, tp=2, sp=True, meta=True),
     Case("qwen3_moe", replicate=2, shard=2, ep=2, meta=True),
+    Case("qwen3_moe", replicate=2, shard=2, meta=True),  # HSDP of the experts, built on meta
 ]
 
 

@@ -8,8 +8,9 @@ estimate from those meta parameters, their dtypes and the mesh:
 - parameters: expert weights (`GroupedExperts`) split over `expert_parallel`; for a model family's causal LM
   (a built-in provider, or a plug-in with the `ModelArchitecture` trait) the parameters its plan splits over
   `tensor_parallel` (`ModelFamily.footprint`); everything but experts split over FSDP's
-  `data_parallel_shard × context_parallel_shard`. Other models: FSDP sharding only. Where FSDP keeps every
-  unit gathered from forward to backward — pipeline steps always, otherwise `fsdp.reshard_after_forward`
+  `data_parallel_shard × context_parallel_shard` (the experts too when `expert_parallel` and
+  `tensor_parallel` are both 1: the decoder plan then leaves them to FSDP). Other models: FSDP sharding
+  only. Where FSDP keeps every unit gathered from forward to backward — pipeline steps always, otherwise `fsdp.reshard_after_forward`
   `never`, or `auto` under `keep_gathered_gib` — the rank holds the gathered parameters too at the end of
   forward (the one or two units gathered at a time otherwise are not counted).
 - gradients: trainable parameters, sharded alike, in `gradient_manager.grad_dtype` (default: theirs).
@@ -324,11 +325,12 @@ def estimate_memory(
     architecture = _architecture(provider)
     footprints = [_footprint(architecture, module) for module in modules]
     fsdp = mesh.data_parallel_shard * mesh.context_parallel_shard
+    experts_dense = mesh.expert_parallel == 1 and mesh.tensor_parallel == 1  # the decoder plan's rule
     params = grads = gathered = sharded = 0  # the last two: FSDP's parameters gathered, and their shards
     trainable: list[tuple[nn.Parameter, int]] = []
     notes: list[str] = []
     for module, footprint in zip(modules, footprints, strict=True):
-        experts = _expert_parameters(module)
+        experts = set() if experts_dense else _expert_parameters(module)
         tensor_parallel = footprint.tensor_parallel if footprint is not None else frozenset()
         for _, p in _unique_parameters(module):
             if p in experts:

@@ -3,7 +3,8 @@
 per-layer tensor-parallel function (`layer_tp`).
 
 Order matters and is fixed here:
-1. expert parallelism (experts → `Shard(0)` on `ep_shard`, reduced over `ep_replicate`),
+1. expert parallelism (experts → `Shard(0)` on `ep_shard`, reduced over `ep_replicate`); with ep 1 and
+   tp 1 the experts are left to step 3 and sharded by FSDP like every other weight,
 2. tensor parallelism on the `tp` dim of the dense domain (heads, SwiGLU, vocabulary, token-split MoE),
 3. data parallelism of everything else over the dense domain: FSDP on `dp_cp_shard` when it is larger than
    one (HSDP with the synchronizer reducing over `dp_cp_replicate`), plain replication otherwise. FSDP's
@@ -128,7 +129,13 @@ def parallelize_decoder(
         for _, mlp in moe:
             mlp.shares_tokens_with(cp.group)  # each cp rank routes its part of the sequences
     expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
-    if moe and expert_mesh.size() > 1:
+    dense = ctx.mesh_for(MeshDomain.DENSE)
+    # Without expert or tensor parallelism the experts are dense weights like any other: FSDP shards them
+    # with their block (gathered for its forward, reduce-scattered after its backward, prefetched). Put on
+    # the expert mesh they would be replicated on every data-parallel rank, their optimizer state too, and
+    # their gradients all-reduced (2 x H200, FSDP 2: 191-206k tok/s at 36.3 GiB, docs/benchmarks.md).
+    experts_dense = ctx.params.expert_parallel == 1 and dense["tp"].size() == 1
+    if moe and expert_mesh.size() > 1 and not experts_dense:
         dtype = activation_dtype or _compute_dtype(model, mp_policy)
         for layer, mlp in moe:
             parallelize_expert_parallel(
@@ -139,7 +146,6 @@ def parallelize_decoder(
                 backend=config.expert_backend,
                 unit=layer,
             )
-    dense = ctx.mesh_for(MeshDomain.DENSE)
     if dense["tp"].size() > 1:
         _tensor_parallel(model, layers, ctx, sequence_parallel, layer_tp)
     if dense["dp_cp_shard"].size() > 1:
