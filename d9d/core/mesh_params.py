@@ -71,6 +71,13 @@ class DeviceMeshParameters(BaseModel):
     def expert_replicate(self) -> int:
         return self.non_pipeline_size // self.expert_parallel
 
+    @property
+    def experts_are_dense_weights(self) -> bool:
+        """Without expert and tensor parallelism the experts are parallelized as weights of their block
+        (FSDP shards them with it) instead of on the expert mesh, where they would be replicated on every
+        data-parallel rank with their optimizer state."""
+        return self.expert_parallel == 1 and self.tensor_parallel == 1
+
     @model_validator(mode="after")
     def _check_expert_parallel(self) -> Self:
         if self.non_pipeline_size % self.expert_parallel != 0:

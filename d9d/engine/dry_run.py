@@ -325,12 +325,11 @@ def estimate_memory(
     architecture = _architecture(provider)
     footprints = [_footprint(architecture, module) for module in modules]
     fsdp = mesh.data_parallel_shard * mesh.context_parallel_shard
-    experts_dense = mesh.expert_parallel == 1 and mesh.tensor_parallel == 1  # the decoder plan's rule
     params = grads = gathered = sharded = 0  # the last two: FSDP's parameters gathered, and their shards
     trainable: list[tuple[nn.Parameter, int]] = []
     notes: list[str] = []
     for module, footprint in zip(modules, footprints, strict=True):
-        experts = set() if experts_dense else _expert_parameters(module)
+        experts = set() if mesh.experts_are_dense_weights else _expert_parameters(module)
         tensor_parallel = footprint.tensor_parallel if footprint is not None else frozenset()
         for _, p in _unique_parameters(module):
             if p in experts:

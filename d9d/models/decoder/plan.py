@@ -130,12 +130,11 @@ def parallelize_decoder(
             mlp.shares_tokens_with(cp.group)  # each cp rank routes its part of the sequences
     expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
     dense = ctx.mesh_for(MeshDomain.DENSE)
-    # Without expert or tensor parallelism the experts are dense weights like any other: FSDP shards them
-    # with their block (gathered for its forward, reduce-scattered after its backward, prefetched). Put on
-    # the expert mesh they would be replicated on every data-parallel rank, their optimizer state too, and
-    # their gradients all-reduced (2 x H200, FSDP 2: 191-206k tok/s at 36.3 GiB, docs/benchmarks.md).
-    experts_dense = ctx.params.expert_parallel == 1 and dense["tp"].size() == 1
-    if moe and expert_mesh.size() > 1 and not experts_dense:
+    # Experts that are dense weights (no ep, no tp) are left to data parallelism below. FSDP then gathers
+    # the experts for their block's forward and reduce-scatters them after its backward,
+    # prefetched; on the expert mesh their gradients were all-reduced and their optimizer state replicated
+    # (2 x H200, FSDP 2: 36.3 against 31.4 GiB at the same speed, docs/benchmarks.md, session 24).
+    if moe and expert_mesh.size() > 1 and not ctx.params.experts_are_dense_weights:
         dtype = activation_dtype or _compute_dtype(model, mp_policy)
         for layer, mlp in moe:
             parallelize_expert_parallel(
