@@ -14,6 +14,8 @@ import pytest
 from d9d.cluster import TrainingJob
 from d9d.cluster import client as client_module
 from d9d.cluster import reporter as reporter_module
+from d9d.cluster.control.metrics import MetricsHub
+from d9d.cluster.rank import SETUP_BUILD, SETUP_LOAD, SETUP_PROCESS_GROUP, is_setup_point
 from d9d.cluster.spec import build_job
 from d9d.engine.runtime import MetricPoint
 from tests.cluster_fixtures import toy_job
@@ -31,6 +33,31 @@ def _health(step: int, rank: int) -> MetricPoint:
 
 def _cluster(step: int, world: float) -> MetricPoint:
     return MetricPoint(step, -1, {"world_size": world}, "health", 0.0)
+
+
+def _setup(step: int, rank: int, attempt: int) -> MetricPoint:
+    """A rank's setup point (`PhasedReporter`): rank 0's at its first step boundary (the step it resumes
+    from), the others' at step 0; the wall time tells the attempts apart."""
+    values = {SETUP_PROCESS_GROUP: 0.5, SETUP_BUILD: 1.0 + attempt}
+    if rank == 0:
+        values[SETUP_LOAD] = 0.25
+    return MetricPoint(step, rank, values, "health", 100.0 * (attempt + 1) + rank)
+
+
+def _two_restarts() -> list[tuple[list[MetricPoint], bool]]:
+    """Attempt 0 reaches step 3; attempt 1 restarts from scratch (no commit yet) and reaches step 4, attempt
+    2 from the commit at step 2 and ends at step 5. Each attempt's two ranks report their setup point once."""
+    return [
+        ([_cluster(0, 2.0), _setup(0, 0, 0), _setup(0, 1, 0), _train(1), _health(1, 1), _train(2)], False),
+        ([_health(2, 1), _train(3)], False),
+        ([_cluster(0, 2.0), _setup(0, 1, 1), _setup(0, 0, 1), _train(1), _health(1, 1), _train(2)], False),
+        ([_train(3), _train(4)], False),
+        ([_cluster(2, 2.0), _setup(0, 1, 2), _setup(2, 0, 2), _train(3), _health(3, 1), _train(5)], True),
+    ]
+
+
+def _setups(points: list[MetricPoint]) -> list[tuple[int, int, float]]:
+    return [(p.rank, p.step, p.wall_time) for p in points if SETUP_PROCESS_GROUP in p.values]
 
 
 # -- the courier ---------------------------------------------------------------------------------------------
@@ -174,6 +201,59 @@ def test_a_poll_of_replays_only_does_not_end_the_metrics_early(monkeypatch, tmp_
     assert [p.step for p in job.metrics(timeout=5)] == [1, 2, 3]
 
 
+def test_a_restarted_attempts_setup_points_are_delivered_and_its_replayed_steps_are_not(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """A restarted attempt's setup points (its own start-up's timings) arrive at a step the failed
+    attempt's did too (step 0; rank 0's at the commit it resumes from, 0 without one): they are not
+    replays, and a user reading setup timings after a fault gets every attempt's."""
+    monkeypatch.setattr(client_module.ray, "get", lambda answer: answer)
+    job = _handle(_two_restarts(), tmp_path)
+
+    got = list(job.metrics(timeout=5))
+
+    assert _setups(got) == [
+        (0, 0, 100.0),
+        (1, 0, 101.0),
+        (1, 0, 201.0),
+        (0, 0, 200.0),
+        (1, 0, 301.0),
+        (0, 2, 300.0),
+    ]
+    assert [p.step for p in got if p.kind == "train"] == [1, 2, 3, 4, 5]
+    assert [p.step for p in got if p.kind == "health" and p.rank == 1 and "step_time_s" in p.values] == [
+        1,
+        2,
+        3,
+    ]
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.points: list[MetricPoint] = []
+
+    def submit(self, point: MetricPoint) -> None:
+        self.points.append(point)
+
+
+def test_the_tracker_gets_every_attempts_setup_points_and_each_trained_step_once() -> None:
+    writer = _Writer()
+    hub = MetricsHub(writer)  # type: ignore[arg-type]  # only `submit` is called
+    for points, _ in _two_restarts():
+        for point in points:
+            hub.add(point)
+
+    assert _setups(writer.points) == [
+        (0, 0, 100.0),
+        (1, 0, 101.0),
+        (1, 0, 201.0),
+        (0, 0, 200.0),
+        (1, 0, 301.0),
+        (0, 2, 300.0),
+    ]
+    assert [p.step for p in writer.points if p.kind == "train"] == [1, 2, 3, 4, 5]
+
+
 class _SlowCoordinator:
     """Hands out the points after the asked sequence number, one at a time, slowly: two handles' calls
     overlap."""
@@ -231,9 +311,12 @@ def test_a_restarted_runs_metrics_arrive_in_step_order_each_step_once(tmp_path: 
     assert [p.step for p in points if p.kind == "train"] == list(range(1, 11))
     streams: dict[tuple[str, int, tuple[str, ...]], list[int]] = {}
     for p in points:
-        if p.rank >= 0:
+        if p.rank >= 0 and not is_setup_point(p):
             streams.setdefault((p.kind, p.rank, tuple(sorted(p.values))), []).append(p.step)
     assert all(steps == sorted(set(steps)) for steps in streams.values()), streams
+    # Each attempt's ranks timed their own start-up: rank 1's at step 0 both times, rank 0's at the step
+    # its attempt started from.
+    assert sorted((p.rank, p.step) for p in points if is_setup_point(p)) == [(0, 0), (0, 4), (1, 0), (1, 0)]
     # The coordinator did receive steps 5 and 6 twice: what a handle gets as received says so.
     received, _ = TrainingJob.attach("ordered").poll_metrics(5.0, as_received=True)
     assert [p.step for p in received if p.kind == "train"] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]

@@ -207,10 +207,15 @@ class PhasedReporter(RayRunReporter):
         self.metrics(MetricPoint(step, self._setup_rank, values, "health", end))
 
 
+def is_setup_point(point: MetricPoint) -> bool:
+    """A rank's setup point (`PhasedReporter`): one per rank and attempt."""
+    return point.kind == "health" and point.rank >= 0 and SETUP_PROCESS_GROUP in point.values
+
+
 def setup_marks(point: MetricPoint) -> tuple[float, float, float | None, float | None] | None:
     """(run entered, process group ready, build done, load done) in wall-clock seconds from a rank's setup
     point; None for any other point."""
-    if point.kind != "health" or SETUP_PROCESS_GROUP not in point.values:
+    if not is_setup_point(point):
         return None
     durations = [point.values.get(k) for k in SETUP_KEYS]
     known = [d for d in durations if d is not None]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from d9d.cluster.rank import is_setup_point
 from d9d.engine.runtime import MetricPoint
 from d9d.engine.tracking_sink import STATE_FILE, TrackerSink, run_files_mirror
 from d9d.tracking import RunSpec, RunStatus, build_tracker
@@ -92,12 +93,18 @@ class ReplayFilter:
     them a second time; a stream only moves forward. A stream is one source of one kind of values: (kind,
     rank, the value names), because one rank reports several streams per step (the step's loss, task
     metrics that a background collector finishes steps later) and each must pass on its own.
+
+    A rank's setup point (`d9d.cluster.rank.is_setup_point`) always passes: each attempt's rank reports
+    one, timing that attempt's own start-up, so it is never a replay, though a restarted attempt's comes at
+    a step the failed attempt's came at too (step 0; rank 0's at the commit it resumes from).
     """
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, int, tuple[str, ...]], int] = {}
 
     def fresh(self, point: MetricPoint) -> bool:
+        if is_setup_point(point):
+            return True
         key = (point.kind, point.rank, tuple(sorted(point.values)))
         if point.step <= self._last.get(key, -1):
             return False

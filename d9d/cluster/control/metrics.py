@@ -1,5 +1,5 @@
 """Where every metric point of a run passes: numbered into a buffer clients read from, and written to the
-tracker (once per step and stream, see `ReplayFilter`)."""
+tracker (once per step and stream, and each rank's setup point of every attempt, see `ReplayFilter`)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,10 @@ class StepOrder:
     second time, as the tracker does not record it twice. Each poll's points are sorted by step first (a
     stable sort: points of one step keep their arrival order). The cluster's own events (rank -1: world size,
     resumes, recovery times) are each delivered once, at the step they concern, unfiltered: two restarts from
-    one commit are two events at one step. Streams are not held back for each other: a rank whose courier
+    one commit are two events at one step. So are the ranks' setup points, one per rank and attempt (that
+    attempt's start-up timings; `ReplayFilter`): a restarted attempt's come at step 0 (rank 0's at the commit
+    it resumes from), where the failed attempt's may have come, and are delivered all the same, so a rank's
+    setup stream has one point per attempt. Streams are not held back for each other: a rank whose courier
     delivers later, or task metrics that a background collector finishes steps later, may come after a
     later step of another stream.
     """
