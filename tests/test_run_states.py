@@ -1,18 +1,21 @@
 """The state `d9d list` and `d9d status` show for a run that no launcher recorded the end of: a script that
 drove the `Trainer` itself (now `recorded_train`: running, then finished, stopped or failed), a process
 that is gone without recording its end (`died`), and a directory with no `run.json` at all (`finished`
-when its newest commit is its last step, else `no record`), never `unknown`."""
+when its newest commit is its last step, else `no record`), never `unknown`; and `d9d stop` of such a
+launch, through the process its record names."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -109,7 +112,12 @@ def _trainer(tmp_path: Path, train: object) -> SimpleNamespace:
     job = toy_job("scripted", tmp_path / "run", steps=20)
     del job["cluster"]
     return SimpleNamespace(
-        config=parse_config(job, check_components=False), progress=SimpleNamespace(step=0), train=train
+        config=parse_config(job, check_components=False),
+        progress=SimpleNamespace(step=0),
+        train=train,
+        commands=SimpleNamespace(receive=None),  # `recorded_train` reads the commands through SIGTERM's stop
+        reporter=None,
+        ctx=None,
     )
 
 
@@ -135,3 +143,246 @@ def test_a_script_that_records_its_training_shows_how_it_ended(tmp_path: Path) -
     assert record is not None and state_from_files(record).state == "failed"
     summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
     assert summary["error"] == "RuntimeError: boom at step 3" and len(summary["launches"]) == 2
+
+
+# -- d9d stop of a launch without Ray ---------------------------------------------------------------------
+
+
+_SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from d9d.core import DistributedContext
+from d9d.engine.checkpoint import LocalRunReporter
+from d9d.engine.config import load_config
+from d9d.engine.launch import recorded_train
+from d9d.engine.trainer import Trainer
+
+config = load_config(Path(sys.argv[1]))
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+ctx = DistributedContext.create(config.mesh, backend="gloo")
+progress = config.run_dir / "progress"  # the step reached, for the test to wait on
+reporter = LocalRunReporter(
+    config.checkpoint_dir, config.checkpointing.keep_last, lambda p: progress.write_text(str(p.step))
+)
+trainer = Trainer(config, ctx, reporter)
+trainer.setup()
+result = recorded_train(trainer)
+print("trained:", result.status, result.steps, flush=True)
+"""
+
+
+def _launch(tmp_path: Path, how: str = "process", **job: Any) -> tuple[subprocess.Popen[str], Path]:
+    """A launch without Ray (`how`: `process`, `torchrun` with two ranks, or `script`: a script's
+    `recorded_train`) of a tiny engine job (the launchers' test's) that would train far longer than the test
+    waits."""
+    import yaml
+
+    from tests.engine_fixtures import subprocess_env, torchrun_command
+
+    run = tmp_path / "runs" / "proc"
+    config = {
+        "run": {"name": "proc", "dir": str(run)},
+        "batching": {"global_batch_size": 8, "microbatch_size": 2},
+        "trainer": {"total_steps": 1_000_000},
+        "checkpointing": {"period": 100_000},
+        "logging": {"progress_bar": "off"},  # the default tracker: history.jsonl tells the step reached
+        "model": {"provider": "tests.engine_fixtures:TinyLMProvider"},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "task": {"provider": "tests.engine_fixtures:TokenCETask"},
+        **job,
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = {
+        "process": [sys.executable, "-m", "d9d.engine.launch", str(path)],
+        "torchrun": torchrun_command(path),
+        "script": [sys.executable, "-c", _SCRIPT, str(path)],
+    }[how]
+    proc = subprocess.Popen(
+        command,
+        env=subprocess_env(GLOO_SOCKET_IFNAME="lo"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, run
+
+
+def _wait_for_step(proc: subprocess.Popen[str], run: Path, step: int) -> None:
+    """Until the launch is `running` past `step` (from its history, or the script's progress file)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        record = find_record("proc", run_dir=run)
+        if record is not None:
+            state = state_from_files(record)
+            progress = run / "progress"
+            reached = int(progress.read_text() or 0) if progress.is_file() else (state.step or 0)
+            if state.state == "running" and reached >= step:
+                return
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"never reached step {step}: {proc.communicate()[0][-3000:]}")
+
+
+@pytest.mark.timeout(240)
+def test_d9d_stop_stops_a_process_run_at_a_step_boundary_which_it_commits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proc, run = _launch(tmp_path)
+    try:
+        _wait_for_step(proc, run, 3)
+        capsys.readouterr()
+        assert main(["stop", "proc", "--runs-root", str(tmp_path / "runs"), "--timeout", "60"]) == 0
+        out = capsys.readouterr().out
+        # It ended by itself (no SIGKILL), recorded its end and exited as a stop on request does.
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.communicate()[0]
+    assert "SIGTERM: stopping at the next step boundary" in log, log[-3000:]
+    assert f"sent SIGTERM to its process (pid {proc.pid})" in out and "killed" not in out, out
+    record = find_record("proc", run_dir=run)
+    assert record is not None
+    state = state_from_files(record)
+    assert state.state == "stopped" and state.step is not None and state.step >= 3, state
+    assert out.splitlines()[-1] == f"run proc: stopped after {state.step} steps"
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert summary["stop_reason"] == "SIGTERM"
+    # The step it stopped at is committed: a relaunch resumes there.
+    assert (run / "checkpoints" / "latest").read_text() == f"step-{state.step:08d}"
+    # Stopped: there is nothing to stop any more.
+    assert main(["stop", "proc", "--runs-root", str(tmp_path / "runs")]) == 1
+    assert capsys.readouterr().err == "d9d stop: run 'proc' is not running (stopped; process launch)\n"
+
+
+@pytest.mark.timeout(240)
+def test_d9d_stop_stops_a_script_that_records_its_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`recorded_train` of a script's own `Trainer` and reporter: the stop reaches its command loop."""
+    proc, run = _launch(tmp_path, "script")
+    try:
+        _wait_for_step(proc, run, 3)
+        assert main(["stop", "proc", "--runs-root", str(tmp_path / "runs"), "--timeout", "60"]) == 0
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.communicate()[0]
+    out = capsys.readouterr().out
+    assert f"sent SIGTERM to the script's rank 0 (pid {proc.pid})" in out and "killed" not in out, out
+    record = find_record("proc", run_dir=run)
+    assert record is not None and record.launcher == "script"
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert (summary["status"], summary["stop_reason"]) == ("stopped", "SIGTERM")
+    steps = summary["steps"]
+    assert f"trained: stopped {steps}\n" in log, log[-3000:]
+    assert (run / "checkpoints" / "latest").read_text() == f"step-{steps:08d}"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_d9d_stop_stops_every_rank_of_a_torchrun_launch_at_one_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The record names rank 0's process; the stop reaches rank 1 through rank 0's broadcast of the
+    commands, so both stop at one step, which they save together, and torchrun ends without an error."""
+    proc, run = _launch(tmp_path, "torchrun", mesh={"data_parallel_replicate": 2})
+    try:
+        _wait_for_step(proc, run, 3)
+        record = find_record("proc", run_dir=run)
+        assert record is not None and record.launcher == "torchrun"
+        assert int(record.driver.rpartition(":")[2]) != proc.pid  # a worker, not torchrun's agent
+        assert main(["stop", "proc", "--runs-root", str(tmp_path / "runs"), "--timeout", "60"]) == 0
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.communicate()[0]
+    out = capsys.readouterr().out
+    assert "sent SIGTERM to torchrun's rank 0" in out and "killed" not in out, out
+    state = state_from_files(record)
+    assert state.state == "stopped" and state.step is not None and state.step >= 3, (state, log[-3000:])
+    assert out.splitlines()[-1] == f"run proc: stopped after {state.step} steps"
+    assert (run / "checkpoints" / "latest").read_text() == f"step-{state.step:08d}"
+
+
+def _sleeper(ignore_sigterm: bool = False) -> subprocess.Popen[str]:
+    code = "import signal, sys, time\n"
+    if ignore_sigterm:
+        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    code += "print('ready', flush=True)\ntime.sleep(120)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_d9d_stop_refuses_a_process_run_of_another_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    sleeper = _sleeper()
+    try:
+        # Its pid is a live process here: only the host tells it is not the run's.
+        _record(runs / "elsewhere", f"gpu-node-7:{sleeper.pid}", time.time())
+        assert main(["stop", "elsewhere", "--runs-root", str(runs)]) == 1
+        err = capsys.readouterr().err
+        assert err == (
+            f"d9d stop: run 'elsewhere' runs as process {sleeper.pid} on host gpu-node-7, not on this one "
+            f"({socket.gethostname()}): run d9d stop there (or send that process SIGTERM)\n"
+        )
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_d9d_stop_of_a_process_run_whose_process_is_gone_or_whose_pid_was_reused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    host = socket.gethostname()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    _record(runs / "gone", f"{host}:{int(gone.stdout)}", time.time())
+    assert main(["stop", "gone", "--runs-root", str(runs)]) == 1
+    assert capsys.readouterr().err == "d9d stop: run 'gone' is not running (died; script launch)\n"
+
+    sleeper = _sleeper()
+    try:
+        # The pid is a live process that started after the run was recorded: not the run's, never signalled.
+        _record(runs / "reused", f"{host}:{sleeper.pid}", time.time() - 3600)
+        assert main(["stop", "reused", "--runs-root", str(runs)]) == 1
+        assert capsys.readouterr().err == "d9d stop: run 'reused' is not running (died; script launch)\n"
+        time.sleep(0.2)
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_d9d_stop_kills_a_process_that_does_not_stop_within_the_timeout_and_now_kills_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    host = socket.gethostname()
+    deaf = _sleeper(ignore_sigterm=True)
+    _record(runs / "deaf", f"{host}:{deaf.pid}", time.time())
+    started = time.monotonic()
+    assert main(["stop", "deaf", "--runs-root", str(runs), "--timeout", "1"]) == 0
+    assert deaf.wait(timeout=10) == -signal.SIGKILL
+    assert 1.0 <= time.monotonic() - started < 10
+    out = capsys.readouterr().out
+    assert "not ended within 1s: killed it (SIGKILL)" in out and out.endswith("run deaf: died\n"), out
+
+    sleeper = _sleeper()
+    _record(runs / "now", f"{host}:{sleeper.pid}", time.time())
+    assert main(["stop", "now", "--runs-root", str(runs), "--now"]) == 0
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    assert f"killed the script's rank 0 (pid {sleeper.pid}) (SIGKILL)" in capsys.readouterr().out

@@ -4,31 +4,51 @@
     torchrun --nproc-per-node 4 -m d9d.engine.launch CONFIG [--set ...]      # reads RANK, WORLD_SIZE, ...
 
 `run_rank` is also the entrypoint the Ray rank actors call, so all three share every line of engine code.
+
+SIGTERM to a process of these launchers (`d9d stop`, a scheduler's preemption, torchrun shutting its
+workers down) stops the run at the next step boundary, as a STOP command does under Ray: rank 0 turns the
+signal into that command, which every rank applies at the same boundary, where the step is saved and
+committed; the launch records `stopped` and the process exits with 0. A second SIGTERM ends the process at
+once (the default action). Ranks other than 0 stop with rank 0: only its signal stops the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
 
 from d9d.core.context import DistributedContext, init_process_group
 from d9d.core.mesh_params import DeviceMeshParameters
+from d9d.core.storage import Location
 from d9d.engine.checkpoint import CheckpointError, LocalRunReporter
+from d9d.engine.commands import broadcast_commands
 from d9d.engine.config import TrainConfig, load_config, parse_config
 from d9d.engine.identity import IdentityError
 from d9d.engine.resume import ResumeDecision, check_resume
 from d9d.engine.run_files import RunRecord, RunSummary, record_launch, tracker_lines, write_record
-from d9d.engine.runtime import MetricPoint, RankResult, RankRuntime, RunReporter
+from d9d.engine.runtime import (
+    Command,
+    CommandKind,
+    MetricPoint,
+    RankCheckpointReport,
+    RankResult,
+    RankRuntime,
+    RunReporter,
+)
 from d9d.engine.tracking_sink import STATE_FILE, TrackerSink, run_files_mirror
 from d9d.engine.trainer import Trainer
 from d9d.tracking import LogTrackerConfig, RunSpec, build_tracker
@@ -120,11 +140,14 @@ class LaunchRecords:
         )
         record_launch(root, self.summary)
 
-    def ended(self, result: RankResult | None, error: BaseException | None = None) -> None:
+    def ended(
+        self, result: RankResult | None, error: BaseException | None = None, stop_reason: str | None = None
+    ) -> None:
         s = self.summary
         if result is not None:
             s.status, s.steps = result.status, result.steps
             s.final_loss, s.tokens_per_s = result.final_loss, result.tokens_per_s
+            s.stop_reason = stop_reason if result.status == "stopped" else None
         else:
             s.status = "failed"
             s.error = "".join(traceback.format_exception_only(error)).strip() if error else None
@@ -132,23 +155,121 @@ class LaunchRecords:
         record_launch(self._config.storage_root, s)
 
 
+SIGTERM_STOP_REASON = "SIGTERM"  # `stop_reason` of a launch stopped by SIGTERM to its rank 0
+
+
+class SignalStop:
+    """SIGTERM, while installed (`stop_on_sigterm`), asks for a stop at the next step boundary: the
+    reporter `wrap` returns adds a STOP command to what rank 0 reads there (`broadcast_commands` hands it
+    to every rank, so all stop at the same step, which the engine saves and commits). The first signal
+    puts the previous handler back, so a second one does what SIGTERM did before (the default: the process
+    ends at once) when a step never reaches its boundary."""
+
+    def __init__(self, rank: int, previous: Any = signal.SIG_DFL) -> None:
+        self.rank = rank
+        self.previous = previous
+        self.signalled = False
+        self._sent = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signalled = True
+        signal.signal(signal.SIGTERM, self.previous)
+        said = (
+            b"stopping at the next step boundary, which is saved and committed"
+            if self.rank == 0
+            else b"this rank stops when rank 0 does (SIGTERM to rank 0 stops the run)"
+        )
+        # os.write: a print here could interrupt a print of the main thread (a reentrant call raises).
+        os.write(2, b"d9d: SIGTERM: " + said + b" (a second SIGTERM ends the process at once)\n")
+
+    def pending(self) -> Sequence[Command]:
+        """The STOP command, once, after the signal came."""
+        if not self.signalled or self._sent:
+            return ()
+        self._sent = True
+        return (Command(CommandKind.STOP, {"reason": SIGTERM_STOP_REASON}),)
+
+    @property
+    def reason(self) -> str | None:
+        return SIGTERM_STOP_REASON if self.signalled else None
+
+    def wrap(self, reporter: RunReporter) -> RunReporter:
+        return _StoppingReporter(reporter, self)
+
+
+class _StoppingReporter:
+    """`reporter`, with the signal's STOP among its commands."""
+
+    def __init__(self, reporter: RunReporter, stop: SignalStop) -> None:
+        self._reporter = reporter
+        self._stop = stop
+
+    def metrics(self, point: MetricPoint) -> None:
+        self._reporter.metrics(point)
+
+    def commands(self, step: int) -> Sequence[Command]:
+        return [*self._reporter.commands(step), *self._stop.pending()]
+
+    def checkpoint_written(self, report: RankCheckpointReport) -> None:
+        self._reporter.checkpoint_written(report)
+
+    def commit_checkpoint(self, step: int, reports: Sequence[RankCheckpointReport]) -> None:
+        self._reporter.commit_checkpoint(step, reports)
+
+    def latest_checkpoint(self) -> Location | None:
+        return self._reporter.latest_checkpoint()
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(rank: int) -> Iterator[SignalStop]:
+    """SIGTERM stops at a step boundary while the block runs (`SignalStop`); the handler before it is put
+    back after. Python runs signal handlers on the main thread only, and only from there can one be
+    installed: elsewhere (a script training in a thread) SIGTERM keeps its handler and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield SignalStop(rank)
+        return
+    # None: a handler not installed from Python, which cannot be put back by signal.signal.
+    previous = signal.getsignal(signal.SIGTERM)
+    stop = SignalStop(rank, signal.SIG_DFL if previous is None else previous)
+    signal.signal(signal.SIGTERM, stop.handle)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, stop.previous)
+
+
 def recorded_train(trainer: Trainer, tracker: Any = None) -> RankResult:
     """`trainer.train()` (set up already) as a recorded launch, for a script that drives the `Trainer`
     itself: rank 0 writes `run.json` (launcher `script`) and the launch's `run_summary.json` record when
     it starts and when it ends, as `python -m d9d.engine.launch` does, so `d9d list` and `d9d status` show
     the run as running, then finished, stopped or failed (with its error). `tracker`: the tracker config
-    the script writes metrics with, for the record's tracker lines."""
+    the script writes metrics with, for the record's tracker lines. Meanwhile SIGTERM (`d9d stop`) stops
+    the training at the next step boundary, which is saved (module docstring)."""
     config = trainer.config
     records = None
-    if int(os.environ.get("RANK", "0")) == 0:
-        resumed = trainer.progress.step or None  # where setup() resumed from
-        records = LaunchRecords(config, None, tracker, launcher="script", resumed_from=resumed)
-    return _recorded(records, trainer.train)
+    rank = int(os.environ.get("RANK", "0"))
+    # Before the start is recorded: a run `d9d list` shows as running stops on `d9d stop`'s SIGTERM.
+    with stop_on_sigterm(rank) as stop:
+        if rank == 0:
+            resumed = trainer.progress.step or None  # where setup() resumed from
+            records = LaunchRecords(config, None, tracker, launcher="script", resumed_from=resumed)
+        # The trainer reads its commands through the reporter it was built with: its command handler
+        # reads them through the wrapped one instead, for this training only.
+        handler = trainer.commands
+        receive = handler.receive
+        reporter = stop.wrap(trainer.reporter)
+        handler.receive = lambda: broadcast_commands(reporter, trainer.ctx, trainer.progress.step)
+        try:
+            return _recorded(records, trainer.train, stop)
+        finally:
+            handler.receive = receive
 
 
-def _recorded(records: LaunchRecords | None, train: Callable[[], RankResult]) -> RankResult:
+def _recorded(
+    records: LaunchRecords | None, train: Callable[[], RankResult], stop: SignalStop | None = None
+) -> RankResult:
     """`train()`, with how it ended (its result, or the exception it raised) in `records` where this rank
-    keeps them."""
+    keeps them; a stop on SIGTERM says so (`stop_reason`)."""
     try:
         result = train()
     except BaseException as e:
@@ -156,7 +277,7 @@ def _recorded(records: LaunchRecords | None, train: Callable[[], RankResult]) ->
             records.ended(None, e)
         raise
     if records is not None:
-        records.ended(result)
+        records.ended(result, stop_reason=stop.reason if stop is not None else None)
     return result
 
 
@@ -177,6 +298,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(f"d9d: run {config.run.name} {decision.message}", file=sys.stderr)
         return 0
+    with stop_on_sigterm(rank) as stop:  # before the launch is recorded (`recorded_train` says why)
+        return _launch(config, decision, rank, stop)
+
+
+def _launch(config: TrainConfig, decision: ResumeDecision, rank: int, stop: SignalStop) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" not in os.environ:
         # One process: a one-rank gloo group on an in-memory store, so meshes and DTensors still exist.
@@ -208,15 +334,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The resume in the tracker and the history, where `d9d plot` marks it (d9d.tracking.history).
             mark = {"resumed_from": float(decision.step), "restart": 0.0}
             sink.write([MetricPoint(decision.step + 1, -1, mark, "health", time.time())])
-    reporter = LocalRunReporter(
-        config.checkpoint_dir, config.checkpointing.keep_last, sink, config.checkpointing.on_damaged
+    reporter = stop.wrap(
+        LocalRunReporter(
+            config.checkpoint_dir, config.checkpointing.keep_last, sink, config.checkpointing.on_damaged
+        )
     )
-    result = _recorded(records, lambda: run_rank(config, runtime, reporter))
+    result = _recorded(records, lambda: run_rank(config, runtime, reporter), stop)
     if sink is not None:
         sink.close("finished" if result.status == "finished" else "killed")
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0 if result.status == "finished" else 1
+    # A stop is what was asked for (its step is committed): 0, as `d9d train` exits after `d9d stop`, and
+    # torchrun ends its other workers in peace instead of reporting a failed one.
+    return 0 if result.status in ("finished", "stopped") else 1
 
 
 if __name__ == "__main__":

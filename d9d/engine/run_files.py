@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from d9d.core.storage import Location, StorageError, location, move_tree, write_text
 
 if TYPE_CHECKING:
+    import psutil
+
     from d9d.tracking import TrackerConfig
 
 RECORD_FILE = "run.json"
@@ -150,7 +152,8 @@ _MANIFEST = "manifest.json"
 _TRAIN_CONFIG = "train_config.json"
 #: The state of a run directory that records neither its launch nor its end (`state_without_end`).
 UNRECORDED = "no record"
-_PROCESS_LAUNCHERS = ("process", "torchrun", "script")
+#: Launchers without Ray: their record's `driver` is rank 0's process (`d9d stop` sends it SIGTERM).
+PROCESS_LAUNCHERS = ("process", "torchrun", "script")
 
 
 @dataclass(frozen=True)
@@ -182,20 +185,37 @@ def newest_commit(checkpoints: Location) -> Commit | None:
     return None
 
 
+def driver_host_pid(driver: str) -> tuple[str, int] | None:
+    """(host, pid) of a record's `driver` (`host:pid`); None when it names no pid."""
+    host, _, pid = driver.rpartition(":")
+    return (host, int(pid)) if pid.isdigit() else None
+
+
+def local_process(driver: str, started_at: float) -> psutil.Process | None:
+    """The live process a record names (`host:pid`) when it runs on this host and is the recorded one;
+    None when it ended (a zombie has), runs elsewhere, or its pid now belongs to a later process."""
+    import psutil
+
+    named = driver_host_pid(driver)
+    if named is None or named[0] != socket.gethostname():
+        return None
+    try:
+        process = psutil.Process(named[1])
+        # A later process that got the same pid started after the record was written.
+        if process.status() != psutil.STATUS_ZOMBIE and process.create_time() <= started_at + 1.0:
+            return process
+    except psutil.Error:
+        pass
+    return None
+
+
 def process_alive(driver: str, started_at: float) -> bool | None:
     """Whether the process a record names (`host:pid`, started before `started_at`) still runs; None when
     it ran on another host, which cannot be asked from here."""
-    import psutil
-
-    host, _, pid = driver.rpartition(":")
-    if not pid.isdigit() or host != socket.gethostname():
+    named = driver_host_pid(driver)
+    if named is None or named[0] != socket.gethostname():
         return None
-    try:
-        process = psutil.Process(int(pid))
-        # A later process that got the same pid started after the record was written.
-        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() <= started_at + 1.0
-    except psutil.Error:
-        return False
+    return local_process(driver, started_at) is not None
 
 
 def state_without_end(record: RunRecord, commit: Commit | None) -> str:
@@ -212,7 +232,7 @@ def state_without_end(record: RunRecord, commit: Commit | None) -> str:
         if commit is not None and commit.total_steps is not None and commit.step >= commit.total_steps:
             return "finished"
         return UNRECORDED
-    if record.launcher in _PROCESS_LAUNCHERS:
+    if record.launcher in PROCESS_LAUNCHERS:
         alive = process_alive(record.driver, record.started_at)
         if alive is not None:
             return "running" if alive else "died"
