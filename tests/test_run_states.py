@@ -6,6 +6,7 @@ launch, through the process its record names."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -207,8 +208,16 @@ def _launch(tmp_path: Path, how: str = "process", **job: Any) -> tuple[subproces
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its own process group: `_kill` ends torchrun's workers with it
     )
     return proc, run
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL to the launch's whole process group: killing torchrun's agent alone would leave its workers
+    training their million steps."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _wait_for_step(proc: subprocess.Popen[str], run: Path, step: int) -> None:
@@ -224,7 +233,7 @@ def _wait_for_step(proc: subprocess.Popen[str], run: Path, step: int) -> None:
             if state.state == "running" and reached >= step:
                 return
         time.sleep(0.1)
-    proc.kill()
+    _kill(proc)
     raise AssertionError(f"never reached step {step}: {proc.communicate()[0][-3000:]}")
 
 
@@ -241,8 +250,7 @@ def test_d9d_stop_stops_a_process_run_at_a_step_boundary_which_it_commits(
         # It ended by itself (no SIGKILL), recorded its end and exited as a stop on request does.
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill(proc)  # whatever is left of it (torchrun's workers included)
     log = proc.communicate()[0]
     assert "SIGTERM: stopping at the next step boundary" in log, log[-3000:]
     assert f"sent SIGTERM to its process (pid {proc.pid})" in out and "killed" not in out, out
@@ -271,8 +279,7 @@ def test_d9d_stop_stops_a_script_that_records_its_training(
         assert main(["stop", "proc", "--runs-root", str(tmp_path / "runs"), "--timeout", "60"]) == 0
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill(proc)  # whatever is left of it (torchrun's workers included)
     log = proc.communicate()[0]
     out = capsys.readouterr().out
     assert f"sent SIGTERM to the script's rank 0 (pid {proc.pid})" in out and "killed" not in out, out
@@ -301,8 +308,7 @@ def test_d9d_stop_stops_every_rank_of_a_torchrun_launch_at_one_step(
         assert main(["stop", "proc", "--runs-root", str(tmp_path / "runs"), "--timeout", "60"]) == 0
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill(proc)  # whatever is left of it (torchrun's workers included)
     log = proc.communicate()[0]
     out = capsys.readouterr().out
     assert "sent SIGTERM to torchrun's rank 0" in out and "killed" not in out, out
