@@ -904,13 +904,8 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         model = r["model"]
         # torchtitan's row of the same layout where it has one, else its FSDP (x EP) row
         same_layout = f"titan-{base_id(r['id']).partition('@')[0]}"
-        titan_n = (
-            same_layout
-            if same_layout in done
-            else f"titan-{model}-fsdp-ep"
-            if model == "moe"
-            else f"titan-{model}-fsdp"
-        )
+        fsdp_row = f"titan-{model}-fsdp-ep" if model == "moe" else f"titan-{model}-fsdp"
+        titan_n = same_layout if same_layout in done else fsdp_row
         scaling = ratio(r, f"titan-{model}-1gpu" if r["framework"] == "torchtitan" else f"{model}-1gpu")
         x_titan = ratio(r, f"titan-{model}-1gpu" if r["gpus"] == 1 else titan_n)
         if (

@@ -56,6 +56,17 @@ def _two_restarts() -> list[tuple[list[MetricPoint], bool]]:
     ]
 
 
+# (rank, step, wall time) of every setup point `_two_restarts` reports, in order: all three attempts'.
+EVERY_ATTEMPTS_SETUPS = [
+    (0, 0, 100.0),
+    (1, 0, 101.0),
+    (1, 0, 201.0),
+    (0, 0, 200.0),
+    (1, 0, 301.0),
+    (0, 2, 300.0),
+]
+
+
 def _setups(points: list[MetricPoint]) -> list[tuple[int, int, float]]:
     return [(p.rank, p.step, p.wall_time) for p in points if SETUP_PROCESS_GROUP in p.values]
 
@@ -212,14 +223,7 @@ def test_a_restarted_attempts_setup_points_are_delivered_and_its_replayed_steps_
 
     got = list(job.metrics(timeout=5))
 
-    assert _setups(got) == [
-        (0, 0, 100.0),
-        (1, 0, 101.0),
-        (1, 0, 201.0),
-        (0, 0, 200.0),
-        (1, 0, 301.0),
-        (0, 2, 300.0),
-    ]
+    assert _setups(got) == EVERY_ATTEMPTS_SETUPS
     assert [p.step for p in got if p.kind == "train"] == [1, 2, 3, 4, 5]
     assert [p.step for p in got if p.kind == "health" and p.rank == 1 and "step_time_s" in p.values] == [
         1,
@@ -243,14 +247,7 @@ def test_the_tracker_gets_every_attempts_setup_points_and_each_trained_step_once
         for point in points:
             hub.add(point)
 
-    assert _setups(writer.points) == [
-        (0, 0, 100.0),
-        (1, 0, 101.0),
-        (1, 0, 201.0),
-        (0, 0, 200.0),
-        (1, 0, 301.0),
-        (0, 2, 300.0),
-    ]
+    assert _setups(writer.points) == EVERY_ATTEMPTS_SETUPS
     assert [p.step for p in writer.points if p.kind == "train"] == [1, 2, 3, 4, 5]
 
 

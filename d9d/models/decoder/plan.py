@@ -128,13 +128,13 @@ def parallelize_decoder(
         backbone.attention_backend = parallelize_context_attention(backbone, cp, backbone.attention_backend)
         for _, mlp in moe:
             mlp.shares_tokens_with(cp.group)  # each cp rank routes its part of the sequences
-    expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
-    dense = ctx.mesh_for(MeshDomain.DENSE)
-    # Experts that are dense weights (no ep, no tp) are left to data parallelism below. FSDP then gathers
-    # the experts for their block's forward and reduce-scatters them after its backward,
-    # prefetched; on the expert mesh their gradients were all-reduced and their optimizer state replicated
-    # (2 x H200, FSDP 2: 36.3 against 31.4 GiB at the same speed, docs/benchmarks.md, session 24).
-    if moe and expert_mesh.size() > 1 and not ctx.params.experts_are_dense_weights:
+    # Experts that are dense weights (no ep, no tp) are left to data parallelism below: FSDP gathers them
+    # for their block's forward and reduce-scatters them after its backward, prefetched. On the expert mesh
+    # their gradients were all-reduced and their optimizer state replicated (2 x H200, FSDP 2: 36.3 against
+    # 31.4 GiB at the same speed, docs/benchmarks.md, session 24). Otherwise ep or tp is above 1, and so is
+    # the expert mesh.
+    if moe and not ctx.params.experts_are_dense_weights:
+        expert_mesh = ctx.mesh_for(MeshDomain.EXPERT)["ep_replicate", "ep_shard"]
         dtype = activation_dtype or _compute_dtype(model, mp_policy)
         for layer, mlp in moe:
             parallelize_expert_parallel(
@@ -145,6 +145,7 @@ def parallelize_decoder(
                 backend=config.expert_backend,
                 unit=layer,
             )
+    dense = ctx.mesh_for(MeshDomain.DENSE)
     if dense["tp"].size() > 1:
         _tensor_parallel(model, layers, ctx, sequence_parallel, layer_tp)
     if dense["dp_cp_shard"].size() > 1:
