@@ -12,8 +12,10 @@ references.
   the ranks' bf16 gradients rounded once to bf16 (a bf16 reduction does not); through the synchronizer
   (FSDP 4, HSDP 2 × 2, 2 microbatches) the gradients are closer to a float64 model's than with a bf16
   reduction, and HSDP's replica all-reduce runs in float32 buckets.
-- pp 2 × FSDP 2 under ZBV (split backward) with each reshard policy and deep prefetching: losses and every
-  gradient equal one process over 2 SGD steps.
+- `layers_per_unit`: consecutive layers form one unit (one all-gather for them; `auto` groups them when
+  the units stay gathered, not when they are resharded), training as one process.
+- pp 2 × FSDP 2 under ZBV (split backward) with each reshard policy, deep prefetching and layers grouped
+  into units: losses and every gradient equal one process over 2 SGD steps.
 - The job config: defaults, `--set model.options.parallel.fsdp.*` overrides, errors naming the field, the
   replaced `fsdp_reshard_after_forward` refused with the new name.
 """
@@ -28,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
@@ -41,7 +43,7 @@ from d9d.parallel import (
     build_gradient_synchronizer,
     collect_synced_params,
 )
-from d9d.parallel.fsdp import FSDPConfig, parallelize_fsdp, parallelize_hsdp
+from d9d.parallel.fsdp import FSDPConfig, fsdp_gathered_bytes, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.schedule.config import build_schedule
 from tests.harness import RankEnv, run_distributed
@@ -170,7 +172,9 @@ def _settings_cases(env: RankEnv) -> None:
     data = _batches(2, 8)  # the second AdamW step runs on the updated shards and the optimizer's moments
     want = reference_run(_dense(), data, _task_loss, max_norm=MAX_NORM)
     just_over = FSDPConfig(keep_gathered_gib=(_gathered_bytes() - 1) / 2**30)  # one byte short: reshards
-    for replicate, shard, config in [*SETTINGS, (1, 4, just_over)]:
+    for replicate, shard, settings in [*SETTINGS, (1, 4, just_over)]:
+        # The probe watches one unit per layer; layers grouped into units have their own cases below.
+        config = settings.model_copy(update={"layers_per_unit": 1})
         what = f"replicate {replicate} × shard {shard} {config!r}"
         params = DeviceMeshParameters(data_parallel_replicate=replicate, data_parallel_shard=shard)
         ctx = DistributedContext.create(params, backend="gloo")
@@ -190,6 +194,7 @@ def _settings_cases(env: RankEnv) -> None:
         )
         assert_runs_close(got, want, what)
         sync.close()
+    _grouped_layer_cases(data, want)
     # A reduce dtype set twice, differently, is refused rather than one silently winning.
     model = _dense()
     with pytest.raises(ValueError, match="contradicts"):
@@ -199,6 +204,51 @@ def _settings_cases(env: RankEnv) -> None:
             config=FSDPConfig(reduce_dtype="float32"),
             mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
         )
+
+
+GROUPED: list[tuple[int, int, FSDPConfig, bool]] = [  # (replicate, shard, settings, both layers one unit)
+    (1, 4, FSDPConfig(), True),  # auto: the units stay gathered, so layers are grouped (4 per unit)
+    (1, 4, FSDPConfig(keep_gathered_gib=0), False),  # auto over the size limit: resharded, one layer a unit
+    (2, 2, FSDPConfig(layers_per_unit=2, reshard_after_forward="always", forward_prefetch=1), True),
+    (1, 4, FSDPConfig(layers_per_unit=3, keep_gathered_gib=0, reduce_dtype="float32"), True),
+]
+
+
+def _grouped_layer_cases(data: list[Any], want: Any) -> None:
+    """`layers_per_unit`: the tiny model's two layers become one unit (`auto` when the units stay gathered;
+    3 per unit: the last unit takes what is left), gathered by one all-gather in forward (and one again in
+    backward when resharded), and training is still one process's."""
+    for replicate, shard, config, grouped in GROUPED:
+        what = f"replicate {replicate} × shard {shard} {config!r}"
+        params = DeviceMeshParameters(data_parallel_replicate=replicate, data_parallel_shard=shard)
+        ctx = DistributedContext.create(params, backend="gloo")
+        model = _dense()
+        layers = list(model.model.decoder_layers().values())
+        parallelize_qwen3(model, ctx, ParallelPlanConfig(fsdp=config))
+        states = {id(fully_shard.state(layer)) for layer in layers}  # type: ignore[attr-defined]
+        assert len(states) == (1 if grouped else 2), what
+        with _counting_all_gathers() as count:
+            loss = _task_loss(model, _batches(1, 4)[0])
+            gathered_in_forward = count[0]
+            loss.backward()
+        units = 3 if grouped else 4  # embedding, the layers, head
+        # Backward gathers again what forward resharded: `always` every unit and the root, `auto` over the
+        # size limit all units but the last.
+        regathered = {"always": units + 1, "auto": 0 if config.keep_gathered_gib else units - 1}
+        want_counts = (1 + units, 1 + units + regathered[config.reshard_after_forward])
+        assert (gathered_in_forward, count[0]) == want_counts, (what, count[0])
+        model.zero_grad(set_to_none=True)
+        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
+        dp = ctx.coordinates("batch")["dp"]
+        got = distributed_run(
+            model,
+            sync,
+            [b.shard(params.data_parallel, dp).split(2) for b in data],
+            _task_loss,
+            max_norm=MAX_NORM,
+        )
+        assert_runs_close(got, want, what)
+        sync.close()
 
 
 @pytest.mark.distributed
@@ -358,7 +408,11 @@ def test_float32_reduce_of_bf16_gradients() -> None:
 
 def _fsdp_stage(config: FSDPConfig) -> Callable[[DistributedContext, nn.Module], None]:
     def parallelize(ctx: DistributedContext, module: nn.Module) -> None:
-        ends = [getattr(module, "embed", None), *module.layers.values(), getattr(module, "head", None)]
+        layers = list(module.layers.values())
+        # Several layers in one unit (`auto` below keep_gathered_gib): one FSDP state driven once per step.
+        k = config.resolve_layers_per_unit(fsdp_gathered_bytes(module))
+        grouped = [layers[i] if k == 1 else layers[i : i + k] for i in range(0, len(layers), k)]
+        ends = [getattr(module, "embed", None), *grouped, getattr(module, "head", None)]
         units = [u for u in ends if u is not None]
         parallelize_fsdp(module, ctx.mesh_for(MeshDomain.DENSE)["dp_cp_shard"], units=units, config=config)
 
@@ -369,6 +423,8 @@ PIPELINE_SETTINGS = [
     FSDPConfig(reshard_after_forward="always"),
     FSDPConfig(reshard_after_forward="never", forward_prefetch=2, backward_prefetch=2),
     FSDPConfig(reshard_after_forward="auto", forward_prefetch=1, backward_prefetch=3),
+    FSDPConfig(reshard_after_forward="always", forward_prefetch=1, layers_per_unit=2),
+    FSDPConfig(reshard_after_forward="auto", keep_gathered_gib=0, layers_per_unit=1),
 ]
 
 
@@ -384,6 +440,8 @@ def _pipeline_cases(env: RankEnv) -> None:
         _train_and_compare(
             ctx, executor, reference_model(), f"zbv pp2 × fsdp2 {config!r}", _fsdp_stage(config)
         )
+        reduced = executor.reduced_once_per_step()  # a unit of several layers counted once
+        assert reduced and len({id(p) for p in reduced}) == len(reduced), config
 
 
 @pytest.mark.distributed

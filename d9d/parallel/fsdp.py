@@ -34,6 +34,17 @@ passed to FSDP as ignored: they live on the expert mesh, which FSDP cannot combi
   turn (FSDP2's `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`). 0 / 1 leave FSDP2's
   implicit behaviour: a unit is gathered in forward when its own forward begins, and backward prefetches the
   next unit in reverse forward order.
+- `layers_per_unit` (`auto`): how many consecutive decoder layers the decoder plan (`fsdp_units`) makes
+  one unit (`fully_shard` of a list of modules: one all-gather, one reduce-scatter and one set of FSDP's
+  hooks for all of them). Each unit costs the host its pre-forward, post-forward, pre-backward and
+  post-backward work, which on a fast GPU outlasts a small layer's compute: the GPU then waits for the
+  host between units. Fewer, larger units trade that host time for larger gathers in flight (more memory
+  when units are resharded) and a larger first all-gather and last reduce-scatter that nothing hides.
+  `auto` groups `AUTO_LAYERS_PER_UNIT` layers when every unit stays gathered from forward to backward
+  (the memory is then the same whatever the grouping) and one layer per unit otherwise. 2 x H200, FSDP 2:
+  Qwen3-0.6B 1.12x and the benchmark MoE 1.05x the tokens/s of one layer per unit (docs/benchmarks.md,
+  session 25). `parallelize_fsdp` itself takes the units it is given: an entry of `units` that is a list
+  of modules is one unit.
 
 A unit kept gathered after forward stays gathered until its backward, and the module then holds the
 gathered parameters in place of the sharded ones. A forward that no backward follows (evaluation,
@@ -47,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,6 +71,11 @@ from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_dtype
 
 ReshardPolicy = Literal["auto", "always", "never"]
 GIB = 1 << 30
+# `layers_per_unit: auto`'s grouping of units kept gathered. 2 x H200, FSDP 2 (docs/benchmarks.md, session
+# 25): 2, 4 and 8 layers per unit gave Qwen3-0.6B 1.06x, 1.12x and 1.14x one layer's tokens/s, the benchmark
+# MoE 1.06x, 1.05x and 1.08x; 4 is within the noise of 8 with half of its gather and reduction exposed at
+# the ends of the step.
+AUTO_LAYERS_PER_UNIT = 4
 logger = logging.getLogger(__name__)
 
 
@@ -81,6 +97,9 @@ class FSDPConfig(BaseModel):
       gather at each unit's own forward).
     - `backward_prefetch`: how many next units (in backward order) each unit's backward starts gathering
       (1: FSDP2's implicit prefetch of the next one).
+    - `layers_per_unit`: consecutive decoder layers per FSDP unit; `auto` (default) groups 4 when every
+      unit stays gathered from forward to backward (see `reshard_after_forward`) and 1 otherwise. Fewer
+      units cost the host fewer FSDP hooks per step; each unit's gather and reduction grows with it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -92,6 +111,7 @@ class FSDPConfig(BaseModel):
     # 4 GiB: a model of about 2B parameters in bf16. Qwen3-0.6B (1.1 GiB gathered), FSDP 4 on 4 × H200:
     # kept gathered, 1.11× the resharding step's tokens/s for 1.1 GiB more per GPU (docs/parallelism.md).
     keep_gathered_gib: float = Field(4.0, ge=0)
+    layers_per_unit: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
 
     def keeps_units_gathered(self, gathered_bytes: int) -> bool:
         """Whether every unit stays gathered from forward to backward, for a module whose FSDP parameters
@@ -104,13 +124,26 @@ class FSDPConfig(BaseModel):
             case "auto":
                 return gathered_bytes <= self.keep_gathered_gib * GIB
 
+    def resolve_layers_per_unit(self, gathered_bytes: int) -> int:
+        """Layers per unit for a module whose FSDP parameters take `gathered_bytes` on one rank gathered."""
+        match self.layers_per_unit:
+            case "auto":
+                return AUTO_LAYERS_PER_UNIT if self.keeps_units_gathered(gathered_bytes) else 1
+            case int(layers):
+                return layers
+
     def resolve_reduce_dtype(self) -> torch.dtype | None:
         return None if self.reduce_dtype is None else getattr(torch, self.reduce_dtype)  # type: ignore[no-any-return]
 
 
-def _decided_params(module: nn.Module) -> set[nn.Parameter]:
+FSDPUnit = nn.Module | list[nn.Module]
+"""One FSDP unit: a module, or consecutive modules gathered and reduced as one (`fully_shard` of a list)."""
+
+
+def _decided_params(unit: FSDPUnit) -> set[nn.Parameter]:
     return {
         param
+        for module in (unit if isinstance(unit, list) else [unit])
         for sub in module.modules()
         for name, param in sub.named_parameters(recurse=False)
         if is_grad_reduce_marked(sub, name)
@@ -140,6 +173,13 @@ def gathered_bytes(params: Iterable[nn.Parameter], param_dtype: torch.dtype | No
         dtype = param_dtype if param_dtype is not None and local.is_floating_point() else local.dtype
         total += local.numel() * dtype.itemsize
     return total
+
+
+def fsdp_gathered_bytes(module: nn.Module, param_dtype: torch.dtype | None = None) -> int:
+    """Bytes of `module`'s parameters that FSDP would shard (not those expert parallelism already
+    placed), on one rank once gathered: what `FSDPConfig.keeps_units_gathered` is asked about."""
+    decided = _decided_params(module)
+    return gathered_bytes((p for p in module.parameters() if p not in decided), param_dtype)
 
 
 def _reshard_units(config: FSDPConfig, count: int, gathered: int) -> tuple[list[bool], bool]:
@@ -190,7 +230,7 @@ def parallelize_fsdp(
     module: nn.Module,
     mesh: DeviceMesh,
     *,
-    units: Iterable[nn.Module] = (),
+    units: Iterable[FSDPUnit] = (),
     replicate_mesh: DeviceMesh | None = None,
     config: FSDPConfig | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
@@ -198,30 +238,32 @@ def parallelize_fsdp(
     """Shard `module`'s parameters over the 1-D `mesh` (e.g. the dense domain's `dp_cp_shard`).
 
     `units` (e.g. the embedding, the decoder layers and the head), in the order forward runs them, each
-    become one FSDP group, gathered just for their own compute; whatever they do not cover belongs to the
-    root group. The order is what `config`'s reshard policy (`auto`: the last unit stays gathered) and
-    prefetching follow. With `replicate_mesh`, shards are replicated over it and their gradients summed by
-    the synchronizer (that is HSDP; see `parallelize_hsdp`). `mp_policy` is FSDP2's; `config.reduce_dtype`
-    fills its `reduce_dtype` (a contradicting pair is refused).
+    become one FSDP group, gathered just for their own compute (an entry that is a list of modules: one
+    group for all of them); whatever they do not cover belongs to the root group. The order is what
+    `config`'s reshard policy (`auto`: the last unit stays gathered) and prefetching follow
+    (`config.layers_per_unit` is for whoever makes the units: the decoder plan's `fsdp_units`). With
+    `replicate_mesh`, shards are replicated over it and their gradients summed by the synchronizer (that
+    is HSDP; see `parallelize_hsdp`). `mp_policy` is FSDP2's; `config.reduce_dtype` fills its
+    `reduce_dtype` (a contradicting pair is refused).
     """
     if mesh.ndim != 1:
         raise ValueError(f"parallelize_fsdp needs a 1-D shard mesh, got dims {mesh.mesh_dim_names}")
     config = config or FSDPConfig()
     units = list(units)
     policy = _mixed_precision(mp_policy, config.resolve_reduce_dtype())
-    decided = _decided_params(module)
-    own = (p for p in module.parameters() if p not in decided)
-    gathered = gathered_bytes(own, policy.param_dtype)
+    gathered = fsdp_gathered_bytes(module, policy.param_dtype)
     unit_reshard, root_reshard = _reshard_units(config, len(units), gathered)
     sharded: list[FSDPModule] = []
     for unit, reshard in [*zip(units, unit_reshard, strict=True), (module, root_reshard)]:
-        fsdp_module: FSDPModule = fully_shard(
+        sharded_unit = fully_shard(
             unit,
             mesh=mesh,
             reshard_after_forward=reshard,
             mp_policy=policy,
             ignored_params=_decided_params(unit) or None,
         )
+        # A list's modules share one FSDP state: the first one stands for the unit.
+        fsdp_module = sharded_unit[0] if isinstance(sharded_unit, list) else sharded_unit
         fsdp_module.set_gradient_divide_factor(1.0)
         fsdp_module.set_force_sum_reduction_for_comms(True)
         sharded.append(fsdp_module)
@@ -241,7 +283,7 @@ def parallelize_hsdp(
     module: nn.Module,
     mesh: DeviceMesh,
     *,
-    units: Iterable[nn.Module] = (),
+    units: Iterable[FSDPUnit] = (),
     config: FSDPConfig | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> None:

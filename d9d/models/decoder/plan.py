@@ -35,7 +35,7 @@ from d9d.modules.moe import MoELayer
 from d9d.modules.norm import RMSNorm
 from d9d.parallel.context import ContextParallelGroup, parallelize_context_attention
 from d9d.parallel.expert import parallelize_expert_parallel
-from d9d.parallel.fsdp import parallelize_fsdp, parallelize_hsdp
+from d9d.parallel.fsdp import FSDPUnit, fsdp_gathered_bytes, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel.grad_sync import mark_no_grad_reduction
 from d9d.parallel.plans.config import ParallelPlanConfig
 from d9d.parallel.replicate import parallelize_replicate
@@ -149,7 +149,9 @@ def parallelize_decoder(
     if dense["tp"].size() > 1:
         _tensor_parallel(model, layers, ctx, sequence_parallel, layer_tp)
     if dense["dp_cp_shard"].size() > 1:
-        units = fsdp_units(model, layers)
+        param_dtype = mp_policy.param_dtype if mp_policy is not None else None
+        per_unit = config.fsdp.resolve_layers_per_unit(fsdp_gathered_bytes(model, param_dtype))
+        units = fsdp_units(model, layers, per_unit)
         if dense["dp_cp_replicate"].size() > 1:
             parallelize_hsdp(
                 model,
@@ -175,15 +177,27 @@ def parallelize_decoder(
         mark_no_grad_reduction(model)
 
 
-def fsdp_units(model: DecoderStageModel, layers: list[nn.Module]) -> list[nn.Module]:
-    """FSDP units of a stage in forward order: embedding (first stage), layers, head (last stage); an
-    embedding and head that share weights stay in the root group (FSDP refuses one parameter in two)."""
+def fsdp_units(model: DecoderStageModel, layers: list[nn.Module], layers_per_unit: int = 1) -> list[FSDPUnit]:
+    """FSDP units of a stage in forward order: embedding (first stage), layers (`layers_per_unit`
+    consecutive ones per unit, the last unit taking what is left), head (last stage); an embedding and
+    head that share weights stay in the root group (FSDP refuses one parameter in two)."""
     embedding: nn.Module | None = model.model.embed_tokens
     task_head = model.head()
     head = task_head if isinstance(task_head, nn.Module) else None
     if embedding is not None and head is not None and _shares_parameters(embedding, head):
         embedding = head = None
-    return [m for m in (embedding, *layers, head) if m is not None and any(True for _ in m.parameters())]
+    owning = [layer for layer in layers if _has_parameters(layer)]
+    grouped: list[FSDPUnit] = [
+        chunk[0] if len(chunk) == 1 else chunk
+        for chunk in (owning[i : i + layers_per_unit] for i in range(0, len(owning), layers_per_unit))
+    ]
+    first: list[FSDPUnit] = [embedding] if embedding is not None and _has_parameters(embedding) else []
+    last: list[FSDPUnit] = [head] if head is not None and _has_parameters(head) else []
+    return [*first, *grouped, *last]
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def _shares_parameters(a: nn.Module, b: nn.Module) -> bool:

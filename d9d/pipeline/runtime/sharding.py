@@ -49,7 +49,13 @@ class StageSharding:
     """The FSDP units of one stage module, driven once per pipeline step (see the module docs)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self._units: list[FSDPModule] = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        # One module per FSDP state: the modules of a unit made of several (`fully_shard` of a list, e.g.
+        # `fsdp.layers_per_unit` > 1) share theirs, which must be driven once.
+        states: dict[int, FSDPModule] = {}
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                states.setdefault(id(fully_shard.state(m)), m)  # type: ignore[attr-defined]
+        self._units: list[FSDPModule] = list(states.values())
         self._roots = [m for m in self._units if not _inside_another(m, self._units)]
         self._in_step = False
         self._reshard_after_forward: list[list[Any]] = []
