@@ -110,6 +110,28 @@ class GlobalIndexData:
         self.step = int(state["step"])
 
 
+class StallingData(GlobalIndexData):
+    """`GlobalIndexData` whose step `stall_at` never reaches its boundary: fetching its data writes the file
+    `marker` and sleeps an hour on the training thread (for what a signal does meanwhile)."""
+
+    class Config(_Opts):
+        stall_at: int = Field(ge=1)
+        marker: str
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(GlobalIndexData.Config())
+        self.config = config
+
+    def next_step(self):
+        import time
+        from pathlib import Path
+
+        if self.step + 1 == self.config.stall_at:
+            Path(self.config.marker).write_text(str(self.config.stall_at))
+            time.sleep(3600)
+        return super().next_step()
+
+
 class TokenCETask:
     class Config(_Opts):
         track_accuracy: bool = False

@@ -2,7 +2,7 @@
 drove the `Trainer` itself (now `recorded_train`: running, then finished, stopped or failed), a process
 that is gone without recording its end (`died`), and a directory with no `run.json` at all (`finished`
 when its newest commit is its last step, else `no record`), never `unknown`; and `d9d stop` of such a
-launch, through the process its record names."""
+launch, through the process its record names, and Ctrl-C (SIGINT) to it."""
 
 from __future__ import annotations
 
@@ -18,13 +18,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 
 from d9d.cli.main import main
 from d9d.cluster.registry import find_record, records, state_from_files
-from d9d.engine.config import parse_config
-from d9d.engine.launch import recorded_train
-from d9d.engine.runtime import RankResult
+from d9d.engine.config import load_config, parse_config
+from d9d.engine.launch import STOP_SIGNALS, recorded_train, stop_on_signals
+from d9d.engine.resume import check_resume
+from d9d.engine.runtime import CommandKind, RankResult
 from tests.cluster_fixtures import toy_job
 
 
@@ -116,7 +118,9 @@ def _trainer(tmp_path: Path, train: object) -> SimpleNamespace:
         config=parse_config(job, check_components=False),
         progress=SimpleNamespace(step=0),
         train=train,
-        commands=SimpleNamespace(receive=None),  # `recorded_train` reads the commands through SIGTERM's stop
+        commands=SimpleNamespace(
+            receive=None
+        ),  # `recorded_train` reads the commands through the signals' stop
         reporter=None,
         ctx=None,
     )
@@ -175,10 +179,12 @@ print("trained:", result.status, result.steps, flush=True)
 """
 
 
-def _launch(tmp_path: Path, how: str = "process", **job: Any) -> tuple[subprocess.Popen[str], Path]:
+def _launch(
+    tmp_path: Path, how: str = "process", log: Path | None = None, **job: Any
+) -> tuple[subprocess.Popen[str], Path]:
     """A launch without Ray (`how`: `process`, `torchrun` with two ranks, or `script`: a script's
     `recorded_train`) of a tiny engine job (the launchers' test's) that would train far longer than the test
-    waits."""
+    waits. Its output: `log`, else a pipe (`proc.communicate()`)."""
     import yaml
 
     from tests.engine_fixtures import subprocess_env, torchrun_command
@@ -202,22 +208,31 @@ def _launch(tmp_path: Path, how: str = "process", **job: Any) -> tuple[subproces
         "torchrun": torchrun_command(path),
         "script": [sys.executable, "-c", _SCRIPT, str(path)],
     }[how]
-    proc = subprocess.Popen(
-        command,
-        env=subprocess_env(GLOO_SOCKET_IFNAME="lo"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group: `_kill` ends torchrun's workers with it
-    )
+    with open(log, "w") if log is not None else contextlib.nullcontext(subprocess.PIPE) as out:
+        proc = subprocess.Popen(
+            command,
+            env=subprocess_env(GLOO_SOCKET_IFNAME="lo"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group, as a terminal gives a command it runs
+        )
     return proc, run
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL to the launch's whole process group: killing torchrun's agent alone would leave its workers
-    training their million steps."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """SIGKILL to the launch's process group and to those of the processes it started: torchrun starts each
+    worker in a session of its own, which a signal to its group does not reach, and killing the agent alone
+    would leave its workers training their million steps."""
+    groups = {proc.pid}
+    if proc.poll() is None:  # not reaped: the pid is still the launch's
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error, ProcessLookupError):
+                    groups.add(os.getpgid(child.pid))
+    for group in groups - {os.getpgrp()}:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
 
 
 def _wait_for_step(proc: subprocess.Popen[str], run: Path, step: int) -> None:
@@ -316,6 +331,152 @@ def test_d9d_stop_stops_every_rank_of_a_torchrun_launch_at_one_step(
     assert state.state == "stopped" and state.step is not None and state.step >= 3, (state, log[-3000:])
     assert out.splitlines()[-1] == f"run proc: stopped after {state.step} steps"
     assert (run / "checkpoints" / "latest").read_text() == f"step-{state.step:08d}"
+
+
+# -- Ctrl-C (SIGINT) to a launch without Ray --------------------------------------------------------------
+
+
+def test_the_first_sigint_or_sigterm_asks_for_a_stop_and_puts_both_handlers_back(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """In this process (pytest's main thread), with real signals: the first one asks for one STOP named after
+    it and puts both handlers back, so a second Ctrl-C raises KeyboardInterrupt, which the launch's record
+    then names; a signal ignored before stays ignored."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground process
+    try:
+        with stop_on_signals(0) as stop:
+            assert all(signal.getsignal(s) == stop.handle for s in STOP_SIGNALS)
+            signal.raise_signal(signal.SIGINT)
+            assert stop.reason == "SIGINT"
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+            assert [(c.kind, c.values) for c in stop.pending()] == [(CommandKind.STOP, {"reason": "SIGINT"})]
+            assert stop.pending() == ()  # once
+            with pytest.raises(KeyboardInterrupt) as second:
+                signal.raise_signal(signal.SIGINT)
+            failure = stop.failure(second.value)
+            assert failure == "KeyboardInterrupt: interrupted by a second SIGINT before the step boundary"
+        assert capfd.readouterr().err == (
+            "d9d: SIGINT: stopping at the next step boundary, which is saved and committed; "
+            "a second SIGINT interrupts the training at once\n"
+        )
+
+        # A job a shell starts in the background ignores SIGINT: it still does; SIGTERM still stops.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with stop_on_signals(1) as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+            assert stop.reason is None
+            signal.raise_signal(signal.SIGTERM)
+            assert stop.reason == "SIGTERM" and signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+            assert stop.failure(RuntimeError("boom")) == "RuntimeError: boom"
+            assert stop.failure(KeyboardInterrupt()) == (
+                "KeyboardInterrupt: interrupted by SIGINT after SIGTERM before the step boundary"
+            )
+        assert capfd.readouterr().err == (
+            "d9d: SIGTERM: this rank stops when rank 0 does, whose signal stops the run; "
+            "a second SIGTERM ends the process at once\n"
+        )
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _ctrl_c(proc: subprocess.Popen[str]) -> None:
+    """SIGINT to the launch's process group: what a terminal's Ctrl-C sends the command it runs."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        _kill(proc)
+        pytest.skip("SIGINT is ignored here (pytest runs in the background), and so in the launch")
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_a_process_run_at_a_step_boundary_which_it_commits(tmp_path: Path) -> None:
+    proc, run = _launch(tmp_path)
+    try:
+        _wait_for_step(proc, run, 3)
+        _ctrl_c(proc)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        _kill(proc)
+    log = proc.communicate()[0]
+    assert "d9d: SIGINT: stopping at the next step boundary" in log and "Traceback" not in log, log[-3000:]
+    record = find_record("proc", run_dir=run)
+    assert record is not None
+    state = state_from_files(record)
+    assert state.state == "stopped" and state.step is not None and state.step >= 3, state
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert (summary["status"], summary["stop_reason"]) == ("stopped", "SIGINT")
+    assert (run / "checkpoints" / "latest").read_text() == f"step-{state.step:08d}"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_rank_of_a_torchrun_launch_at_one_step(tmp_path: Path) -> None:
+    """The terminal's SIGINT reaches torchrun's agent (its workers run in sessions of their own), which sends
+    SIGINT to every worker once: both stop at one step, which they commit, and exit with 0. The agent then
+    ends with its SignalException (exit 1): torchrun's, whatever its workers did."""
+    proc, run = _launch(tmp_path, "torchrun", mesh={"data_parallel_replicate": 2})
+    try:
+        _wait_for_step(proc, run, 3)
+        _ctrl_c(proc)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        _kill(proc)
+    log = proc.communicate()[0]
+    assert "d9d: SIGINT: stopping at the next step boundary" in log, log[-3000:]
+    assert "d9d: SIGINT: this rank stops when rank 0 does" in log, log[-3000:]
+    assert "SignalException: Process" in log and "Unable to shutdown process" not in log, log[-3000:]
+    record = find_record("proc", run_dir=run)
+    assert record is not None
+    state = state_from_files(record)
+    assert state.state == "stopped" and state.step is not None and state.step >= 3, (state, log[-3000:])
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert (summary["status"], summary["stop_reason"]) == ("stopped", "SIGINT")
+    assert (run / "checkpoints" / "latest").read_text() == f"step-{state.step:08d}"
+
+
+@pytest.mark.timeout(240)
+def test_a_second_ctrl_c_interrupts_a_step_that_does_not_reach_its_boundary(tmp_path: Path) -> None:
+    """Step 4 never ends (its data sleeps): the first Ctrl-C's stop waits for its boundary, the second raises
+    KeyboardInterrupt at once; the launch records `failed` naming the interruption, and step 2's commit
+    stays the newest, whole (a relaunch resumes from it)."""
+    stalled, log = tmp_path / "stalled", tmp_path / "launch.log"
+    data = {
+        "provider": "tests.engine_fixtures:StallingData",
+        "options": {"stall_at": 4, "marker": str(stalled)},
+    }
+    proc, run = _launch(tmp_path, log=log, data=data, checkpointing={"period": 2})
+    try:
+        deadline = time.monotonic() + 120
+        while not stalled.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        assert (run / "checkpoints" / "latest").read_text() == "step-00000002"
+        _ctrl_c(proc)
+        while "d9d: SIGINT: stopping" not in log.read_text():  # the first has reached the launch
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert proc.poll() is None  # waiting for a boundary that does not come
+        sent = time.monotonic()
+        _ctrl_c(proc)
+        assert proc.wait(timeout=30) == -signal.SIGINT  # Python's exit on an unhandled KeyboardInterrupt
+        assert time.monotonic() - sent < 10
+    finally:
+        _kill(proc)
+    out = log.read_text()
+    assert "KeyboardInterrupt" in out, out[-3000:]
+    record = find_record("proc", run_dir=run)
+    assert record is not None and state_from_files(record).state == "failed"
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert summary["status"] == "failed" and summary["stop_reason"] is None
+    assert summary["error"] == "KeyboardInterrupt: interrupted by a second SIGINT before the step boundary"
+    assert (run / "checkpoints" / "latest").read_text() == "step-00000002"
+    decision = check_resume(load_config(tmp_path / "job.yaml"))
+    assert (decision.action, decision.step) == ("resume", 2), decision
 
 
 def _sleeper(ignore_sigterm: bool = False) -> subprocess.Popen[str]:

@@ -5,11 +5,14 @@
 
 `run_rank` is also the entrypoint the Ray rank actors call, so all three share every line of engine code.
 
-SIGTERM to a process of these launchers (`d9d stop`, a scheduler's preemption, torchrun shutting its
-workers down) stops the run at the next step boundary, as a STOP command does under Ray: rank 0 turns the
-signal into that command, which every rank applies at the same boundary, where the step is saved and
-committed; the launch records `stopped` and the process exits with 0. A second SIGTERM ends the process at
-once (the default action). Ranks other than 0 stop with rank 0: only its signal stops the run.
+SIGTERM or SIGINT to a process of these launchers (`d9d stop`, a scheduler's preemption, torchrun shutting
+its workers down, Ctrl-C) stops the run at the next step boundary, as a STOP command does under Ray: rank 0
+turns the signal into that command, which every rank applies at the same boundary, where the step is saved
+and committed; the launch records `stopped` (`stop_reason`: the signal's name) and the process exits with 0.
+A second signal does what it did before: SIGTERM ends the process at once, SIGINT raises KeyboardInterrupt
+(the launch records `failed`: interrupted before the step boundary). Ranks other than 0 stop with rank 0:
+only its signal stops the run. Under torchrun, Ctrl-C reaches only the agent (torch starts each worker in a
+session of its own), which passes SIGINT on to every worker once.
 """
 
 from __future__ import annotations
@@ -141,8 +144,9 @@ class LaunchRecords:
         record_launch(root, self.summary)
 
     def ended(
-        self, result: RankResult | None, error: BaseException | None = None, stop_reason: str | None = None
+        self, result: RankResult | None, error: str | None = None, stop_reason: str | None = None
     ) -> None:
+        """How the launch ended: its `result`, or the `error` line (`SignalStop.failure`) it failed with."""
         s = self.summary
         if result is not None:
             s.status, s.steps = result.status, result.steps
@@ -150,48 +154,70 @@ class LaunchRecords:
             s.stop_reason = stop_reason if result.status == "stopped" else None
         else:
             s.status = "failed"
-            s.error = "".join(traceback.format_exception_only(error)).strip() if error else None
+            s.error = error
         s.ended_at = time.time()
         record_launch(self._config.storage_root, s)
 
 
-SIGTERM_STOP_REASON = "SIGTERM"  # `stop_reason` of a launch stopped by SIGTERM to its rank 0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what `stop_on_signals` turns into a stop
+
+
+def _does(handler: Any) -> str:
+    """What a signal does with `handler`, for the message of the first one."""
+    if handler is signal.SIG_DFL:
+        return "ends the process at once"
+    if handler is signal.default_int_handler:
+        return "interrupts the training at once"
+    return "goes to the handler it had before"
 
 
 class SignalStop:
-    """SIGTERM, while installed (`stop_on_sigterm`), asks for a stop at the next step boundary: the
-    reporter `wrap` returns adds a STOP command to what rank 0 reads there (`broadcast_commands` hands it
-    to every rank, so all stop at the same step, which the engine saves and commits). The first signal
-    puts the previous handler back, so a second one does what SIGTERM did before (the default: the process
-    ends at once) when a step never reaches its boundary."""
+    """SIGTERM or SIGINT (Ctrl-C), while installed (`stop_on_signals`), asks for a stop at the next step
+    boundary: the reporter `wrap` returns adds a STOP command to what rank 0 reads there
+    (`broadcast_commands` hands it to every rank, so all stop at the same step, which the engine saves and
+    commits). The first signal puts the handlers before it back (`previous`), so a second one does what it
+    did before when a step never reaches its boundary: by default, SIGTERM ends the process at once and
+    SIGINT raises KeyboardInterrupt. `reason`: the name of the signal that asked for the stop."""
 
-    def __init__(self, rank: int, previous: Any = signal.SIG_DFL) -> None:
+    def __init__(self, rank: int, previous: Mapping[signal.Signals, Any] | None = None) -> None:
         self.rank = rank
-        self.previous = previous
-        self.signalled = False
+        self.previous = dict(previous or {})
+        self.reason: str | None = None
         self._sent = False
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signalled = True
-        signal.signal(signal.SIGTERM, self.previous)
+        received = signal.Signals(signum)
+        self.reason = received.name
+        self.restore()
         said = (
-            b"stopping at the next step boundary, which is saved and committed"
+            "stopping at the next step boundary, which is saved and committed"
             if self.rank == 0
-            else b"this rank stops when rank 0 does (SIGTERM to rank 0 stops the run)"
+            else "this rank stops when rank 0 does, whose signal stops the run"
         )
+        second = f"a second {received.name} {_does(self.previous[received])}"
         # os.write: a print here could interrupt a print of the main thread (a reentrant call raises).
-        os.write(2, b"d9d: SIGTERM: " + said + b" (a second SIGTERM ends the process at once)\n")
+        os.write(2, f"d9d: {received.name}: {said}; {second}\n".encode())
+
+    def restore(self) -> None:
+        """The handlers before this one, back."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
     def pending(self) -> Sequence[Command]:
         """The STOP command, once, after the signal came."""
-        if not self.signalled or self._sent:
+        if self.reason is None or self._sent:
             return ()
         self._sent = True
-        return (Command(CommandKind.STOP, {"reason": SIGTERM_STOP_REASON}),)
+        return (Command(CommandKind.STOP, {"reason": self.reason}),)
 
-    @property
-    def reason(self) -> str | None:
-        return SIGTERM_STOP_REASON if self.signalled else None
+    def failure(self, error: BaseException) -> str:
+        """The `error` a launch that raised `error` records: a KeyboardInterrupt after a signal asked for a
+        stop is a second signal that came before the step boundary."""
+        line = "".join(traceback.format_exception_only(error)).strip()
+        if not isinstance(error, KeyboardInterrupt) or self.reason is None:
+            return line
+        second = "a second SIGINT" if self.reason == "SIGINT" else f"SIGINT after {self.reason}"
+        return f"KeyboardInterrupt: interrupted by {second} before the step boundary"
 
     def wrap(self, reporter: RunReporter) -> RunReporter:
         return _StoppingReporter(reporter, self)
@@ -221,21 +247,25 @@ class _StoppingReporter:
 
 
 @contextlib.contextmanager
-def stop_on_sigterm(rank: int) -> Iterator[SignalStop]:
-    """SIGTERM stops at a step boundary while the block runs (`SignalStop`); the handler before it is put
-    back after. Python runs signal handlers on the main thread only, and only from there can one be
-    installed: elsewhere (a script training in a thread) SIGTERM keeps its handler and nothing changes."""
+def stop_on_signals(rank: int) -> Iterator[SignalStop]:
+    """SIGTERM and SIGINT stop at a step boundary while the block runs (`SignalStop`); the handlers before
+    it are put back after. A signal ignored when the block starts stays ignored (a shell starts a job in
+    the background with SIGINT ignored, so that Ctrl-C reaches only the foreground one). Python runs signal
+    handlers on the main thread only, and only from there can one be installed: elsewhere (a script
+    training in a thread) the signals keep their handlers and nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield SignalStop(rank)
         return
     # None: a handler not installed from Python, which cannot be put back by signal.signal.
-    previous = signal.getsignal(signal.SIGTERM)
-    stop = SignalStop(rank, signal.SIG_DFL if previous is None else previous)
-    signal.signal(signal.SIGTERM, stop.handle)
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    handlers = {s: signal.SIG_DFL if h is None else h for s, h in previous.items() if h is not signal.SIG_IGN}
+    stop = SignalStop(rank, handlers)
+    for signum in stop.previous:
+        signal.signal(signum, stop.handle)
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGTERM, stop.previous)
+        stop.restore()
 
 
 def recorded_train(trainer: Trainer, tracker: Any = None) -> RankResult:
@@ -243,13 +273,13 @@ def recorded_train(trainer: Trainer, tracker: Any = None) -> RankResult:
     itself: rank 0 writes `run.json` (launcher `script`) and the launch's `run_summary.json` record when
     it starts and when it ends, as `python -m d9d.engine.launch` does, so `d9d list` and `d9d status` show
     the run as running, then finished, stopped or failed (with its error). `tracker`: the tracker config
-    the script writes metrics with, for the record's tracker lines. Meanwhile SIGTERM (`d9d stop`) stops
-    the training at the next step boundary, which is saved (module docstring)."""
+    the script writes metrics with, for the record's tracker lines. Meanwhile SIGTERM (`d9d stop`) or
+    SIGINT (Ctrl-C) stops the training at the next step boundary, which is saved (module docstring)."""
     config = trainer.config
     records = None
     rank = int(os.environ.get("RANK", "0"))
     # Before the start is recorded: a run `d9d list` shows as running stops on `d9d stop`'s SIGTERM.
-    with stop_on_sigterm(rank) as stop:
+    with stop_on_signals(rank) as stop:
         if rank == 0:
             resumed = trainer.progress.step or None  # where setup() resumed from
             records = LaunchRecords(config, None, tracker, launcher="script", resumed_from=resumed)
@@ -265,19 +295,17 @@ def recorded_train(trainer: Trainer, tracker: Any = None) -> RankResult:
             handler.receive = receive
 
 
-def _recorded(
-    records: LaunchRecords | None, train: Callable[[], RankResult], stop: SignalStop | None = None
-) -> RankResult:
+def _recorded(records: LaunchRecords | None, train: Callable[[], RankResult], stop: SignalStop) -> RankResult:
     """`train()`, with how it ended (its result, or the exception it raised) in `records` where this rank
-    keeps them; a stop on SIGTERM says so (`stop_reason`)."""
+    keeps them; a stop on a signal names it (`stop_reason`), and so does an interruption by a second one."""
     try:
         result = train()
     except BaseException as e:
         if records is not None:
-            records.ended(None, e)
+            records.ended(None, stop.failure(e))
         raise
     if records is not None:
-        records.ended(result, stop_reason=stop.reason if stop is not None else None)
+        records.ended(result, stop_reason=stop.reason)
     return result
 
 
@@ -298,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(f"d9d: run {config.run.name} {decision.message}", file=sys.stderr)
         return 0
-    with stop_on_sigterm(rank) as stop:  # before the launch is recorded (`recorded_train` says why)
+    with stop_on_signals(rank) as stop:  # before the launch is recorded (`recorded_train` says why)
         return _launch(config, decision, rank, stop)
 
 
