@@ -12,7 +12,8 @@ estimate from those meta parameters, their dtypes and the mesh:
   `tensor_parallel` are both 1: the decoder plan then leaves them to FSDP). Other models: FSDP sharding
   only. Where FSDP keeps every unit gathered from forward to backward — pipeline steps always, otherwise
   `fsdp.reshard_after_forward` `never`, or `auto` under `keep_gathered_gib` — the rank holds the gathered
-  parameters too at the end of forward (the one or two units gathered at a time otherwise are not counted).
+  parameters too at the end of forward (the one or two units gathered at a time otherwise, of
+  `fsdp.layers_per_unit` layers each, are not counted).
 - gradients: trainable parameters, sharded alike, in `gradient_manager.grad_dtype` (default: theirs).
 - optimizer state: AdamW two moments in the parameter dtype, stochastic AdamW two in its `state_dtype`,
   SGD one momentum buffer when `momentum > 0`; a plug-in optimizer is not estimated.
