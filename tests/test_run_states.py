@@ -216,6 +216,9 @@ def _launch(
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # its own process group, as a terminal gives a command it runs
+            # and SIGINT at its default, as a terminal's foreground command has it, also where pytest runs
+            # in the background (a non-interactive shell's `&` ignores SIGINT, and children inherit that)
+            preexec_fn=_default_sigint,
         )
     return proc, run
 
@@ -384,11 +387,12 @@ def test_the_first_sigint_or_sigterm_asks_for_a_stop_and_puts_both_handlers_back
             signal.signal(s, handler)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _ctrl_c(proc: subprocess.Popen[str]) -> None:
     """SIGINT to the launch's process group: what a terminal's Ctrl-C sends the command it runs."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        _kill(proc)
-        pytest.skip("SIGINT is ignored here (pytest runs in the background), and so in the launch")
     os.killpg(proc.pid, signal.SIGINT)
 
 
