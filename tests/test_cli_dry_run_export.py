@@ -160,6 +160,11 @@ def test_dry_run_counts_lora_parameters_and_shards_their_memory(tmp_path: Path) 
     (kept,) = report({}).memory
     assert kept.parameters == (base + lora) * 4
     assert any("stay gathered" in note for note in kept.notes)
+    # ... and groups 4 layers per FSDP unit there (`layers_per_unit: auto`), one where the units reshard.
+    assert "FSDP units: 4 decoder layer(s) per unit (fsdp.layers_per_unit auto)" in kept.notes
+    assert "FSDP units: 1 decoder layer(s) per unit (fsdp.layers_per_unit auto)" in memory.notes
+    (fixed,) = report({"layers_per_unit": 2}).memory
+    assert "FSDP units: 2 decoder layer(s) per unit (fsdp.layers_per_unit 2)" in fixed.notes
     assert (kept.gradients, kept.optimizer, kept.activations) == (
         memory.gradients,
         memory.optimizer,

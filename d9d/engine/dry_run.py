@@ -146,9 +146,13 @@ def _footprint(architecture: ModelArchitecture | None, module: nn.Module) -> Sta
     return architecture.family.footprint(architecture.model_config, module)
 
 
+def _base(provider: ModelProvider) -> ModelProvider:
+    return provider.base if isinstance(provider, PeftModelProvider) else provider
+
+
 def _fsdp_config(provider: ModelProvider) -> FSDPConfig:
     """The built-in providers' FSDP settings (`model.options.parallel.fsdp`); the defaults for plug-ins."""
-    base = provider.base if isinstance(provider, PeftModelProvider) else provider
+    base = _base(provider)
     return base.options.parallel.fsdp if isinstance(base, CausalLMProvider) else FSDPConfig()
 
 
@@ -350,6 +354,10 @@ def estimate_memory(
             f"parameters: FSDP's units stay gathered from forward to backward ({gathered / GIB:.2f} GiB "
             "gathered, included)"
         )
+    if fsdp > 1 and isinstance(_base(provider), CausalLMProvider):
+        setting = _fsdp_config(provider).layers_per_unit
+        per_unit = _fsdp_config(provider).resolve_layers_per_unit(gathered)
+        notes.append(f"FSDP units: {per_unit} decoder layer(s) per unit (fsdp.layers_per_unit {setting})")
     if footprints[0] is None and mesh.tensor_parallel > 1:
         notes.append("parameters: tensor-parallel sharding of a model outside the catalogue is not modelled")
     optimizer = _optimizer_bytes(config, trainable)

@@ -128,11 +128,7 @@ class FSDPConfig(BaseModel):
         """Layers per unit for a module whose FSDP parameters take `gathered_bytes` on one rank gathered."""
         match self.layers_per_unit:
             case "auto":
-                kept = self.keeps_units_gathered(gathered_bytes)
-                layers = AUTO_LAYERS_PER_UNIT if kept else 1
-                why = "the units stay gathered" if kept else "the units are resharded after forward"
-                logger.info("fsdp layers_per_unit auto: %d decoder layers per unit (%s)", layers, why)
-                return layers
+                return AUTO_LAYERS_PER_UNIT if self.keeps_units_gathered(gathered_bytes) else 1
             case int(layers):
                 return layers
 

@@ -17,6 +17,7 @@ After that, `build_gradient_synchronizer(model, ctx)` finds every parameter's re
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -49,6 +50,8 @@ from d9d.parallel.tensor import (
     parallelize_vocab_head,
     split_to_group,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class PreNormLayer(Protocol):
@@ -151,6 +154,9 @@ def parallelize_decoder(
     if dense["dp_cp_shard"].size() > 1:
         param_dtype = mp_policy.param_dtype if mp_policy is not None else None
         per_unit = config.fsdp.resolve_layers_per_unit(fsdp_gathered_bytes(model, param_dtype))
+        logger.info(
+            "fsdp: %d decoder layer(s) per unit (layers_per_unit %s)", per_unit, config.fsdp.layers_per_unit
+        )
         units = fsdp_units(model, layers, per_unit)
         if dense["dp_cp_replicate"].size() > 1:
             parallelize_hsdp(
