@@ -168,6 +168,23 @@ def _probe(model: nn.Module, units: list[nn.Module], config: FSDPConfig, what: s
     model.zero_grad(set_to_none=True)
 
 
+def _assert_trains_like_one_process(
+    model: nn.Module,
+    ctx: DistributedContext,
+    params: DeviceMeshParameters,
+    data: list[Any],
+    want: Any,
+    what: str,
+) -> None:
+    """2 microbatches per rank and step through the synchronizer: losses, norms, parameters as `want`."""
+    sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
+    dp = ctx.coordinates("batch")["dp"]
+    local = [b.shard(params.data_parallel, dp).split(2) for b in data]
+    got = distributed_run(model, sync, local, _task_loss, max_norm=MAX_NORM)
+    assert_runs_close(got, want, what)
+    sync.close()
+
+
 def _settings_cases(env: RankEnv) -> None:
     data = _batches(2, 8)  # the second AdamW step runs on the updated shards and the optimizer's moments
     want = reference_run(_dense(), data, _task_loss, max_norm=MAX_NORM)
@@ -183,17 +200,7 @@ def _settings_cases(env: RankEnv) -> None:
         assert units[0] is model.model.embed_tokens and units[-1] is model.lm_head and len(units) == 4
         parallelize_qwen3(model, ctx, ParallelPlanConfig(fsdp=config))
         _probe(model, units, config, what)
-        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
-        dp = ctx.coordinates("batch")["dp"]
-        got = distributed_run(
-            model,
-            sync,
-            [b.shard(params.data_parallel, dp).split(2) for b in data],
-            _task_loss,
-            max_norm=MAX_NORM,
-        )
-        assert_runs_close(got, want, what)
-        sync.close()
+        _assert_trains_like_one_process(model, ctx, params, data, want, what)
     _grouped_layer_cases(data, want)
     # A reduce dtype set twice, differently, is refused rather than one silently winning.
     model = _dense()
@@ -238,17 +245,7 @@ def _grouped_layer_cases(data: list[Any], want: Any) -> None:
         want_counts = (1 + units, 1 + units + regathered[config.reshard_after_forward])
         assert (gathered_in_forward, count[0]) == want_counts, (what, count[0])
         model.zero_grad(set_to_none=True)
-        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
-        dp = ctx.coordinates("batch")["dp"]
-        got = distributed_run(
-            model,
-            sync,
-            [b.shard(params.data_parallel, dp).split(2) for b in data],
-            _task_loss,
-            max_norm=MAX_NORM,
-        )
-        assert_runs_close(got, want, what)
-        sync.close()
+        _assert_trains_like_one_process(model, ctx, params, data, want, what)
 
 
 @pytest.mark.distributed
@@ -290,12 +287,7 @@ def _moe_settings_cases(env: RankEnv) -> None:
         model = MODELS["qwen3_moe"]()
         plan = ParallelPlanConfig(fsdp=config, expert_backend=AllToAllBackendConfig(), sequence_parallel=True)
         parallelize_qwen3_moe(model, ctx, plan)
-        sync = build_gradient_synchronizer(model, ctx, GradSyncConfig(bucket_size_mb=0.002))
-        dp = ctx.coordinates("batch")["dp"]
-        local = [b.shard(params.data_parallel, dp).split(2) for b in data]
-        got = distributed_run(model, sync, local, _task_loss, max_norm=MAX_NORM)
-        assert_runs_close(got, want, what)
-        sync.close()
+        _assert_trains_like_one_process(model, ctx, params, data, want, what)
 
 
 @pytest.mark.distributed
