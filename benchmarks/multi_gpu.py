@@ -5,7 +5,7 @@ torchtitan 0.2.2, one row per process, in one command.
         [--ray-rows GLOB,...] [--steps 10] [--warmup 3] [--timeout-per-row 420] [--budget-s S]
         [--pp-microbatch 2] [--cp-seq 8192] [--set KEY=VALUE ...] [--variant NAME:KEY=VALUE[;KEY=VALUE] ...]
         [--profile GLOB,... [--profile-steps 3] [--profile-trace]] [--concurrent-1gpu] [--numa-binding MODE]
-        [--out FILE] [--list]
+        [--repeat N] [--out FILE] [--list]
     python benchmarks/multi_gpu.py --merge a.json b.json [--out FILE]     # one table from several runs
     python benchmarks/multi_gpu.py --smoke                                # CPU, gloo, 2 ranks, tiny shapes
 
@@ -57,6 +57,11 @@ that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
           --variant "pf2:$F.forward_prefetch=2;$F.backward_prefetch=2"
 
   (`--set model.options.parallel.fsdp.reduce_dtype=float32` instead changes every d9d row of the command.)
+- Repeats (`--repeat N`): the selected rows run N times in one command, every second pass in reverse order
+  (A B, then B A: drift over the call, e.g. a host that warms up, does not favour the row that always runs
+  first), as rows `<id>#<pass>` after the first (`dense-fsdp@ray#2`); every ratio of a row is taken against
+  the rows of its own pass. The key pairs (`dense-fsdp,titan-dense-fsdp`, a row and its `@ray` twin) then
+  come twice from one machine.
 - torchtitan: its own trainer (`torchtitan.train.Trainer` and `main`, under torchrun) through
   `throughput/titan_train.py`, which registers a train spec of torchtitan's own Qwen3 pieces with our shapes,
   a random-token loader and a metrics processor that records; configured by its own flags:
@@ -213,6 +218,7 @@ class Row:
     microbatch: int = BATCH  # sequences per microbatch (d9d) / local batch (torchtitan)
     variant: str | None = None  # `--variant` NAME: this row is `base_id` with `sets` added
     sets: tuple[str, ...] = ()
+    repeat: int = 1  # `--repeat` pass; passes after the first add `#<pass>` to the id
 
     @property
     def base_id(self) -> str:
@@ -302,9 +308,26 @@ def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
     return with_variants(out, args.variant)
 
 
+def split_pass(row_id: str) -> tuple[str, str]:
+    """`dense-fsdp@ray#2` -> (`dense-fsdp@ray`, `#2`): the row and its `--repeat` pass suffix ('' first)."""
+    stem, sep, number = row_id.partition("#")
+    return stem, sep + number
+
+
 def base_id(row_id: str) -> str:
-    name, _, launcher = row_id.partition("@")
+    """The id without the variant and the pass (`dense-fsdp+f32@ray#2` -> `dense-fsdp@ray`)."""
+    name, _, launcher = split_pass(row_id)[0].partition("@")
     return name.partition("+")[0] + (f"@{launcher}" if launcher else "")
+
+
+def repeated(rows: list[Row], passes: int) -> list[Row]:
+    """`rows` `passes` times, every second pass in reverse order (A B, B A, A B...: a pair's rows each run
+    first once, so drift over the call does not favour one of them), ids of later passes `<id>#<pass>`."""
+    out = list(rows)
+    for k in range(2, passes + 1):
+        order = rows[::-1] if k % 2 == 0 else rows
+        out += [replace(r, id=f"{r.id}#{k}", repeat=k) for r in order]
+    return out
 
 
 def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
@@ -897,21 +920,22 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
             r.pop(key, None)
         if "tokens_per_s" not in r:
             continue
-        if r["launcher"] == "ray" and (x_torchrun := ratio(r, r["id"].removesuffix("@ray"))) is not None:
+        # every reference is the row of the same `--repeat` pass
+        stem, suffix = split_pass(r["id"])
+        twin = stem.removesuffix("@ray") + suffix
+        if r["launcher"] == "ray" and (x_torchrun := ratio(r, twin)) is not None:
             r["x_torchrun"] = x_torchrun
-        if base_id(r["id"]) != r["id"] and (x_base := ratio(r, base_id(r["id"]))) is not None:
+        if base_id(stem) != stem and (x_base := ratio(r, base_id(stem) + suffix)) is not None:
             r["x_base"] = x_base
         model = r["model"]
         # torchtitan's row of the same layout where it has one, else its FSDP (x EP) row
-        same_layout = f"titan-{base_id(r['id']).partition('@')[0]}"
-        fsdp_row = f"titan-{model}-fsdp-ep" if model == "moe" else f"titan-{model}-fsdp"
+        same_layout = f"titan-{base_id(stem).partition('@')[0]}{suffix}"
+        fsdp_row = (f"titan-{model}-fsdp-ep" if model == "moe" else f"titan-{model}-fsdp") + suffix
         titan_n = same_layout if same_layout in done else fsdp_row
-        scaling = ratio(r, f"titan-{model}-1gpu" if r["framework"] == "torchtitan" else f"{model}-1gpu")
-        x_titan = ratio(r, f"titan-{model}-1gpu" if r["gpus"] == 1 else titan_n)
-        if (
-            x_titan is not None
-            and done[f"titan-{model}-1gpu" if r["gpus"] == 1 else titan_n]["gpus"] != r["gpus"]
-        ):
+        titan_1 = f"titan-{model}-1gpu{suffix}"
+        scaling = ratio(r, titan_1 if r["framework"] == "torchtitan" else f"{model}-1gpu{suffix}")
+        x_titan = ratio(r, titan_1 if r["gpus"] == 1 else titan_n)
+        if x_titan is not None and done[titan_1 if r["gpus"] == 1 else titan_n]["gpus"] != r["gpus"]:
             x_titan = None  # torchtitan's N-GPU row of another run with another N
         if scaling is not None:
             r["scaling"] = scaling
@@ -1061,7 +1085,10 @@ def main_run(args: argparse.Namespace) -> int:
         print("multi_gpu: no GPU visible (use --smoke for the CPU check)", file=sys.stderr)
         return 2
     table_order = {row.id: i for i, row in enumerate(all_rows(n, args))}
-    rows = select(all_rows(n, args), args)
+    if args.repeat < 1:
+        print(f"multi_gpu: --repeat {args.repeat}: expected 1 or more", file=sys.stderr)
+        return 2
+    rows = repeated(select(all_rows(n, args), args), args.repeat)
     if args.list:
         for row in rows:
             print(f"{row.id:24s} {row.framework:10s} {row.launcher:8s} {row.gpus} GPU(s)  {row.layout}")
@@ -1110,7 +1137,7 @@ def main_run(args: argparse.Namespace) -> int:
         record(run_entry(row, args, work, time_left, f"[{i + 1}/{len(rows) - len(together)}]"))
     if out is None:
         out = default_out(env)
-    results.sort(key=lambda r: table_order[r["id"]])
+    results.sort(key=lambda r: (table_order[split_pass(r["id"])[0]], r["repeat"]))
     write_json(out, {**env, "args": vars(args), "results": results})
     print(f"\n{json.dumps(env)}\n{table(results)}\n{profile_sections(results)}\nresults: {out}", flush=True)
     return 0
@@ -1155,6 +1182,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1: compile)")
     parser.add_argument("--timeout-per-row", type=float, default=420.0)
     parser.add_argument("--budget-s", type=float, default=None, help="skip the rows that would start past it")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the selected rows this many times, every second pass in reverse order (ids `<id>#<pass>`)",
+    )
     parser.add_argument(
         "--pp-microbatch", type=int, default=2, help="sequences per microbatch on pipeline rows"
     )

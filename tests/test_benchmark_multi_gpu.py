@@ -276,6 +276,48 @@ def test_ratios(bench) -> None:
     assert "0.95x torchrun" in table and "failed: x" in table
 
 
+def test_repeated_rows_run_in_alternating_order_and_compare_within_their_pass(bench) -> None:
+    rows = bench.select(bench.all_rows(2, _args()), _args(rows="dense-1gpu,dense-fsdp*"))
+    ids = [r.id for r in bench.repeated(rows, 3)]
+    first = [r.id for r in rows]
+    assert first[:2] == ["dense-1gpu", "dense-fsdp"] and "dense-fsdp@ray" in first
+    assert ids == [*first, *(f"{i}#2" for i in reversed(first)), *(f"{i}#3" for i in first)]
+    assert bench.base_id("dense-fsdp+f32@ray#2") == "dense-fsdp@ray"
+    assert bench.split_pass("dense-fsdp@ray#2") == ("dense-fsdp@ray", "#2")
+
+    def row(row_id, gpus, tps, launcher="torchrun", framework="d9d"):
+        return {
+            "id": row_id,
+            "model": "dense",
+            "framework": framework,
+            "launcher": launcher,
+            "gpus": gpus,
+            "seq": 2048,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_gpu": tps / gpus,
+        }
+
+    results = [
+        row("dense-1gpu", 1, 100.0),
+        row("dense-fsdp", 2, 180.0),
+        row("dense-fsdp@ray", 2, 171.0, launcher="ray"),
+        row("titan-dense-fsdp", 2, 150.0, framework="torchtitan"),
+        row("dense-fsdp+f32", 2, 162.0),
+        row("dense-1gpu#2", 1, 90.0),
+        row("dense-fsdp#2", 2, 190.0),
+        row("dense-fsdp@ray#2", 2, 190.0, launcher="ray"),
+        row("dense-fsdp+f32#2", 2, 95.0),
+    ]
+    bench.add_ratios(results)
+    by_id = {r["id"]: r for r in results}
+    assert by_id["dense-fsdp@ray"]["x_torchrun"] == pytest.approx(0.95)
+    assert by_id["dense-fsdp@ray#2"]["x_torchrun"] == pytest.approx(1.0)
+    assert by_id["dense-fsdp#2"]["scaling"] == pytest.approx(95 / 90)  # against the 1-GPU row of pass 2
+    assert by_id["dense-fsdp+f32#2"]["x_base"] == pytest.approx(0.5)
+    assert by_id["dense-fsdp"]["x_titan"] == pytest.approx(1.2)
+    assert "x_titan" not in by_id["dense-fsdp#2"]  # no torchtitan row in pass 2: none of pass 1's
+
+
 def test_bubble_from_records(bench) -> None:
     with benchmarks_on_path():
         from throughput.bubble import pipeline_bubble
