@@ -591,7 +591,11 @@ def test_a_timed_out_row_keeps_its_own_last_lines_and_its_processes_stacks(bench
     )
     try:
         deadline = time.monotonic() + 10
-        while not (found := bench.group_processes(child.pid)) and time.monotonic() < deadline:
+        # until the child has exec'd its command (right after the fork its command line is not yet it)
+        while (
+            "time.sleep(60)" not in str(found := bench.group_processes(child.pid))
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         assert [pid for pid, _ in found] == [child.pid]
         assert "time.sleep(60)" in found[0][1]
