@@ -348,15 +348,16 @@ def estimate_memory(
             if p.requires_grad:
                 grads += n * torch.empty((), dtype=_grad_dtype(config, p)).element_size()
                 trainable.append((p, n))
-    if fsdp > 1 and (mesh.pipeline_parallel > 1 or _fsdp_config(provider).keeps_units_gathered(gathered)):
+    fsdp_config = _fsdp_config(provider)
+    if fsdp > 1 and (mesh.pipeline_parallel > 1 or fsdp_config.keeps_units_gathered(gathered)):
         params += gathered - sharded
         notes.append(
             f"parameters: FSDP's units stay gathered from forward to backward ({gathered / GIB:.2f} GiB "
             "gathered, included)"
         )
-    if fsdp > 1 and isinstance(_base(provider), CausalLMProvider):
-        setting = _fsdp_config(provider).layers_per_unit
-        per_unit = _fsdp_config(provider).resolve_layers_per_unit(gathered)
+    if fsdp > 1 and isinstance(_base(provider), CausalLMProvider):  # the decoder plan's units
+        per_unit = fsdp_config.resolve_layers_per_unit(gathered)
+        setting = fsdp_config.layers_per_unit
         notes.append(f"FSDP units: {per_unit} decoder layer(s) per unit (fsdp.layers_per_unit {setting})")
     if footprints[0] is None and mesh.tensor_parallel > 1:
         notes.append("parameters: tensor-parallel sharding of a model outside the catalogue is not modelled")
