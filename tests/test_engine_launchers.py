@@ -42,9 +42,13 @@ def test_torchrun_matches_single_process(tmp_path: Path, capsys: pytest.CaptureF
         "mesh.data_parallel_replicate=1",
     ]
     subprocess.run(single, env=env, check=True, capture_output=True, timeout=300)
-    torchrun = torchrun_command(job, f"run.dir={tmp_path / 'two'}")
+    # each rank bound to its own share of the host's CPUs (on CPU ranks: split by local rank), which changes
+    # nothing in what they compute
+    torchrun = torchrun_command(job, f"run.dir={tmp_path / 'two'}", "cpu_affinity.mode=exclusive")
     proc = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for share in ("share 1 of 2", "share 2 of 2"):
+        assert f"(this process's CPUs, {share})" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     one, two = jsonl_losses(tmp_path / "one"), jsonl_losses(tmp_path / "two")
     assert len(one) == len(two) == 5
     for a, b in zip(one, two, strict=True):

@@ -16,6 +16,7 @@ from typing import Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from d9d.core.cpu_affinity import CpuAffinityConfig
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.core.storage import Location, StorageError, location
 from d9d.engine.components import (
@@ -257,6 +258,8 @@ class TrainConfig(_Section):
     gradient_manager: GradSyncConfig = Field(default_factory=GradSyncConfig)
     determinism: DeterminismConfig = Field(default_factory=DeterminismConfig)
     gc: GCConfig = Field(default_factory=GCConfig)
+    # Bind each rank's threads to CPUs near its GPU (d9d.core.cpu_affinity): mode none, node or exclusive.
+    cpu_affinity: CpuAffinityConfig = Field(default_factory=CpuAffinityConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     # Regional torch.compile of every stage after it is parallelized (d9d.parallel.compile).

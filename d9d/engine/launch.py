@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from d9d.core.context import DistributedContext, init_process_group
+from d9d.core.cpu_affinity import apply_cpu_affinity
 from d9d.core.mesh_params import DeviceMeshParameters
 from d9d.core.storage import Location
 from d9d.engine.checkpoint import CheckpointError, LocalRunReporter
@@ -83,6 +84,13 @@ def run_rank(
     if runtime.data_parallel_override is not None:
         params = with_data_parallel(params, runtime.data_parallel_override)
     ctx = DistributedContext.create(params)
+    apply_cpu_affinity(
+        cfg.cpu_affinity,
+        ctx.device,
+        local_rank=ctx.local_rank,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        log=ctx.logger,
+    )
     trainer = Trainer(cfg, ctx, reporter, attempt=runtime.attempt)
     trainer.setup()
     return trainer.train()
