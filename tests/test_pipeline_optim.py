@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from d9d.pipeline.optim import PipelinedLRScheduler, PipelinedOptimizer
+from d9d.pipeline.optim import PipelinedLRScheduler, PipelinedOptimizer, _sharded_alike
+from tests.harness import RankEnv, run_distributed
 
 
 def _stages() -> dict[int, nn.Module]:
@@ -239,3 +242,77 @@ def test_only_fused_adam_divides_gradients() -> None:
 class _NoSchedule:
     def step(self) -> None:
         pass
+
+
+def _sharded_twins(env: RankEnv, amsgrad: bool) -> None:
+    """Rank body: two copies of a model sharded by FSDP2 over 2 ranks (one layer on its own unit, a frozen
+    one), fused AdamW; one steps through `PipelinedOptimizer` (the local-shard update once the state exists),
+    the other through `Adam.step` over the DTensors. Bitwise equal after every step: plain, divided,
+    skipped, and after a learning-rate change."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (env.world_size,))
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+        m[2].requires_grad_(False)
+        fully_shard(m[1], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    def build(ps: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, amsgrad=amsgrad, fused=True)
+
+    ours, theirs = model(), model()
+    opt = PipelinedOptimizer.build({0: ours}, build)
+    ref = build([p for p in theirs.parameters() if p.requires_grad])
+    g = torch.Generator().manual_seed(env.rank)
+    for step in range(6):
+        x = torch.randn(4, 6, generator=g)
+        opt.zero_grad()
+        ref.zero_grad()
+        ours(x).pow(2).sum().backward()
+        theirs(x).pow(2).sum().backward()
+        divisor = torch.tensor(3.0) if step >= 2 else None
+        skip = torch.tensor(float(step == 4)) if step >= 1 else None
+        if step == 5:
+            opt.set_lr(0.01)
+            for group in ref.param_groups:
+                group["lr"] = 0.01
+        if step >= 1:
+            assert _sharded_alike(opt.optimizers[0])  # the local-shard update runs from here on
+        opt.step(skip_if=skip, grad_divisor=divisor)
+        ref.grad_scale = None if divisor is None else divisor  # type: ignore[attr-defined]
+        ref.found_inf = skip  # type: ignore[attr-defined]
+        ref.step()
+        mine = [p.to_local() for p in ours.parameters()] + [
+            v.to_local() if isinstance(v, DTensor) else v
+            for s in opt.optimizers[0].state.values()
+            for v in s.values()
+        ]
+        reference = [p.to_local() for p in theirs.parameters()] + [
+            v.to_local() if isinstance(v, DTensor) else v for s in ref.state.values() for v in s.values()
+        ]
+        assert len(mine) == len(reference)
+        for a, b in zip(mine, reference, strict=True):
+            assert torch.equal(a, b), (step, a, b)
+    # a gradient still to be summed (Partial) is not a shard: the update goes back to Adam.step
+    p = next(p for p in ours.parameters() if p.requires_grad)
+    assert isinstance(p.grad, DTensor)
+    p.grad = DTensor.from_local(torch.zeros(p.shape), mesh, [Partial()])
+    assert not _sharded_alike(opt.optimizers[0])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_fused_adam_on_local_shards_is_bitwise_adam_step_over_dtensors(amsgrad: bool) -> None:
+    run_distributed(_sharded_twins, 2, amsgrad, timeout=120)
+
+
+def test_plain_parameters_keep_adam_step() -> None:
+    stages = _stages()
+    opt = PipelinedOptimizer.build(stages, lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True))
+    _train(stages, opt, _NoSchedule(), 1, seed=3)
+    assert not _sharded_alike(opt.optimizers[1])  # no DTensor: no dispatch to skip

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 Optimizer = torch.optim.Optimizer
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
@@ -87,6 +89,9 @@ class PipelinedOptimizer:
                 opt.found_inf = skip_if  # type: ignore[attr-defined]  # read by Adam.step
             if scale is not None:
                 opt.grad_scale = scale  # type: ignore[attr-defined]  # read by Adam.step
+            if _fused_adam_with_state(opt) and _sharded_alike(opt):
+                _fused_adam_step_on_shards(opt, grad_scale=scale, found_inf=skip_if)
+                continue
             try:
                 opt.step()
             finally:
@@ -195,3 +200,86 @@ def _fused_adam(opt: Optimizer) -> bool:
 
 def _fused_adam_with_state(opt: Optimizer) -> bool:
     return _fused_adam(opt) and all(p in opt.state for group in opt.param_groups for p in group["params"])
+
+
+# Fused Adam over DTensor parameters (FSDP, HSDP, TP, EP shards) on each rank's local shards.
+#
+# `Adam.step` hands its lists of DTensors to one `_fused_adam_` call, and DTensor's dispatcher then works out
+# the op's sharding over every argument before it runs the same kernel on the local tensors: 6.3-13 ms of
+# host time per step for Qwen3-0.6B's 311 parameters on an H200 host (torch 2.11; 1 ms over plain tensors),
+# at the end of the step, when the GPU has drained and waits for it. Adam is elementwise, and a parameter,
+# its gradient and its moments share one layout (the moments are created as `zeros_like(param)`), so the
+# update on the local shards is the same kernel on the same tensors: bitwise the step `Adam.step` takes. The
+# moments stay DTensors in `opt.state` (checkpoints reshard them as before); only the update reads their
+# local tensors. The first step, which creates the state, goes through `Adam.step`.
+
+
+def _sharded_alike(opt: Optimizer) -> bool:
+    """Every parameter with a gradient is a DTensor whose gradient has its mesh and placements (not a
+    pending Partial sum), and none is complex: the update can run on the local shards. False where there
+    is no DTensor at all (`Adam.step` has no dispatch to skip there)."""
+    found = False
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if not isinstance(p, DTensor) or torch.is_complex(p):
+                return False
+            grad = p.grad
+            if not (
+                isinstance(grad, DTensor)
+                and grad.device_mesh == p.device_mesh
+                and grad.placements == p.placements
+            ):
+                return False
+            found = True
+    return found
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[no-any-return]
+
+
+def _fused_adam_step_on_shards(
+    opt: Optimizer, *, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None
+) -> None:
+    """`Adam.step` of a fused Adam/AdamW whose state exists, on the local shards (see above)."""
+    for group in opt.param_groups:
+        lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = opt.state[p]
+            params.append(p._local_tensor)
+            grads.append(p.grad._local_tensor)
+            # (a moment that is not a DTensor like its parameter would fail the kernel's shape check)
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(_local(state["max_exp_avg_sq"]))
+            steps.append(_local(state["step"]))  # a plain tensor as Adam creates it
+        beta1, beta2 = group["betas"]
+        adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            amsgrad=group["amsgrad"],
+            has_complex=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
