@@ -298,6 +298,8 @@ def _sharded_twins(env: RankEnv, amsgrad: bool) -> None:
         assert len(mine) == len(reference)
         for a, b in zip(mine, reference, strict=True):
             assert torch.equal(a, b), (step, a, b)
+        # no flag left behind for a later step that goes through Adam.step
+        assert not hasattr(opt.optimizers[0], "found_inf") and not hasattr(opt.optimizers[0], "grad_scale")
     # a gradient still to be summed (Partial) is not a shard: the update goes back to Adam.step
     p = next(p for p in ours.parameters() if p.requires_grad)
     assert isinstance(p.grad, DTensor)

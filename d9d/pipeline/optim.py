@@ -85,13 +85,13 @@ class PipelinedOptimizer:
         # float32, as GradScaler's scale: the kernels read it as such
         scale = None if grad_divisor is None else grad_divisor.to(torch.float32)
         for opt in self.optimizers.values():
+            if _fused_adam_with_state(opt) and _sharded_alike(opt):
+                _fused_adam_step_on_shards(opt, grad_scale=scale, found_inf=skip_if)
+                continue
             if skip_if is not None:
                 opt.found_inf = skip_if  # type: ignore[attr-defined]  # read by Adam.step
             if scale is not None:
                 opt.grad_scale = scale  # type: ignore[attr-defined]  # read by Adam.step
-            if _fused_adam_with_state(opt) and _sharded_alike(opt):
-                _fused_adam_step_on_shards(opt, grad_scale=scale, found_inf=skip_if)
-                continue
             try:
                 opt.step()
             finally:
