@@ -117,13 +117,36 @@ def test_dry_run_shards_the_experts_with_fsdp_without_expert_parallelism(tmp_pat
     sizes = [(n, p.numel()) for n, p in model.named_parameters()]
     experts = sum(k for n, k in sizes if ".experts." in n)
     halves = sum(-(-k // 2) for _, k in sizes)
-    assert memory({"data_parallel_shard": 2}, {"keep_gathered_gib": 0}).parameters == 4 * halves
+    # Resharding after forward (over the size limit), the rank holds its shards, the units that stay
+    # gathered (the head, last in forward order, and the root's final norm) and two of the others at once
+    # (the one computing and the next, prefetched in backward): the embedding or a layer, the larger.
+    resharding = held_while_resharding(sizes, 2, skip=())
+    assert memory({"data_parallel_shard": 2}, {"keep_gathered_gib": 0}).parameters == 4 * (
+        halves + resharding
+    )
     # Kept gathered (the default for a model this small), the gathered experts are on the rank as well.
     assert memory({"data_parallel_shard": 2}, {}).parameters == 4 * sum(k for _, k in sizes)
     # Under expert parallelism the experts are split over ep, not FSDP: 4 ranks, ep 2, dp_shard 4.
     split = memory({"data_parallel_shard": 4, "expert_parallel": 2}, {"keep_gathered_gib": 0})
     rest = sum(-(-k // 4) for n, k in sizes if ".experts." not in n)
-    assert split.parameters == 4 * (experts // 2 + rest)
+    held = held_while_resharding(sizes, 4, skip=(".experts.",))
+    assert split.parameters == 4 * (experts // 2 + rest + held)
+
+
+def held_while_resharding(sizes: list[tuple[str, int]], fsdp: int, skip: tuple[str, ...]) -> int:
+    """Elements beyond its shards a rank holds when every unit but the last reshards after forward: the head
+    (last unit) and the root's norm gathered, and 2 × the largest of the embedding and each layer (FSDP's
+    default backward prefetch of one unit). `sizes`: the model's (name, numel); `skip`: what FSDP does not
+    shard."""
+
+    def beyond_shards(prefix: str) -> int:
+        return sum(
+            k - -(-k // fsdp) for n, k in sizes if n.startswith(prefix) and not any(s in n for s in skip)
+        )
+
+    layers = {n.split(".")[2] for n, _ in sizes if n.startswith("model.layers.")}
+    moving = [beyond_shards("model.embed_tokens."), *(beyond_shards(f"model.layers.{i}.") for i in layers)]
+    return beyond_shards("lm_head.") + beyond_shards("model.norm.") + 2 * max(moving)
 
 
 def test_dry_run_counts_lora_parameters_and_shards_their_memory(tmp_path: Path) -> None:
@@ -151,8 +174,11 @@ def test_dry_run_counts_lora_parameters_and_shards_their_memory(tmp_path: Path) 
     assert resharding.parameters.total == base + lora
     (memory,) = resharding.memory
     assert memory.ranks == (0, 1)
-    # FSDP over two ranks halves everything; fp32 gradients of the LoRA factors; AdamW keeps two moments.
-    assert memory.parameters == (base + lora) * 4 // 2
+    # FSDP over two ranks halves everything (and the head, the final norm and two units at a time are
+    # gathered); fp32 gradients of the LoRA factors; AdamW keeps two moments.
+    sizes = [(n, p.numel()) for n, p in build_causal_lm(a).named_parameters()]
+    sizes += [(f"model.layers.{i}.lora", per_layer) for i in range(a.num_layers)]  # even sizes: halves exact
+    assert memory.parameters == (base + lora) * 4 // 2 + 4 * held_while_resharding(sizes, 2, skip=())
     assert memory.gradients == lora * 4 // 2
     assert memory.optimizer == 2 * memory.gradients
     assert memory.activations is not None and memory.activations > 0

@@ -12,8 +12,10 @@ estimate from those meta parameters, their dtypes and the mesh:
   `tensor_parallel` are both 1: the decoder plan then leaves them to FSDP). Other models: FSDP sharding
   only. Where FSDP keeps every unit gathered from forward to backward — pipeline steps always, otherwise
   `fsdp.reshard_after_forward` `never`, or `auto` under `keep_gathered_gib` — the rank holds the gathered
-  parameters too at the end of forward (the one or two units gathered at a time otherwise, of
-  `fsdp.layers_per_unit` layers each, are not counted).
+  parameters too at the end of forward. Where the units reshard, a built-in causal LM's rank holds the units
+  that stay gathered (the root; under `auto` the last unit too) and `1 + max(forward_prefetch,
+  backward_prefetch)` of its largest resharding unit (`fsdp.layers_per_unit` layers each) gathered at once;
+  other models: not counted.
 - gradients: trainable parameters, sharded alike, in `gradient_manager.grad_dtype` (default: theirs).
 - optimizer state: AdamW two moments in the parameter dtype, stochastic AdamW two in its `state_dtype`,
   SGD one momentum buffer when `momentum > 0`; a plug-in optimizer is not estimated.
@@ -49,6 +51,8 @@ from d9d.engine.components import SGD, AdamW, StochasticAdamW, TextData
 from d9d.engine.config import TrainConfig
 from d9d.engine.providers import ModelArchitecture, ModelProvider
 from d9d.engine.registry import build_model
+from d9d.models.decoder.plan import fsdp_units
+from d9d.models.decoder.tasks import DecoderStageModel
 from d9d.models.family import StageFootprint
 from d9d.modules.checkpointing import (
     FullActivationCheckpointing,
@@ -57,7 +61,7 @@ from d9d.modules.checkpointing import (
     plan_layers,
 )
 from d9d.modules.moe import GroupedExperts
-from d9d.parallel.fsdp import GIB, FSDPConfig
+from d9d.parallel.fsdp import GIB, FSDPConfig, reshard_units
 from d9d.pipeline.api import PipelineStageInfo
 from d9d.pipeline.schedule.config import GPipeSchedule
 
@@ -331,6 +335,7 @@ def estimate_memory(
     footprints = [_footprint(architecture, module) for module in modules]
     fsdp = mesh.data_parallel_shard * mesh.context_parallel_shard
     params = grads = gathered = sharded = 0  # the last two: FSDP's parameters gathered, and their shards
+    unsharded: dict[nn.Parameter, int] = {}  # per FSDP-sharded parameter: its gathered bytes less its shard
     trainable: list[tuple[nn.Parameter, int]] = []
     notes: list[str] = []
     for module, footprint in zip(modules, footprints, strict=True):
@@ -344,19 +349,25 @@ def estimate_memory(
                 n = _local(whole, fsdp)
                 gathered += whole * p.element_size()
                 sharded += n * p.element_size()
+                unsharded[p] = (whole - n) * p.element_size()
             params += n * p.element_size()
             if p.requires_grad:
                 grads += n * torch.empty((), dtype=_grad_dtype(config, p)).element_size()
                 trainable.append((p, n))
     fsdp_config = _fsdp_config(provider)
+    decoder = fsdp > 1 and isinstance(_base(provider), CausalLMProvider)  # the decoder plan makes the units
+    per_unit = fsdp_config.resolve_layers_per_unit(gathered)
     if fsdp > 1 and (mesh.pipeline_parallel > 1 or fsdp_config.keeps_units_gathered(gathered)):
         params += gathered - sharded
         notes.append(
             f"parameters: FSDP's units stay gathered from forward to backward ({gathered / GIB:.2f} GiB "
             "gathered, included)"
         )
-    if fsdp > 1 and isinstance(_base(provider), CausalLMProvider):  # the decoder plan's units
-        per_unit = fsdp_config.resolve_layers_per_unit(gathered)
+    elif decoder and len(modules) == 1 and isinstance(modules[0], DecoderStageModel):
+        held, note = _gathered_while_resharding(modules[0], fsdp_config, per_unit, unsharded, gathered)
+        params += held
+        notes.append(note)
+    if decoder:
         setting = fsdp_config.layers_per_unit
         notes.append(f"FSDP units: {per_unit} decoder layer(s) per unit (fsdp.layers_per_unit {setting})")
     if footprints[0] is None and mesh.tensor_parallel > 1:
@@ -369,6 +380,34 @@ def estimate_memory(
     notes.append(note)
     ranks = tuple(r.rank for r in rank_layout(mesh) if r.coordinates["pp"] == pp_rank)
     return MemoryEstimate(ranks, pp_rank, params, grads, optimizer, activations, tuple(notes))
+
+
+def _gathered_while_resharding(
+    model: DecoderStageModel,
+    config: FSDPConfig,
+    per_unit: int,
+    unsharded: dict[nn.Parameter, int],
+    gathered: int,
+) -> tuple[int, str]:
+    """What a rank holds gathered beyond its shards when FSDP's units reshard after forward (bytes, note):
+    the units that stay gathered (the root; under `auto` also the last unit) plus `1 + prefetch` of the
+    largest resharding unit: the one computing and the ones its all-gathers run ahead for (in backward, by
+    default, one: FSDP2's implicit prefetch)."""
+    units = fsdp_units(model, list(model.model.decoder_layers().values()), per_unit)
+    unit_reshard, root_reshard = reshard_units(config, len(units), gathered)
+    sizes = [
+        sum(unsharded.get(p, 0) for m in (u if isinstance(u, list) else [u]) for p in m.parameters())
+        for u in units
+    ]
+    root = sum(unsharded.values()) - sum(sizes)
+    kept = (0 if root_reshard else root) + sum(b for b, r in zip(sizes, unit_reshard, strict=True) if not r)
+    at_once = 1 + max(config.forward_prefetch, config.backward_prefetch)
+    moving = at_once * max((b for b, r in zip(sizes, unit_reshard, strict=True) if r), default=0)
+    note = (
+        f"parameters: FSDP's units reshard after forward; up to {at_once} of them gathered at a time "
+        f"({_size(moving)} beyond their shards) and the units kept gathered ({_size(kept)}), included"
+    )
+    return kept + moving, note
 
 
 def dry_run(config: TrainConfig, mesh: DeviceMeshParameters | None = None) -> DryRunReport:

@@ -182,8 +182,9 @@ def fsdp_gathered_bytes(module: nn.Module, param_dtype: torch.dtype | None = Non
     return gathered_bytes((p for p in module.parameters() if p not in decided), param_dtype)
 
 
-def _reshard_units(config: FSDPConfig, count: int, gathered: int) -> tuple[list[bool], bool]:
-    """(reshard after forward, per unit in forward order; for the root)."""
+def reshard_units(config: FSDPConfig, count: int, gathered: int) -> tuple[list[bool], bool]:
+    """(reshard after forward, per unit in forward order; for the root), for `count` units of a model
+    whose FSDP-sharded parameters take `gathered` bytes once gathered (the dry run asks it too)."""
     if config.keeps_units_gathered(gathered):
         if config.reshard_after_forward == "auto":
             logger.info(
@@ -252,7 +253,7 @@ def parallelize_fsdp(
     units = list(units)
     policy = _mixed_precision(mp_policy, config.resolve_reduce_dtype())
     gathered = fsdp_gathered_bytes(module, policy.param_dtype)
-    unit_reshard, root_reshard = _reshard_units(config, len(units), gathered)
+    unit_reshard, root_reshard = reshard_units(config, len(units), gathered)
     sharded: list[FSDPModule] = []
     for unit, reshard in [*zip(units, unit_reshard, strict=True), (module, root_reshard)]:
         sharded_unit = fully_shard(
