@@ -307,10 +307,52 @@ def _sharded_twins(env: RankEnv, amsgrad: bool) -> None:
     assert not _sharded_alike(opt.optimizers[0])
 
 
+def _two_meshes(env: RankEnv) -> None:
+    """Rank body: parameters on two meshes of a 2 × 2 layout, as FSDP × EP leaves them (dense weights
+    sharded on one dim, experts sharded on the other, norms replicated), in one fused AdamW group: the
+    local-shard update equals `Adam.step` over the DTensors bitwise."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    layouts = [(mesh["dp"], Shard(0)), (mesh["ep"], Shard(0)), (mesh["dp"], Replicate()), (mesh, None)]
+
+    def params() -> list[nn.Parameter]:
+        torch.manual_seed(0)
+        out = []
+        for i, (m, placement) in enumerate(layouts):
+            placements = [Shard(0), Replicate()] if placement is None else [placement]
+            out.append(nn.Parameter(distribute_tensor(torch.randn(4 + 2 * i, 3), m, placements)))
+        return out
+
+    ours, theirs = params(), params()
+    opt = PipelinedOptimizer({0: torch.optim.AdamW(ours, lr=0.05, weight_decay=0.1, fused=True)})
+    ref = torch.optim.AdamW(theirs, lr=0.05, weight_decay=0.1, fused=True)
+    for step in range(4):
+        torch.manual_seed(100 + step)  # the same gradients, each distributed like its parameter
+        for a, b in zip(ours, theirs, strict=True):
+            g = torch.randn(a.shape)
+            a.grad = distribute_tensor(g, a.device_mesh, a.placements)
+            b.grad = distribute_tensor(g.clone(), b.device_mesh, b.placements)
+        if step >= 1:
+            assert _sharded_alike(opt.optimizers[0])
+        opt.step(grad_divisor=torch.tensor(2.0))
+        ref.grad_scale = torch.tensor(2.0)  # type: ignore[attr-defined]
+        ref.step()
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a.to_local(), b.to_local()), (step, a.device_mesh)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.optimizers[0].state[a][key].to_local(), ref.state[b][key].to_local())
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_fused_adam_on_local_shards_is_bitwise_adam_step_over_dtensors(amsgrad: bool) -> None:
     run_distributed(_sharded_twins, 2, amsgrad, timeout=120)
+
+
+@pytest.mark.distributed
+def test_fused_adam_on_local_shards_over_two_meshes() -> None:
+    run_distributed(_two_meshes, 4, timeout=120)
 
 
 def test_plain_parameters_keep_adam_step() -> None:
