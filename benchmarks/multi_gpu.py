@@ -161,7 +161,8 @@ GPU many times feels each of them.
 Output: a markdown table on stdout and a JSON file (`--out`, default
 `benchmarks/results/multi_gpu_<device>_<N>gpu_<date>.json`; `--smoke`: a temporary file) with the
 environment (device name as the ranks saw it, GPU count, torch / torchtitan versions, date), the arguments
-and every row's numbers, per-rank records summarized, the job config it ran, and its error if any.
+and every row's numbers, per-rank records summarized, the job config it ran, the engine's set-up lines
+(`setup`: the CPUs each rank bound, FSDP's units and reshard policy, what was compiled), and its error if any.
 
 `--smoke`: CPU ranks on gloo (2 by default), the 6-layer shapes of `common.SMOKE_ARCHS`, float32, no compile,
 4 × 32 tokens per rank (CP at 64, one sequence per microbatch on the pipeline rows), 2 steps after 1; checks
@@ -785,9 +786,27 @@ def run_row(
     except ValueError as e:
         result["error"] = str(e)
         result["log_tail"] = tail(log)
+    result["setup"] = setup_lines([log, *sorted((row_dir / "run" / "logs").glob("rank*.log"))])
     if profiled(row, args):
         result["profile"] = profile_summary(row, records, read_profiles(row_dir / "probe"), args)
     return result
+
+
+# What the engine logs about how it set a rank up (the CPUs it bound, FSDP's units and reshard policy, what it
+# compiled): kept in the row's entry, so a row says what it ran with, not only what it was configured with.
+SETUP_LINE = re.compile(r" INFO \S+ (?:\[rank [^\]]*\] )?(?:cpu_affinity |fsdp[: ]|compile: )")
+
+
+def setup_lines(logs: list[Path], limit: int = 24) -> list[str]:
+    """The engine's set-up lines of the row's output and its Ray ranks' logs (the rank prefix kept, the
+    timestamp dropped), each once, in order."""
+    seen: dict[str, None] = {}
+    for path in logs:
+        if path.exists():
+            for line in path.read_text(errors="replace").splitlines():
+                if SETUP_LINE.search(line):
+                    seen.setdefault(line.split(" INFO ", 1)[-1].strip(), None)
+    return list(seen)[:limit]
 
 
 def ray_rank_tails(row_dir: Path) -> list[str]:

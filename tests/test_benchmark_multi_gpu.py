@@ -113,6 +113,9 @@ def test_smoke_runs_rows_on_two_gloo_ranks(tmp_path: Path) -> None:
         assert row["mean_step_s"] == pytest.approx(sum(row["step_s"]) / 2)
         assert row["max_step_s"] == max(row["step_s"])
         assert ("scaling" in row) == (row["model"] == "dense")  # no moe-1gpu row ran
+        # the engine's own account of its set-up, per rank (compile is off on CPU)
+        assert any("compile: off" in line for line in row["setup"]), row["setup"]
+    assert any("fsdp: " in line for line in rows["moe-fsdp-ep"]["setup"]), rows["moe-fsdp-ep"]["setup"]
     moe = rows["moe-fsdp-ep"]
     assert moe["tokens_per_s_per_gpu"] == pytest.approx(moe["tokens_per_s"] / 2)
     assert rows["dense-1gpu"]["scaling"] == pytest.approx(1.0)
