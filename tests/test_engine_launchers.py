@@ -42,13 +42,9 @@ def test_torchrun_matches_single_process(tmp_path: Path, capsys: pytest.CaptureF
         "mesh.data_parallel_replicate=1",
     ]
     subprocess.run(single, env=env, check=True, capture_output=True, timeout=300)
-    # each rank bound to its own share of the host's CPUs (on CPU ranks: split by local rank), which changes
-    # nothing in what they compute
-    torchrun = torchrun_command(job, f"run.dir={tmp_path / 'two'}", "cpu_affinity.mode=exclusive")
+    torchrun = torchrun_command(job, f"run.dir={tmp_path / 'two'}")
     proc = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for share in ("share 1 of 2", "share 2 of 2"):
-        assert f"(this process's CPUs, {share})" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     one, two = jsonl_losses(tmp_path / "one"), jsonl_losses(tmp_path / "two")
     assert len(one) == len(two) == 5
     for a, b in zip(one, two, strict=True):
@@ -76,3 +72,24 @@ def test_torchrun_matches_single_process(tmp_path: Path, capsys: pytest.CaptureF
     assert history[RESUMED_FROM] == {6: 5.0} and history[RESTART] == {6: 0.0}
     assert main(["status", "one", "--runs-root", str(tmp_path)]) == 0
     assert "step:        7/7" in capsys.readouterr().out
+
+
+def test_cpu_affinity_binds_the_launched_rank_and_changes_nothing_it_computes(tmp_path: Path) -> None:
+    """`cpu_affinity.mode: exclusive` through `d9d.engine.launch`: the rank (here the second of two on the
+    node, as torchrun would number it) binds to its share of the CPUs, logs it, and trains to the losses of
+    an unbound run."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**JOB, "mesh": {}}))
+    runs = {}
+    for mode in ("none", "exclusive"):
+        cmd = [sys.executable, "-m", "d9d.engine.launch", str(job), "--set", f"run.dir={tmp_path / mode}"]
+        cmd += ["--set", f"cpu_affinity.mode={mode}"]
+        env = subprocess_env(LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+        runs[mode] = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert runs[mode].returncode == 0, runs[mode].stderr[-3000:]
+    output = runs["exclusive"].stdout + runs["exclusive"].stderr
+    assert "cpu_affinity exclusive:" in output and "(this process's CPUs, share 2 of 2)" in output, output[
+        -3000:
+    ]
+    assert "cpu_affinity" not in runs["none"].stdout + runs["none"].stderr
+    assert jsonl_losses(tmp_path / "exclusive") == jsonl_losses(tmp_path / "none")
