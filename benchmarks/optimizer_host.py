@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from d9d.core.context import init_process_group
 from d9d.pipeline.optim import PipelinedOptimizer
 
 LAYERS, HIDDEN, VOCAB = 28, 1024, 151_936
@@ -100,13 +100,9 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs CUDA (or --smoke)")
     device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29741")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    backend = "gloo" if args.smoke else "nccl"
+    # one rank on an in-memory store, as `python -m d9d.engine.launch` starts one: no port to agree on
+    init_process_group(backend, device=device, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     dtype = torch.float32 if args.smoke else torch.bfloat16
     rows = [run(kind, device, dtype, args.steps, args.smoke) for kind in ("dtensor", "shards", "plain")]
     by_kind = {r["kind"]: r for r in rows}

@@ -19,13 +19,14 @@ from torch import nn
 
 from d9d.core.context import DistributedContext
 from d9d.core.domains import MeshDomain
+from d9d.core.dtensor import local_tensor
 from d9d.core.pytree import tree_map_tensors, tree_to
 from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput, TrainTask
 from d9d.parallel import clip_coefficient, clip_grad_norm_, global_grad_norm
 from d9d.parallel.context import ContextParallelGroup, shard_microbatch
 from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, SyncedParam, collect_synced_params
-from d9d.parallel.grad_sync.bucket import local_tensor, scale_
+from d9d.parallel.grad_sync.bucket import scale_
 from d9d.pipeline.runtime.executor import PipelineExecutor
 
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from d9d.parallel.grad_sync.bucket import local_tensor, scale_
+from d9d.core.dtensor import local_tensor
+from d9d.parallel.grad_sync.bucket import scale_
 
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...], torch.device]
 

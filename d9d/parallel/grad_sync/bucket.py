@@ -5,12 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view: scaling it scales the DTensor), else the tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[no-any-return]
+from d9d.core.dtensor import local_tensor
 
 
 def scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:

@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from d9d.parallel.grad_sync.bucket import GradBucket, local_tensor, scale_
+from d9d.core.dtensor import local_tensor
+from d9d.parallel.grad_sync.bucket import GradBucket, scale_
 from d9d.parallel.grad_sync.config import GradSyncConfig
 from d9d.parallel.grad_sync.reduce_mesh import SyncedParam
 
