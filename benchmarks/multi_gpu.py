@@ -31,6 +31,7 @@ suffix `@ray`. `--launchers` keeps one launcher only.
 | titan-dense-fsdp | torchtitan | N | `--parallelism.data_parallel_shard_degree N` |
 | titan-moe-fsdp-ep | torchtitan | N | the same + `--parallelism.expert_parallel_degree N` |
 | titan-moe-fsdp | torchtitan | N | `--parallelism.data_parallel_shard_degree N`, expert parallel degree 1 |
+| titan-dense-tp-fsdp | torchtitan | N | `--parallelism.tensor_parallel_degree 2`, data parallel shard degree h (its TP shards the sequence between blocks: sequence parallel) |
 
 Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, ffn 3072, vocab 151936, untied) and the small
 Qwen3-MoE (16 layers, 64 experts top-8, moe ffn 512) of `throughput/common.py`. Every row trains a randomly
@@ -281,6 +282,7 @@ def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
         if even and model == "dense":
             tp = {"tensor_parallel": 2, "data_parallel_shard": h}
             rows.append(("dense-tp-fsdp", "d9d", n, f"TP 2 × FSDP {h}", tp, None, seq, mb))
+            rows.append(("titan-dense-tp-fsdp", "torchtitan", n, f"TP 2 × FSDP {h}", tp, None, seq, mb))
             cp = {"context_parallel_shard": 2, "data_parallel_shard": h}
             cp_mb = tokens_per_gpu(smoke) * 2 // cp_seq  # a replica's sequences: 2 GPUs' tokens
             rows.append(
@@ -390,6 +392,7 @@ RUN_ORDER = (
     "dense-hsdp",
     "moe-hsdp-ep",
     "dense-tp-fsdp",
+    "titan-dense-tp-fsdp",
     "dense-cp-fsdp",
 )
 
@@ -523,6 +526,10 @@ def titan_flags(row: Row, args: argparse.Namespace, row_dir: Path) -> list[str]:
         flavor,
         "--training.local_batch_size",
         str(row.microbatch),
+        # the same sequences per step as d9d's row (the TP row's replica of 2 GPUs takes two local batches:
+        # torchtitan accumulates them, as d9d runs two microbatches)
+        "--training.global_batch_size",
+        str(global_batch(row, args.smoke)),
         "--training.seq_len",
         str(row.seq),
         "--training.steps",
@@ -535,6 +542,8 @@ def titan_flags(row: Row, args: argparse.Namespace, row_dir: Path) -> list[str]:
         str(row.mesh.get("data_parallel_shard", 1)),
         "--parallelism.expert_parallel_degree",
         str(row.mesh.get("expert_parallel", 1)),
+        "--parallelism.tensor_parallel_degree",
+        str(row.mesh.get("tensor_parallel", 1)),
         "--activation_checkpoint.mode",
         "none",
         "--optimizer.name",

@@ -164,11 +164,32 @@ def test_every_gpu_row_is_a_valid_job(bench, tmp_path: Path) -> None:
     for n in (2, 4):
         rows = bench.all_rows(n, _args())
         ids = {r.id for r in rows}
-        assert {"dense-fsdp@ray", "moe-pp-zbv", "titan-moe-fsdp-ep", "dense-pp-dualpipev"} <= ids
+        assert {
+            "dense-fsdp@ray",
+            "moe-pp-zbv",
+            "titan-moe-fsdp-ep",
+            "dense-pp-dualpipev",
+            "titan-dense-tp-fsdp",
+        } <= ids
         for row in rows:
             assert DeviceMeshParameters(**row.mesh).world_size == row.gpus, row
             assert bench.global_batch(row, smoke=False) * row.seq == 8 * 2048 * row.gpus, row
             if row.framework != "d9d":
+                flags = bench.titan_flags(row, _args(), tmp_path)
+                value = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--")}
+                degrees = [
+                    int(value[f"--parallelism.{d}_degree"])
+                    for d in ("data_parallel_shard", "tensor_parallel")
+                ]
+                assert degrees[0] * degrees[1] == row.gpus, row  # torchtitan's mesh covers the row's GPUs
+                # its global batch (local batches accumulated over its data-parallel ranks) is d9d's
+                local, total = (
+                    int(value["--training.local_batch_size"]),
+                    int(value["--training.global_batch_size"]),
+                )
+                assert total == bench.global_batch(row, smoke=False) and total % (local * degrees[0]) == 0, (
+                    row
+                )
                 continue
             job = bench.d9d_job(row, _args(), Path(tempfile.mkdtemp(dir=tmp_path)))
             if row.launcher == "ray":

@@ -95,8 +95,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             chunk_labels = labels[start:end]
             probs = torch.exp(_local_logits(h, weights) - lse[start:end, None])
             column = _target_columns(chunk_labels, ctx.starts, ctx.sizes)
-            rows = (column >= 0).nonzero().squeeze(1)
-            probs[rows, column[rows]] -= 1.0
+            # minus one at the target column where this rank owns it (adding -0.0 elsewhere leaves the row
+            # exactly as it was); a scatter, not boolean indexing, whose `nonzero` waited on the GPU every
+            # chunk (16 host syncs per step at TP 2 on the benchmark's batch, 57-70 ms of the step)
+            owned = (column >= 0).to(probs.dtype)[:, None]
+            probs.scatter_add_(1, column.clamp(min=0)[:, None], -owned)
             probs *= torch.where(chunk_labels != ctx.ignore_index, grad_losses[start:end], 0.0)[:, None]
             grad_logits = probs.to(h.dtype)
             for i, (g, w) in enumerate(zip(grad_logits.split(ctx.sizes, dim=1), weights, strict=True)):
