@@ -54,6 +54,18 @@ def _dense() -> nn.Module:
     return Qwen3ForCausalLM(_dense_config())
 
 
+def _dense_with_bias() -> nn.Module:
+    """Projections with biases, drawn away from their zero init: a row-split output projection must add its
+    bias once after the sum over tp (and, under sequence parallelism, sum the bias gradient over tp)."""
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(_dense_config().model_copy(update={"attention_bias": True}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.5)
+    return model
+
+
 def _classifier() -> nn.Module:
     torch.manual_seed(0)
     return Qwen3ForSequenceClassification(_dense_config(), num_labels=3)
@@ -81,7 +93,7 @@ def _moe() -> nn.Module:
     return Qwen3MoEForCausalLM(config)
 
 
-MODELS = {"qwen3": _dense, "qwen3_moe": _moe, "qwen3_cls": _classifier}
+MODELS = {"qwen3": _dense, "qwen3_moe": _moe, "qwen3_cls": _classifier, "qwen3_bias": _dense_with_bias}
 
 
 def _task_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -192,6 +204,8 @@ TWO_RANKS = [
     Case("qwen3_moe", tp=2, ep=2, sp=True),
     Case("qwen3_moe", tp=2, ep=2),  # token-split MoE layers whose tokens are gathered back after the layer
     Case("qwen3_cls", tp=2, sp=True),
+    Case("qwen3_bias", tp=2),
+    Case("qwen3_bias", tp=2, sp=True),
 ]
 
 FOUR_RANKS = [
@@ -204,6 +218,7 @@ FOUR_RANKS = [
     Case("qwen3_moe", replicate=2, tp=2, ep=2),  # ep_replicate mixes tp and dp ranks
     Case("qwen3_moe", shard=2, tp=2, sp=True),  # experts not split over ep: summed over tp, sharded by FSDP
     Case("qwen3", shard=2, tp=2, sp=True, meta=True),
+    Case("qwen3_bias", shard=2, tp=2, sp=True),
     Case("qwen3_moe", replicate=2, shard=2, ep=2, meta=True),
     Case("qwen3_moe", replicate=2, shard=2, meta=True),  # HSDP of the experts, built on meta
 ]

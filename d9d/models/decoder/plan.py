@@ -87,7 +87,7 @@ def tensor_parallel_prenorm_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequenc
     if isinstance(mlp, MoELayer):
         parallelize_moe_tp(mlp, tp_mesh, sequence_parallel=sp, unit=layer)
     elif isinstance(mlp, SwiGLU):
-        parallelize_swiglu_tp(mlp, tp_mesh, sequence_parallel=sp)
+        parallelize_swiglu_tp(mlp, tp_mesh, sequence_parallel=sp, unit=layer)
     else:
         raise TypeError(f"no tensor-parallel plan for feed-forward {type(mlp).__name__}")
 

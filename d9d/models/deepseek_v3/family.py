@@ -6,13 +6,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    parallelize_module,
-)
 
 from d9d.core import DistributedContext
 from d9d.models.decoder import (
@@ -30,42 +23,52 @@ from d9d.models.family import MeshSplit, ModelFamily, StageFootprint
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe import MoELayer
 from d9d.modules.norm import RMSNorm
-from d9d.parallel.local_params import sum_gradient
 from d9d.parallel.plans import ParallelPlanConfig
-from d9d.parallel.tensor import parallelize_moe_tp, parallelize_norm_tp, parallelize_swiglu_tp
+from d9d.parallel.tensor import (
+    copy_to_group,
+    enter_tp_region,
+    gather_from_group,
+    parallelize_moe_tp,
+    parallelize_norm_tp,
+    parallelize_swiglu_tp,
+    shard_columns,
+    shard_rows,
+)
 from d9d.pipeline.api import PipelineStageInfo
 
 
 def parallelize_latent_attention_tp(
-    attention: MultiHeadLatentAttention, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False
+    attention: MultiHeadLatentAttention,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    unit: nn.Module | None = None,
 ) -> None:
     """Heads over `tp_mesh`: the per-head projections (`q_proj` or `q_b_proj`, `kv_b_proj`) split by columns,
     `o_proj` by rows; the low-rank down projections and their norms stay whole on every rank (their input
     is the whole hidden state, their output's gradient arrives summed from the column-split projections).
-    The one rotary key feeds every rank's heads, so its gradient is summed over tp."""
+    The one rotary key feeds every rank's heads, so its gradient is summed over tp. `unit`: the compiled
+    block holding `attention` (d9d.parallel.tensor.blocks); default `attention` itself."""
     tp = tp_mesh.size()
     per_head = attention.nope_dim + attention.v_dim
     heads = attention.kv_b_proj.out_features // per_head
     if heads % tp:
         raise ValueError(f"attention heads ({heads}) are not divisible by tp={tp}")
-    layout = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(
-        attention,
-        tp_mesh,
-        PrepareModuleInput(
-            input_layouts=(layout, None, None),
-            desired_input_layouts=(Replicate(), None, None),
-            use_local_output=True,
-        ),
-    )
-    plan = {
-        "kv_b_proj": ColwiseParallel(),
-        "o_proj": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
-    }
-    plan["q_proj" if attention.q_proj is not None else "q_b_proj"] = ColwiseParallel()
-    parallelize_module(attention, tp_mesh, plan)
     group = tp_mesh.get_group()
-    attention.rope_key.register_forward_hook(lambda _m, _args, out: sum_gradient(out, group))
+    trigger = unit or attention
+    if sequence_parallel:
+        # every rank needs the whole sequence; the gradient arriving here is already whole (summed at the
+        # column-split projections and the rotary key), so backward keeps this rank's chunk
+        attention.register_forward_pre_hook(
+            lambda _m, args: (gather_from_group(args[0], 1, group), *args[1:])
+        )
+    column_split = attention.q_proj if attention.q_proj is not None else attention.q_b_proj
+    assert column_split is not None
+    for proj in (column_split, attention.kv_b_proj):
+        enter_tp_region(proj, tp_mesh)
+        shard_columns(proj, tp_mesh, trigger=trigger)
+    shard_rows(attention.o_proj, tp_mesh, sequence_parallel=sequence_parallel, trigger=trigger)
+    attention.rope_key.register_forward_hook(lambda _m, _args, out: copy_to_group(out, group))
 
 
 def tensor_parallel_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -76,13 +79,13 @@ def tensor_parallel_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         parallelize_norm_tp(norm, tp_mesh, sequence_parallel=sp, unit=layer)
     attention = layer.self_attn
     assert isinstance(attention, MultiHeadLatentAttention)
-    parallelize_latent_attention_tp(attention, tp_mesh, sequence_parallel=sp)
+    parallelize_latent_attention_tp(attention, tp_mesh, sequence_parallel=sp, unit=layer)
     mlp = layer.mlp
     if isinstance(mlp, MoELayer):
         parallelize_moe_tp(mlp, tp_mesh, sequence_parallel=sp, unit=layer)
     else:
         assert isinstance(mlp, SwiGLU)
-        parallelize_swiglu_tp(mlp, tp_mesh, sequence_parallel=sp)
+        parallelize_swiglu_tp(mlp, tp_mesh, sequence_parallel=sp, unit=layer)
 
 
 def parallelize_deepseek_v3(

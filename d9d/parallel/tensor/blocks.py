@@ -1,10 +1,18 @@
 """Tensor parallelism for the transformer blocks (attention, SwiGLU, MoE, norms).
 
-Linear layers use `torch.distributed.tensor.parallel`: the block input is turned into a replicated
-DTensor once (all-gathered along the sequence under sequence parallelism), column-parallel projections
-(q/k/v, gate/up) produce local head / intermediate shards, the row-parallel output projection (o, down)
-sums them (all-reduce, or reduce-scatter along the sequence). Everything between runs on local tensors:
-attention derives its local head count from the projection outputs.
+The projections' weights are stored as DTensors on the tp mesh (column-split `Shard(0)`, row-split
+`Shard(1)`: checkpoints, FSDP and the optimizers see the split), but the block computes on this rank's local
+tensors (`d9d.parallel.local_params`) with explicit collectives (`d9d.parallel.tensor.comm`), Megatron-style:
+- a block's input enters the tensor-parallel region (`enter_tp_region`): passed as is with its gradient
+  summed over tp, or all-gathered along the sequence under sequence parallelism (its gradient
+  reduce-scattered back);
+- column-split projections (q/k/v, gate/up; `shard_columns`) compute this rank's heads / intermediate
+  columns; attention derives its local head count from their outputs;
+- row-split output projections (o, down; `shard_rows`) sum their partial products: all-reduce, or
+  reduce-scatter along the sequence under sequence parallelism, then add the bias once.
+A compiled block (d9d.parallel.compile) therefore sees plain tensors only: DTensor parameters in the graph
+cost every call the subclass wrapping of AOTAutograd's runtime wrapper and DTensor dispatch around it, which
+left the TP 2 step host-bound at 0.35-0.44 of one GPU's throughput (docs/benchmarks.md, session 27).
 
 Parameters replicated over tp whose input differs per tp rank get their gradient summed over tp
 (`sum_gradients_over`): per-head q/k norms (each rank normalizes its own heads), block norms under
@@ -25,36 +33,98 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from d9d.modules.attention import GroupedQueryAttention
 from d9d.modules.mlp import SwiGLU
 from d9d.modules.moe import MoELayer
 from d9d.modules.norm import RMSNorm
-from d9d.parallel.local_params import sum_gradients_over
-from d9d.parallel.tensor.comm import gather_from_group, split_to_group
+from d9d.parallel.local_params import compute_with_local_parameters, sum_gradients_over
+from d9d.parallel.tensor.comm import (
+    copy_to_group,
+    gather_from_group,
+    gather_sum_grad,
+    reduce_from_group,
+    scatter_sum,
+    split_to_group,
+)
 
 
-def _block_input(sequence_parallel: bool, extra_args: int) -> PrepareModuleInput:
-    layout = Shard(1) if sequence_parallel else Replicate()
-    none: tuple[None, ...] = (None,) * extra_args
-    return PrepareModuleInput(
-        input_layouts=(layout, *none),
-        desired_input_layouts=(Replicate(), *none),
-        use_local_output=False,
-    )
+def _distribute(
+    linear: nn.Linear, tp_mesh: DeviceMesh, placements: dict[str, Placement], trigger: nn.Module
+) -> None:
+    names = set()
+    for name, placement in placements.items():
+        param = linear._parameters.get(name)
+        if param is None:
+            continue
+        if isinstance(param, DTensor):
+            raise ValueError(f"{type(linear).__name__}.{name} is already distributed as {param.placements}")
+        sharded = distribute_tensor(param.detach(), tp_mesh, [placement])
+        linear._parameters[name] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        names.add(name)
+    compute_with_local_parameters(linear, names, triggers=[trigger])
 
 
-def _row_output(sequence_parallel: bool) -> RowwiseParallel:
-    return RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+def shard_columns(linear: nn.Linear, tp_mesh: DeviceMesh, *, trigger: nn.Module | None = None) -> None:
+    """Split `linear`'s output features (and bias) over `tp_mesh`: its forward computes this rank's columns.
+    Its input must be whole on every rank with its gradient summed over tp (`enter_tp_region`).
+
+    `trigger`: the module whose forward swaps the local tensors in (the compiled block; default `linear`)."""
+    _distribute(linear, tp_mesh, {"weight": Shard(0), "bias": Shard(0)}, trigger or linear)
+
+
+class RowParallelLinear(nn.Linear):
+    """`nn.Linear` over this rank's input features: the partial products are summed over tp (all-reduce, or
+    reduce-scatter along the sequence under sequence parallelism), then the bias is added once."""
+
+    tp_group: dist.ProcessGroup
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = scatter_sum(partial, 1, self.tp_group)
+        else:
+            out = reduce_from_group(partial, self.tp_group)
+        return out if self.bias is None else out + self.bias
+
+
+def shard_rows(
+    linear: nn.Linear,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    trigger: nn.Module | None = None,
+) -> None:
+    """Split `linear`'s input features over `tp_mesh` (its input: the column-split projections' output); the
+    output is summed over tp, whole on every rank or sequence-sharded (dim 1) under sequence parallelism."""
+    trigger = trigger or linear
+    _distribute(linear, tp_mesh, {"weight": Shard(1), "bias": Replicate()}, trigger)
+    if sequence_parallel and linear.bias is not None:
+        # each rank adds the bias to its own tokens only
+        sum_gradients_over(linear, {"bias"}, tp_mesh.get_group(), trigger=trigger)
+    linear.__class__ = RowParallelLinear
+    assert isinstance(linear, RowParallelLinear)
+    linear.tp_group = tp_mesh.get_group()
+    linear.sequence_parallel = sequence_parallel
+
+
+def enter_tp_region(module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+    """`module`'s first input becomes the whole activation its column-split projections read: all-gathered
+    along the sequence under sequence parallelism (its gradient reduce-scattered back), else passed as is
+    with its gradient summed over tp (each rank's columns contribute a part of it)."""
+    group = tp_mesh.get_group()
+
+    def enter(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = gather_sum_grad(args[0], 1, group) if sequence_parallel else copy_to_group(args[0], group)
+        return (x, *args[1:])
+
+    module.register_forward_pre_hook(enter)
 
 
 def parallelize_attention_tp(
@@ -76,37 +146,28 @@ def parallelize_attention_tp(
         raise ValueError(
             f"attention heads ({heads} query, {kv_heads} key/value) are not divisible by tp={tp}"
         )
-    parallelize_module(attention, tp_mesh, _block_input(sequence_parallel, extra_args=2))
-    parallelize_module(
-        attention,
-        tp_mesh,
-        {
-            "q_proj": ColwiseParallel(),
-            "k_proj": ColwiseParallel(),
-            "v_proj": ColwiseParallel(),
-            "o_proj": _row_output(sequence_parallel),
-        },
-    )
+    trigger = unit or attention
+    enter_tp_region(attention, tp_mesh, sequence_parallel=sequence_parallel)
+    for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+        shard_columns(proj, tp_mesh, trigger=trigger)
+    shard_rows(attention.o_proj, tp_mesh, sequence_parallel=sequence_parallel, trigger=trigger)
     for norm in (attention.q_norm, attention.k_norm):
         if norm is not None:
-            sum_gradients_over(norm, {"weight"}, tp_mesh.get_group(), trigger=unit or attention)
+            sum_gradients_over(norm, {"weight"}, tp_mesh.get_group(), trigger=trigger)
 
 
-def parallelize_swiglu_tp(mlp: SwiGLU, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
-    """Column-split gate/up, row-split down over `tp_mesh`."""
+def parallelize_swiglu_tp(
+    mlp: SwiGLU, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False, unit: nn.Module | None = None
+) -> None:
+    """Column-split gate/up, row-split down over `tp_mesh`. `unit`: as for `parallelize_attention_tp`."""
     tp = tp_mesh.size()
     if mlp.gate_proj.out_features % tp:
         raise ValueError(f"intermediate size {mlp.gate_proj.out_features} is not divisible by tp={tp}")
-    parallelize_module(mlp, tp_mesh, _block_input(sequence_parallel, extra_args=0))
-    parallelize_module(
-        mlp,
-        tp_mesh,
-        {
-            "gate_proj": ColwiseParallel(),
-            "up_proj": ColwiseParallel(),
-            "down_proj": _row_output(sequence_parallel),
-        },
-    )
+    trigger = unit or mlp
+    enter_tp_region(mlp, tp_mesh, sequence_parallel=sequence_parallel)
+    shard_columns(mlp.gate_proj, tp_mesh, trigger=trigger)
+    shard_columns(mlp.up_proj, tp_mesh, trigger=trigger)
+    shard_rows(mlp.down_proj, tp_mesh, sequence_parallel=sequence_parallel, trigger=trigger)
 
 
 def parallelize_moe_tp(

@@ -7,11 +7,15 @@ matmul, one vocabulary shard's contribution) are summed exactly once.
 | function                | forward                  | backward                  |
 |-------------------------|--------------------------|---------------------------|
 | `reduce_from_group`     | all-reduce               | identity                  |
+| `copy_to_group`         | identity                 | all-reduce                |
 | `split_to_group`        | keep own chunk of `dim`  | all-gather                |
 | `gather_from_group`     | all-gather along `dim`   | keep own chunk            |
 | `gather_sum_grad`       | all-gather along `dim`   | reduce-scatter            |
+| `scatter_sum`           | reduce-scatter           | all-gather along `dim`    |
 
-`d9d.parallel.local_params.sum_gradient` completes the set (identity forward, all-reduce backward).
+`copy_to_group` is `d9d.parallel.local_params.sum_gradient` for activations: the same pair, without the copy
+that one makes inside a compiled graph (dynamo refuses a custom Function's view output of a DTensor's
+`to_local()` view, which is what that one is given; an activation is not).
 Chunks are equal: the size of `dim` must be divisible by the group size.
 """
 
@@ -64,6 +68,19 @@ class _ReduceFrom(torch.autograd.Function):
         return grad, None
 
 
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class _SplitTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -97,8 +114,24 @@ class _GatherSumGrad(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
+class _ScatterSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
 def reduce_from_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out: torch.Tensor = _ReduceFrom.apply(x, group)
+    return out
+
+
+def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out: torch.Tensor = _CopyTo.apply(x, group)
     return out
 
 
@@ -114,4 +147,11 @@ def gather_from_group(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> to
 
 def gather_sum_grad(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     out: torch.Tensor = _GatherSumGrad.apply(x, dim, group)
+    return out
+
+
+def scatter_sum(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum of the ranks' `x`, each keeping its own chunk of `dim` (a row-parallel output under sequence
+    parallelism)."""
+    out: torch.Tensor = _ScatterSum.apply(x, dim, group)
     return out
