@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -30,19 +31,19 @@ DIM = 5
 
 @contextmanager
 def _all_reduce_sizes() -> Iterator[list[int]]:
-    """The element count of every `dist.all_reduce` issued inside, in order."""
+    """The element count of every all-reduce issued inside, in order (d9d's are torch's functional ones)."""
     issued: list[int] = []
-    original = dist.all_reduce
+    original = funcol.all_reduce
 
     def recording(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
         issued.append(tensor.numel())
         return original(tensor, *args, **kwargs)  # type: ignore[arg-type]
 
-    dist.all_reduce = recording  # type: ignore[assignment]
+    funcol.all_reduce = recording  # type: ignore[assignment]
     try:
         yield issued
     finally:
-        dist.all_reduce = original
+        funcol.all_reduce = original
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -73,12 +73,9 @@ def _collectives(env: RankEnv) -> None:
         # Per layer: the two row-split outputs (o_proj, down_proj) in forward; in backward the two block
         # inputs' gradients (attention, MLP) and the q and k norm gradients (each rank normalizes its own
         # heads). Then the embedding's partial rows, the head's input gradient and one for the whole
-        # vocab-parallel loss. Nothing is redistributed by DTensor. Compiled, the four of each block's own
-        # forward and backward are traced into its graphs as functional collectives; the norms' summing views
-        # are made by the block's hooks, outside the graph, so theirs stay eager autograd nodes.
-        want = Counter({"c10d::allreduce_": 6 * LAYERS + 3})
-        if compiled:
-            want[FUNCTIONAL + "all_reduce"] = 4 * LAYERS
+        # vocab-parallel loss. Nothing is redistributed by DTensor; every one is torch's functional
+        # all-reduce (the blocks' four traced into the compiled graphs).
+        want = Counter({"c10d::allreduce_": 6 * LAYERS + 3, FUNCTIONAL + "all_reduce": 6 * LAYERS + 3})
         assert got == want, (compiled, got)
         if compiled:
             assert report.stats.failure is None, report.stats.failure

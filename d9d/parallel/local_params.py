@@ -30,10 +30,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 _ATTR = "_d9d_forward_views"
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of `x` over `group` as a new tensor: torch's functional all-reduce, which traces into a
+    compiled graph. Never an in-place `dist.all_reduce` of a tensor autograd handed over: inside a compiled
+    backward on CUDA (inductor, NCCL) that gave wrong gradients (session 27, the TP 2 engine test on
+    2 x H200)."""
+    # the wait orders the consumer's stream after the collective (no host sync)
+    out: torch.Tensor = funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+    return out
 
 
 class _SumGradient(torch.autograd.Function):
@@ -48,9 +59,7 @@ class _SumGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return all_reduce_sum(grad, ctx.group), None
 
 
 def sum_gradient(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -17,6 +17,10 @@ matmul, one vocabulary shard's contribution) are summed exactly once.
 that one makes inside a compiled graph (dynamo refuses a custom Function's view output of a DTensor's
 `to_local()` view, which is what that one is given; an activation is not).
 Chunks are equal: the size of `dim` must be divisible by the group size.
+
+Every collective is torch's functional one, returning a new tensor (`all_reduce_sum`): it traces into a
+compiled block's graph, and nothing is reduced in place in a tensor autograd handed over, which inside a
+compiled backward on CUDA gave wrong gradients.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from d9d.parallel.local_params import all_reduce_sum
 
 
 def _chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -36,12 +43,15 @@ def _chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     return x.chunk(size, dim)[dist.get_rank(group)].contiguous()
 
 
+def _done(x: torch.Tensor) -> torch.Tensor:
+    # a functional collective's result; the wait orders the consumer's stream after it (no host sync)
+    out: torch.Tensor = funcol.wait_tensor(x)
+    return out
+
+
 def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    size = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=group)
-    return out.movedim(0, dim)
+    return _done(funcol.all_gather_tensor(front, 0, group)).movedim(0, dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -51,17 +61,13 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torc
             f"dimension {dim} of size {x.shape[dim]} does not split evenly over {size} tensor-parallel ranks"
         )
     front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    dist.reduce_scatter_tensor(out, front, group=group)
-    return out.movedim(0, dim)
+    return _done(funcol.reduce_scatter_tensor(front, "sum", 0, group)).movedim(0, dim)
 
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -76,9 +82,7 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return all_reduce_sum(grad, ctx.group), None
 
 
 class _SplitTo(torch.autograd.Function):

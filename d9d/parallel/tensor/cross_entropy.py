@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from d9d.kernels.cross_entropy import accumulation_dtype
 from d9d.modules.heads.linear_cross_entropy import IGNORE_INDEX, vocab_logits
+from d9d.parallel.local_params import all_reduce_sum
 
 
 def _local_logits(hidden: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -74,7 +75,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 )
             else:  # owning no column: contributes nothing to the normalizer
                 stats[rank, start:end] = float("-inf")
-        dist.all_reduce(stats, group=group)
+        stats = all_reduce_sum(stats, group)
         lse = torch.logsumexp(stats[:size], dim=0)
         losses = torch.where(labels != ignore_index, lse - stats[size], 0.0)
         ctx.save_for_backward(hidden, labels, lse, *weights)
