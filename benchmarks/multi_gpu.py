@@ -31,7 +31,7 @@ suffix `@ray`. `--launchers` keeps one launcher only.
 | titan-dense-fsdp | torchtitan | N | `--parallelism.data_parallel_shard_degree N` |
 | titan-moe-fsdp-ep | torchtitan | N | the same + `--parallelism.expert_parallel_degree N` |
 | titan-moe-fsdp | torchtitan | N | `--parallelism.data_parallel_shard_degree N`, expert parallel degree 1 |
-| titan-dense-tp-fsdp | torchtitan | N | `--parallelism.tensor_parallel_degree 2`, data parallel shard degree h (its TP shards the sequence between blocks: sequence parallel) |
+| titan-dense-tp-fsdp | torchtitan | N | `--parallelism.tensor_parallel_degree 2` (sequence parallel) |
 
 Shapes: Qwen3-0.6B (28 layers, hidden 1024, 16/8 heads, ffn 3072, vocab 151936, untied) and the small
 Qwen3-MoE (16 layers, 64 experts top-8, moe ffn 512) of `throughput/common.py`. Every row trains a randomly
