@@ -17,8 +17,14 @@ from tests.engine_fixtures import make_hf_qwen3
 from tests.harness import RankEnv, run_distributed
 
 
-def _config(run_dir: Path, mesh: dict[str, int], schedule: dict[str, Any] | None) -> dict[str, Any]:
+def _config(
+    run_dir: Path,
+    mesh: dict[str, int],
+    schedule: dict[str, Any] | None,
+    compile_: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return {
+        "compile": compile_ or {},
         "run": {"name": "sp-pp", "dir": str(run_dir)},
         "mesh": mesh,
         "pipelining": schedule,
@@ -38,9 +44,14 @@ def _config(run_dir: Path, mesh: dict[str, int], schedule: dict[str, Any] | None
     }
 
 
-def _run(env: RankEnv, mesh: dict[str, int], schedules: list[dict[str, Any] | None]) -> None:
+def _run(
+    env: RankEnv,
+    mesh: dict[str, int],
+    schedules: list[dict[str, Any] | None],
+    compile_: dict[str, Any] | None = None,
+) -> None:
     for i, schedule in enumerate(schedules):
-        config = parse_config(_config(env.tmp_dir / f"run{env.world_size}-{i}", mesh, schedule))
+        config = parse_config(_config(env.tmp_dir / f"run{env.world_size}-{i}", mesh, schedule, compile_))
         runtime = RankRuntime(
             rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
         )
@@ -65,3 +76,18 @@ def test_sequence_parallel_with_pipeline_equals_one_process(tmp_path: Path) -> N
     for i, schedule in enumerate(SCHEDULES):
         losses = torch.tensor(torch.load(tmp_path / f"losses4-{i}.pt"))
         torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6, msg=f"{schedule}")
+
+
+@pytest.mark.distributed
+def test_compiled_tensor_parallel_blocks_with_deferred_weight_grads_equal_one_process(tmp_path: Path) -> None:
+    """pp 2 × tp 2 (sequence parallel) under ZBV with compiled blocks whose projections run eagerly for the
+    weight pass (`defer_weight_grads`): the row-split projections' sums, the region entries' gradient sums
+    and the deferred weight gradients compose."""
+    make_hf_qwen3(tmp_path / "hf", num_layers=6)
+    run_distributed(_run, 1, {}, [None], tmp_dir=tmp_path, timeout=200)
+    mesh = {"pipeline_parallel": 2, "tensor_parallel": 2}
+    compile_ = {"enabled": True, "backend": "aot_eager", "defer_weight_grads": True}
+    run_distributed(_run, 4, mesh, SCHEDULES, compile_, tmp_dir=tmp_path, timeout=400)
+    reference = torch.tensor(torch.load(tmp_path / "losses1-0.pt"))
+    losses = torch.tensor(torch.load(tmp_path / "losses4-0.pt"))
+    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6)
