@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from d9d.modules.embedding import TokenEmbedding
 from d9d.modules.heads import CausalLMHead
 from d9d.modules.heads.linear_cross_entropy import IGNORE_INDEX
-from d9d.parallel.local_params import sum_gradient
 from d9d.parallel.tensor.comm import (
+    copy_to_group,
     gather_from_group,
     gather_sum_grad,
     reduce_from_group,
@@ -91,7 +91,7 @@ class VocabParallelCausalLMHead(CausalLMHead):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         group = self.tp_group
-        hidden = gather_sum_grad(hidden, 1, group) if self.sequence_parallel else sum_gradient(hidden, group)
+        hidden = gather_sum_grad(hidden, 1, group) if self.sequence_parallel else copy_to_group(hidden, group)
         shards = _VocabShards(self.weights, self.splits, group)
         if labels is None:
             pieces = []
