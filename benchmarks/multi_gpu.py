@@ -19,6 +19,7 @@ suffix `@ray`. `--launchers` keeps one launcher only.
 | dense-1gpu | Qwen3-0.6B | 1 | one rank: the scaling baseline |
 | dense-fsdp | Qwen3-0.6B | N | data_parallel_shard N |
 | dense-hsdp | Qwen3-0.6B | N | data_parallel_replicate 2 × data_parallel_shard h |
+| dense-ddp | Qwen3-0.6B | N | data_parallel_replicate N: full weights and optimizer state on every GPU |
 | dense-tp-fsdp | Qwen3-0.6B | N | tensor_parallel 2 × data_parallel_shard h |
 | dense-cp-fsdp | Qwen3-0.6B | N | context_parallel_shard 2 × data_parallel_shard h, sequence `--cp-seq` |
 | dense-pp-1f1b, -zbv, -dualpipev | Qwen3-0.6B | N | pipeline_parallel 2 × data_parallel_shard h |
@@ -274,6 +275,9 @@ def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
                 plain = {"data_parallel_shard": n}
                 rows.append(("moe-fsdp", "d9d", n, f"FSDP {n}, no EP", plain, None, seq, mb))
                 rows.append(("titan-moe-fsdp", "torchtitan", n, f"FSDP {n}, no EP", plain, None, seq, mb))
+            else:  # replicas only: one bucketed all-reduce of the gradients, no per-unit gathers or hooks
+                ddp = {"data_parallel_replicate": n}
+                rows.append(("dense-ddp", "d9d", n, f"replicate {n}", ddp, None, seq, mb))
         if even:
             hsdp = {"data_parallel_replicate": 2, "data_parallel_shard": h, **ep}
             rows.append(
@@ -390,6 +394,7 @@ RUN_ORDER = (
     "moe-pp-1f1b",
     "dense-pp-dualpipev",
     "dense-hsdp",
+    "dense-ddp",
     "moe-hsdp-ep",
     "dense-tp-fsdp",
     "titan-dense-tp-fsdp",
