@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import weakref
 
 import torch
@@ -176,3 +177,33 @@ def test_activation_checkpointing_inside_the_stage() -> None:
         [*a.parameters(), *b.parameters()], [*a_ref.parameters(), *b_ref.parameters()], strict=True
     ):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_loss_head_gradients_come_from_its_forward_in_the_input_pass(monkeypatch) -> None:
+    """The chunked loss head computes its gradients in forward; a weight pass of its own would recompute every
+    chunk's logits. Split backward must take them in the input pass and equal a plain backward."""
+    # the module (the package exports its function under the same name)
+    lce = importlib.import_module("d9d.modules.heads.linear_cross_entropy")
+
+    torch.manual_seed(5)
+    lin, head = nn.Linear(6, 6).double(), nn.Parameter(torch.randn(11, 6, dtype=torch.float64) * 0.3)
+    lin_ref, head_ref = copy.deepcopy(lin), nn.Parameter(head.detach().clone())
+    x = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    labels = torch.randint(0, 11, (10,))
+    labels[3] = lce.IGNORE_INDEX
+    lce.linear_cross_entropy(lin_ref(x_ref), [head_ref], labels, chunk_size=4).sum().mul(0.5).backward()
+
+    logits_calls = []
+    real = lce.vocab_logits
+    monkeypatch.setattr(lce, "vocab_logits", lambda h, w: logits_calls.append(h.shape[0]) or real(h, w))
+    loss = lce.linear_cross_entropy(lin(x), [head], labels, chunk_size=4).sum().mul(0.5)
+    assert logits_calls == [4, 4, 2]  # the forward's chunks
+    (gx,), deferred = backward_input([loss], [torch.ones_like(loss)], [x], [*lin.parameters(), head])
+    assert head.grad is not None, "the head's weight gradient is taken in the input pass"
+    assert all(p.grad is None for p in lin.parameters()), "the eager linear's still wait for the weight pass"
+    deferred.run()
+    assert logits_calls == [4, 4, 2], "no pass recomputed the logits"
+    torch.testing.assert_close(gx, x_ref.grad, rtol=1e-12, atol=1e-12)
+    for p, p_ref in zip([*lin.parameters(), head], [*lin_ref.parameters(), head_ref], strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-12, atol=1e-12)

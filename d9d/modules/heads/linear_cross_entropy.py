@@ -31,7 +31,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     `sum()` hands over that number broadcast with stride 0. The backward then only scales them — the head
     costs three vocabulary matmuls per chunk instead of four. Any other upstream gradient (a per-token
     weighting) makes the backward recompute each chunk's logits from the kept log-sum-exp instead.
+
+    Either way one backward call does the work best: a pipeline schedule that splits backward into an input
+    and a weight pass would otherwise call it twice (the second time with the forward's gradients released,
+    recomputing every chunk's logits: three vocabulary matmuls per chunk, as much as the head's forward).
+    `one_call_backward` tells `d9d.pipeline.autograd.split_backward` to compute the head's weight gradients
+    in the input pass (read there through the backward node's Function class; no import either way).
     """
+
+    one_call_backward = True
 
     @staticmethod
     def forward(

@@ -173,7 +173,7 @@ class _Graph:
             if off:
                 boundary[node] = _bits(off)
                 conflicting |= off & deep
-                if node.name() in _ONE_CALL_NODES:
+                if _one_call(node):
                     conflicting |= off
         direct = [set() if on_path[n] else set(_bits(below[n])) for n in root_nodes]
         return cls(boundary, direct, set(_bits(conflicting)))
@@ -183,6 +183,20 @@ _ONE_CALL_NODES = frozenset({"CompiledFunctionBackward"})
 """Backward nodes that compute every gradient in one call whatever is asked (a `torch.compile`d region's
 backward graph): restarting one in the weight pass would run the whole region's backward a second time, so
 the parameters behind it get their gradients in the input pass."""
+
+ONE_CALL_BACKWARD = "one_call_backward"
+"""A custom `torch.autograd.Function` whose class sets this attribute to True is treated like a compiled
+region: a second call of its backward would repeat work its first call (or its forward) already did, so its
+parameters get their gradients in the input pass. The chunked loss head is one: its forward computes the
+gradients of a summed loss while it holds each chunk's logits, and a weight pass of its own would recompute
+every chunk's logits."""
+
+
+def _one_call(node: Node) -> bool:
+    if node.name() in _ONE_CALL_NODES:
+        return True
+    function = getattr(node, "_forward_cls", None)  # the Function class behind a custom function's node
+    return function is not None and getattr(function, ONE_CALL_BACKWARD, False) is True
 
 
 def _bits(mask: int) -> list[int]:
