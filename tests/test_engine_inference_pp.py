@@ -123,5 +123,5 @@ def test_unsupported_inference_is_rejected_by_the_config(tmp_path: Path) -> None
         {"pipeline_parallel": 2},
         pipelining={"kind": "inference", "stages_per_rank": 2},
     )
-    with pytest.raises(ValueError, match=r"stages_per_rank.*2 layers.*would hold no layer"):
+    with pytest.raises(ValueError, match=r"stages_per_rank.*2 layers.*cannot be split over 4 stages"):
         InferenceConfig.model_validate(raw)

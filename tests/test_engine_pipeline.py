@@ -41,6 +41,14 @@ def test_schedule_errors_at_config_time(tmp_path: Path) -> None:
         parse_config(raw)
 
 
+def test_stage_split_errors_at_config_time(tmp_path: Path) -> None:
+    make_hf_qwen3(tmp_path / "hf", num_layers=6)
+    raw = _config(tmp_path / "run", 2, {"kind": "1f1b"})
+    raw["model"]["options"]["parallel"] = {"stage_split": {"kind": "layers", "layers": [4, 1]}}
+    with pytest.raises(ConfigError, match=r"stage_split layers\): stage layer counts \[4, 1\] .* 6 layers"):
+        parse_config(raw)
+
+
 # -- real batches: the built-in text provider's collate (padding side, documents, packing) ----------------
 
 _CORPUS = [f"document {i}: " + "abcdefghij"[: 1 + i % 10] * (1 + i % 4) for i in range(64)]
@@ -85,9 +93,13 @@ def _text_runs(
     runs: list[tuple[str, dict[str, int], str | None, str]],
     compile_section: dict[str, Any] | None = None,
     fused_adam: bool = False,
+    stage_layers: dict[str, list[int]] | None = None,
 ) -> None:
     for name, mesh, schedule, data in runs:
         raw = _text_config(env.tmp_dir, name, mesh, schedule, data)
+        if stage_layers and name in stage_layers:
+            split = {"kind": "layers", "layers": stage_layers[name]}
+            raw["model"]["options"]["parallel"] = {"stage_split": split}
         if compile_section is not None:
             raw["compile"] = compile_section
         if fused_adam:
@@ -128,7 +140,10 @@ def test_pipelines_train_on_the_text_providers_batches(tmp_path: Path) -> None:
     datas = sorted({d for _, d in cells})
     run_distributed(_text_runs, 1, [(f"one-{d}", {}, None, d) for d in datas], tmp_dir=tmp_path, timeout=300)
     pp = [(f"pp2-{s}-{d}", {"pipeline_parallel": 2}, s, d) for s, d in cells]
-    run_distributed(_text_runs, 2, pp, tmp_dir=tmp_path, timeout=600)
+    # uneven stages given by `model.options.parallel.stage_split` (the default splits by FLOPs)
+    uneven = {"pp2-1f1b-5.1": [5, 1], "pp2-zbv-1.3.1.1": [1, 3, 1, 1]}
+    pp += [(name, {"pipeline_parallel": 2}, name.split("-")[1], "padded") for name in uneven]
+    run_distributed(_text_runs, 2, pp, None, False, uneven, tmp_dir=tmp_path, timeout=600)
     for name, _, _, data in pp:
         reference = torch.tensor(torch.load(tmp_path / f"one-{data}.pt"))
         losses = torch.tensor(torch.load(tmp_path / f"{name}.pt"))

@@ -25,7 +25,6 @@ from d9d.parallel.expert.backend import DeepEPBackendConfig
 from d9d.parallel.expert.deepep import INTRANODE_GROUP_SIZES
 from d9d.parallel.grad_sync.config import GradDTypeName
 from d9d.peft.config import FullTuneConfig, LoRAConfig, PeftConfig, StackConfig
-from d9d.pipeline.api import PipelineStageInfo, balance_layers
 
 _CP_KEYS = "mesh.context_parallel_shard × mesh.context_parallel_replicate"
 
@@ -50,7 +49,8 @@ def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stag
     if isinstance(base, ModelPlugin):
         return  # a plug-in's stages are its own business
     where = f"mesh.pipeline_parallel = {pp}"
-    architecture = CausalLMProvider(base.options).model_config
+    provider = CausalLMProvider(base.options)
+    architecture = provider.model_config
     if architecture.tie_word_embeddings:
         raise ValueError(
             f"{where}: {field} has tie_word_embeddings (from {field}.options.architecture or the source "
@@ -59,12 +59,12 @@ def check_pipeline_parallel(mesh: DeviceMeshParameters, model: ModelChoice, stag
         )
     stages = pp * stages_per_rank
     try:
-        for stage in range(stages):
-            balance_layers(architecture.num_layers, PipelineStageInfo(stage, stages))
+        provider.stage_layer_counts(stages)
     except ValueError as e:
         raise ValueError(
             f"{where} with {stages_per_rank} stage(s) per rank (pipelining.stages_per_rank): {field}'s "
-            f"{architecture.num_layers} layers: {e}"
+            f"{architecture.num_layers} layers ({field}.options.parallel.stage_split "
+            f"{base.options.parallel.stage_split.kind}): {e}"
         ) from e
 
 

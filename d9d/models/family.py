@@ -24,6 +24,7 @@ from torch import nn
 from d9d.core.context import DistributedContext
 from d9d.parallel.plans.config import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.split import StageCosts
 from d9d.state.mapper import StateMapper
 
 ExpertLayout = Literal["per_expert", "fused"]
@@ -152,6 +153,8 @@ class ModelFamily(Generic[C]):
     - `parallelize(module, ctx, plan, activation_dtype)`: apply expert / tensor / context / data
       parallelism to a stage in place, as `ctx`'s mesh asks.
     - `flops_per_token(config, seq_len)`: training FLOPs per token (MFU).
+    - `stage_costs(config, seq_len)`: the same per embedding, layer and head, for pipeline stages of equal
+      cost (`model.options.parallel.stage_split: flops`; None: the stages split as `even`).
     - `footprint(config, stage_module)`: the dry run's view of a stage (None: not modelled).
     - `mesh_splits(config)`: the sizes tensor / expert parallelism split (preflight checks divisibility).
     - `context_parallel`: whether `parallelize` installs context-parallel attention.
@@ -169,6 +172,7 @@ class ModelFamily(Generic[C]):
     footprint: Callable[[C, nn.Module], StageFootprint | None]
     mesh_splits: Callable[[C], list[MeshSplit]]
     hf: HuggingFaceFormat[C] | None = None
+    stage_costs: Callable[[C, int], StageCosts] | None = None
     context_parallel: bool = True
     activation_checkpointing: bool = True
     description: str = ""

@@ -9,7 +9,7 @@ torch so that model code can depend on it without pulling in the engine.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -17,16 +17,26 @@ import torch
 
 @dataclass(frozen=True)
 class PipelineStageInfo:
-    """Which stage a model instance is. `num_stages` counts virtual stages (pp × stages per rank)."""
+    """Which stage a model instance is. `num_stages` counts virtual stages (pp × stages per rank).
+    `layer_counts`: the decoder layers of every stage, in stage order, when the model's provider chose them
+    (`d9d.pipeline.split`); None: `balance_layers`' even split. Not part of equality: two infos are equal
+    when they name the same place in the pipeline (the executor places stages by index)."""
 
     current_stage: int = 0
     num_stages: int = 1
+    layer_counts: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if not 0 <= self.current_stage < self.num_stages:
             raise ValueError(f"current_stage {self.current_stage} is outside [0, {self.num_stages})")
+        if self.layer_counts is not None and (
+            len(self.layer_counts) != self.num_stages or min(self.layer_counts) < 1
+        ):
+            raise ValueError(
+                f"layer_counts {list(self.layer_counts)}: one count >= 1 per stage of {self.num_stages}"
+            )
 
     @property
     def is_first(self) -> bool:
@@ -69,14 +79,22 @@ def balance_layers(
     virtual_layers_pre: int = 1,
     virtual_layers_post: int = 1,
 ) -> range:
-    """The transformer layers stage `stage` holds.
+    """The transformer layers stage `stage` holds: `stage.layer_counts` when given, else an even split.
 
-    Embeddings (first stage) and final norm + head (last stage) cost about as much as a layer, so they
-    count as `virtual_layers_pre` / `virtual_layers_post` layers when the work is split evenly. Stages
-    that get one more than the others are the last ones, because early stages hold the most in-flight
-    activations under 1F1B-like schedules.
+    The even split counts embeddings (first stage) and final norm + head (last stage) as
+    `virtual_layers_pre` / `virtual_layers_post` layers. Stages that get one more than the others are the
+    last ones, because early stages hold the most in-flight activations under 1F1B-like schedules. (A
+    model's provider usually chooses the counts by its cost model: `d9d.pipeline.split`.)
     """
     n = stage.num_stages
+    if stage.layer_counts is not None:
+        if sum(stage.layer_counts) != num_layers:
+            raise ValueError(
+                f"layer_counts {list(stage.layer_counts)} sum to {sum(stage.layer_counts)}, not the model's "
+                f"{num_layers} layers"
+            )
+        begin = sum(stage.layer_counts[: stage.current_stage])
+        return range(begin, begin + stage.layer_counts[stage.current_stage])
     total = num_layers + virtual_layers_pre + virtual_layers_post
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")

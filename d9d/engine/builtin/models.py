@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar, Union, cast
@@ -46,6 +47,7 @@ from d9d.modules.moe import MoELayer, MoEMetrics, TopKRouter, take_aux_loss_stat
 from d9d.modules.moe.stats import AuxLossStats
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.split import build_stage_split
 from d9d.state import load_model_state, read_header, resolve_checkpoint, save_model_state
 
 
@@ -117,7 +119,21 @@ class CausalLMProvider:
         """The `ModelFlops` trait, from the family's cost model."""
         return self.family.flops_per_token(self.model_config, seq_len)
 
+    def stage_layer_counts(self, num_stages: int) -> tuple[int, ...]:
+        """The decoder layers of each of `num_stages` pipeline stages (`model.options.parallel.stage_split`);
+        ValueError naming what cannot be split."""
+        costs = self.family.stage_costs
+        config = self.model_config
+        return build_stage_split(
+            self.options.parallel.stage_split,
+            config.num_layers,
+            num_stages,
+            None if costs is None else lambda seq_len: costs(config, seq_len),
+        )
+
     def build_stage(self, stage: PipelineStageInfo) -> nn.Module:
+        if stage.num_stages > 1 and stage.layer_counts is None:
+            stage = replace(stage, layer_counts=self.stage_layer_counts(stage.num_stages))
         module = self.family.build_causal_lm(self.model_config, stage)
         for sub in module.modules():
             if isinstance(sub, MoELayer):

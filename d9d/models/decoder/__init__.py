@@ -7,6 +7,7 @@ from d9d.models.decoder.cost import (
     LayerCost,
     decoder_flops_per_token,
     decoder_footprint,
+    decoder_stage_costs,
     mean_attended_keys,
 )
 from d9d.models.decoder.layer import PreNormDecoderLayer
@@ -34,6 +35,7 @@ __all__ = [
     "PreNormLayer",
     "decoder_flops_per_token",
     "decoder_footprint",
+    "decoder_stage_costs",
     "mean_attended_keys",
     "parallelize_decoder",
     "tensor_parallel_prenorm_layer",

@@ -15,6 +15,7 @@ from torch import nn
 from d9d.models.decoder.tasks import DecoderStageModel
 from d9d.models.family import StageFootprint
 from d9d.modules.moe import GroupedExperts, TopKRouter
+from d9d.pipeline.split import StageCosts
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,23 @@ def mean_attended_keys(seq_len: int, window: int | None) -> float:
     return window * (1 - window / (2 * seq_len))
 
 
+def decoder_stage_costs(
+    vocab_size: int, hidden_size: int, layers: Iterable[LayerCost], seq_len: int
+) -> StageCosts:
+    """Training FLOPs per token of the embedding (none: lookups), each layer and the LM head, for pipeline
+    stages of equal cost (`d9d.pipeline.split`)."""
+    per_layer = tuple(
+        6.0 * layer.matmul_params
+        + 6 * (layer.score_width + layer.value_width) * mean_attended_keys(seq_len, layer.window)
+        for layer in layers
+    )
+    return StageCosts(0.0, per_layer, 6.0 * vocab_size * hidden_size)
+
+
 def decoder_flops_per_token(
     vocab_size: int, hidden_size: int, layers: Iterable[LayerCost], seq_len: int
 ) -> float:
-    active = vocab_size * hidden_size  # the LM head
-    attention = 0.0
-    for layer in layers:
-        active += layer.matmul_params
-        attention += 6 * (layer.score_width + layer.value_width) * mean_attended_keys(seq_len, layer.window)
-    return 6.0 * active + attention
+    return decoder_stage_costs(vocab_size, hidden_size, layers, seq_len).total
 
 
 def decoder_footprint(

@@ -11,8 +11,8 @@ from d9d.core import DistributedContext
 from d9d.models.decoder import (
     DecoderStageModel,
     LayerCost,
-    decoder_flops_per_token,
     decoder_footprint,
+    decoder_stage_costs,
     parallelize_decoder,
 )
 from d9d.models.deepseek_v3.attention import MultiHeadLatentAttention
@@ -35,6 +35,7 @@ from d9d.parallel.tensor import (
     shard_rows,
 )
 from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.split import StageCosts
 
 
 def parallelize_latent_attention_tp(
@@ -137,7 +138,7 @@ def _ffn_width(c: DeepSeekV3Config, layer: int) -> int:
     return c.intermediate_size
 
 
-def flops_per_token(config: DeepSeekV3Config, seq_len: int) -> float:
+def stage_costs(config: DeepSeekV3Config, seq_len: int) -> StageCosts:
     """Scores over `heads × qk_head_dim`, values over `heads × v_head_dim`; MoE layers count the routed
     top-k, the shared experts and the router."""
     c, h = config, config.hidden_size
@@ -149,7 +150,11 @@ def flops_per_token(config: DeepSeekV3Config, seq_len: int) -> float:
         )
         for i in range(c.num_layers)
     ]
-    return decoder_flops_per_token(c.vocab_size, h, layers, seq_len)
+    return decoder_stage_costs(c.vocab_size, h, layers, seq_len)
+
+
+def flops_per_token(config: DeepSeekV3Config, seq_len: int) -> float:
+    return stage_costs(config, seq_len).total
 
 
 def _op_values(c: DeepSeekV3Config, layer: int) -> int:
@@ -201,6 +206,7 @@ DEEPSEEK_V3 = ModelFamily(
     build_causal_lm=build_causal_lm,
     parallelize=_parallelize,
     flops_per_token=flops_per_token,
+    stage_costs=stage_costs,
     footprint=footprint,
     mesh_splits=mesh_splits,
     hf=DEEPSEEK_V3_HF,

@@ -10,8 +10,8 @@ from d9d.core import DistributedContext
 from d9d.models.decoder import (
     DecoderStageModel,
     LayerCost,
-    decoder_flops_per_token,
     decoder_footprint,
+    decoder_stage_costs,
     parallelize_decoder,
 )
 from d9d.models.family import MeshSplit, ModelFamily, StageFootprint
@@ -20,6 +20,7 @@ from d9d.models.llama3.hf import LLAMA3_HF
 from d9d.models.llama3.tasks import Llama3ForCausalLM
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.split import StageCosts
 
 
 def parallelize_llama3(
@@ -44,12 +45,16 @@ def _parallelize(
     parallelize_llama3(module, ctx, plan, activation_dtype=activation_dtype)
 
 
-def flops_per_token(config: Llama3Config, seq_len: int) -> float:
+def stage_costs(config: Llama3Config, seq_len: int) -> StageCosts:
     h = config.hidden_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_kv_heads * config.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
     layers = [LayerCost(per_layer, q, q)] * config.num_layers
-    return decoder_flops_per_token(config.vocab_size, h, layers, seq_len)
+    return decoder_stage_costs(config.vocab_size, h, layers, seq_len)
+
+
+def flops_per_token(config: Llama3Config, seq_len: int) -> float:
+    return stage_costs(config, seq_len).total
 
 
 def footprint(config: Llama3Config, module: nn.Module) -> StageFootprint | None:
@@ -86,6 +91,7 @@ LLAMA3 = ModelFamily(
     build_causal_lm=build_causal_lm,
     parallelize=_parallelize,
     flops_per_token=flops_per_token,
+    stage_costs=stage_costs,
     footprint=footprint,
     mesh_splits=mesh_splits,
     hf=LLAMA3_HF,

@@ -10,8 +10,8 @@ from d9d.core import DistributedContext
 from d9d.models.decoder import (
     DecoderStageModel,
     LayerCost,
-    decoder_flops_per_token,
     decoder_footprint,
+    decoder_stage_costs,
     parallelize_decoder,
 )
 from d9d.models.family import MeshSplit, ModelFamily, StageFootprint
@@ -20,6 +20,7 @@ from d9d.models.qwen3.hf import QWEN3_HF
 from d9d.models.qwen3.tasks import Qwen3ForCausalLM
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.split import StageCosts
 
 
 def parallelize_qwen3(
@@ -61,9 +62,13 @@ def layer_costs(config: Qwen3Config, ffn_params: list[int]) -> list[LayerCost]:
     ]
 
 
-def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
+def stage_costs(config: Qwen3Config, seq_len: int) -> StageCosts:
     ffn = [3 * config.hidden_size * config.intermediate_size] * config.num_layers
-    return decoder_flops_per_token(config.vocab_size, config.hidden_size, layer_costs(config, ffn), seq_len)
+    return decoder_stage_costs(config.vocab_size, config.hidden_size, layer_costs(config, ffn), seq_len)
+
+
+def flops_per_token(config: Qwen3Config, seq_len: int) -> float:
+    return stage_costs(config, seq_len).total
 
 
 def attention_op_values(config: Qwen3Config) -> int:
@@ -118,6 +123,7 @@ QWEN3 = ModelFamily(
     build_causal_lm=build_causal_lm,
     parallelize=family_parallelize,
     flops_per_token=flops_per_token,
+    stage_costs=stage_costs,
     footprint=footprint,
     mesh_splits=mesh_splits,
     hf=QWEN3_HF,

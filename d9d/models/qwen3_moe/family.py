@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from d9d.models.decoder import decoder_flops_per_token, decoder_footprint
+from d9d.models.decoder import decoder_footprint, decoder_stage_costs
 from d9d.models.family import MeshSplit, ModelFamily, StageFootprint
 from d9d.models.qwen3.family import (
     attention_op_values,
@@ -18,9 +18,10 @@ from d9d.models.qwen3_moe.hf import QWEN3_MOE_HF
 from d9d.models.qwen3_moe.tasks import Qwen3MoEForCausalLM
 from d9d.modules.moe import MoELayer
 from d9d.pipeline.api import PipelineStageInfo
+from d9d.pipeline.split import StageCosts
 
 
-def flops_per_token(config: Qwen3MoEConfig, seq_len: int) -> float:
+def stage_costs(config: Qwen3MoEConfig, seq_len: int) -> StageCosts:
     """MoE layers count the routed experts (top-k) and the router only."""
     h = config.hidden_size
     ffn = [
@@ -29,7 +30,11 @@ def flops_per_token(config: Qwen3MoEConfig, seq_len: int) -> float:
         else 3 * h * config.intermediate_size
         for i in range(config.num_layers)
     ]
-    return decoder_flops_per_token(config.vocab_size, h, layer_costs(config, ffn), seq_len)
+    return decoder_stage_costs(config.vocab_size, h, layer_costs(config, ffn), seq_len)
+
+
+def flops_per_token(config: Qwen3MoEConfig, seq_len: int) -> float:
+    return stage_costs(config, seq_len).total
 
 
 def footprint(config: Qwen3MoEConfig, module: nn.Module) -> StageFootprint | None:
@@ -76,6 +81,7 @@ QWEN3_MOE = ModelFamily(
     build_causal_lm=build_causal_lm,
     parallelize=family_parallelize,
     flops_per_token=flops_per_token,
+    stage_costs=stage_costs,
     footprint=footprint,
     mesh_splits=mesh_splits,
     hf=QWEN3_MOE_HF,

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from d9d.parallel.context.config import ContextAttention
 from d9d.parallel.expert import AutoBackendConfig, ExpertCommunicationConfig
 from d9d.parallel.fsdp import FSDPConfig
+from d9d.pipeline.split import FlopsSplit, StageSplitConfig
 
 
 class ParallelPlanConfig(BaseModel):
@@ -18,6 +19,9 @@ class ParallelPlanConfig(BaseModel):
       `forward_prefetch`, `backward_prefetch`; see `FSDPConfig` and docs/parallelism.md).
     - `context_attention`: how attention spans a sequence split over the cp ranks (`allgather`; `ring` is
       reserved and rejected until it is implemented, see docs/parallelism.md).
+    - `stage_split`: which decoder layers each pipeline stage holds: `flops` (default; stages of equal
+      FLOPs by the family's cost model, attention at `seq_len`), `even` (equal layer counts, embedding and
+      head one layer each) or `layers` (the counts, in stage order; `d9d.pipeline.split`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -26,6 +30,7 @@ class ParallelPlanConfig(BaseModel):
     expert_backend: ExpertCommunicationConfig = Field(default_factory=AutoBackendConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     context_attention: ContextAttention = "allgather"
+    stage_split: StageSplitConfig = Field(default_factory=FlopsSplit)
 
     @model_validator(mode="before")
     @classmethod
