@@ -43,10 +43,10 @@ that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
   per step on the FSDP/HSDP rows, two on the TP row, whose replica of 2 GPUs takes 16 sequences); the CP row
   keeps 16,384 tokens per GPU at `--cp-seq` (4 sequences of 8192 per replica, each split over its 2 ranks);
   the pipeline rows cut each replica's 16 sequences into microbatches of `--pp-microbatch` (default 2:
-  8 microbatches) and split the layers into stages of equal FLOPs at the row's sequence length
-  (`model.options.parallel.stage_split: {kind: flops, seq_len: 2048}`; the split before session 28:
-  `--variant 'even:model.options.parallel.stage_split={kind: even}'`). `--set KEY=VALUE` is passed to
-  every d9d row's launcher (`--set`).
+  8 microbatches) with the default stage split (`model.options.parallel.stage_split`; by FLOPs:
+  `--variant 'flops:model.options.parallel.stage_split={kind: flops, seq_len: 2048}'`, and each row prints
+  its stages' measured pass times to choose `{kind: layers, layers: [...]}` from). `--set KEY=VALUE` is
+  passed to every d9d row's launcher (`--set`).
 - Variants (`--variant NAME:KEY=VALUE[;KEY=VALUE...]`, repeatable): every selected multi-GPU d9d row runs once
   more per variant with those overrides added to its `--set`s, as row `<id>+NAME` (`dense-fsdp+f32`,
   `dense-fsdp+f32@ray`), right after its base row in run order; `--rows` globs see the variant ids too. A
@@ -455,9 +455,6 @@ def d9d_job(row: Row, args: argparse.Namespace, row_dir: Path) -> dict[str, Any]
     }
     if row.schedule is not None:
         job["pipelining"] = {"kind": row.schedule}
-        # stages of equal FLOPs at the sequence length trained (what a user training it writes)
-        split = {"kind": "flops", "seq_len": row.seq}
-        job["model"]["options"]["parallel"] = {"stage_split": split}
     if row.launcher == "ray":
         job["cluster"] = {
             "num_workers": row.gpus,

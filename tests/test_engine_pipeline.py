@@ -140,7 +140,7 @@ def test_pipelines_train_on_the_text_providers_batches(tmp_path: Path) -> None:
     datas = sorted({d for _, d in cells})
     run_distributed(_text_runs, 1, [(f"one-{d}", {}, None, d) for d in datas], tmp_dir=tmp_path, timeout=300)
     pp = [(f"pp2-{s}-{d}", {"pipeline_parallel": 2}, s, d) for s, d in cells]
-    # uneven stages given by `model.options.parallel.stage_split` (the default splits by FLOPs)
+    # uneven stages given by `model.options.parallel.stage_split`
     uneven = {"pp2-1f1b-5.1": [5, 1], "pp2-zbv-1.3.1.1": [1, 3, 1, 1]}
     pp += [(name, {"pipeline_parallel": 2}, name.split("-")[1], "padded") for name in uneven]
     run_distributed(_text_runs, 2, pp, None, False, uneven, tmp_dir=tmp_path, timeout=600)

@@ -98,7 +98,7 @@ def test_flops_split_gives_the_head_its_share() -> None:
         per_stage = _stage_costs(costs, counts)
         assert max(per_stage) <= costs.total / stages + layer, counts
     assert split_layers(costs, 2) == (18, 10)
-    # the even split's last stage costs ~1.4x its first (what the benchmark's pipeline rows ran before)
+    # by FLOPs the even split's last stage costs ~1.4x its first
     even = _stage_costs(costs, split_layers(StageCosts.uniform(28), 2))
     assert even[1] / even[0] > 1.4
 
@@ -116,8 +116,8 @@ def test_the_provider_builds_each_stage_with_its_layers() -> None:
 
     for split, expected in [
         ({"kind": "layers", "layers": [2, 3, 1]}, (2, 3, 1)),
-        ({"kind": "even"}, (1, 3, 2)),  # stage costs 2, 3, 3 with the embedding and the head
-        (None, None),  # flops: whatever the cost model says, as the stages hold it
+        (None, (1, 3, 2)),  # even: stage costs 2, 3, 3 with the embedding and the head
+        ({"kind": "flops"}, None),  # whatever the cost model says, as the stages hold it
     ]:
         provider = _provider(split)
         counts = provider.stage_layer_counts(3)

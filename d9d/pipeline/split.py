@@ -1,24 +1,25 @@
-"""Which decoder layers each pipeline stage holds: stages of equal cost, by the model's cost model.
+"""Which decoder layers each pipeline stage holds.
 
 Every pipeline schedule (and `d9d pipeline-sim`) assumes stages of about equal cost: the slowest stage sets
 the pace and the others wait for it. The first stage also embeds the tokens and the last one runs the final
-norm, the LM head and the loss, so equal *layer counts* are not equal costs. How far they are apart depends
-on the shape: Qwen3-0.6B's head (151,936 × 1,024) costs about as many FLOPs per token as 6.5 of its layers at
-4,096-token sequences; counted as one layer (d9d's split before), the last of 2 stages held 14 layers and the
-head, about 1.4 times the first stage's work, and the other rank waited for it (docs/benchmarks.md).
+norm, the LM head and the loss, so equal layer counts need not be equal costs.
 
 `split_layers(costs, n)` returns the layers per stage: contiguous, at least one per stage, minimizing the
 costliest stage, then the sum of squared stage costs (as even as the integers allow), then preferring the
 larger stages last (early stages hold the most in-flight activations under 1F1B-like schedules). With unit
-costs for the embedding, each layer and the head it is d9d's even split of before (`even`).
+costs for the embedding, each layer and the head it is the even split.
 
 The choice is `model.options.parallel.stage_split` (`StageSplitConfig`):
-- `flops` (default): the family's cost model (`ModelFamily.stage_costs`: 6 × matmul parameters per token plus
-  the attention scores at `seq_len`; embedding lookups are free, the head counts its matmul), which the
-  MFU figure uses too. Families without one split as `even`.
-- `even`: the embedding and the head count as one layer each.
-- `layers`: the layers per stage, given (e.g. from measured pass times: `benchmarks/multi_gpu.py` prints
-  them per stage).
+- `even` (default): the embedding and the head count as one layer each.
+- `layers`: the layers per stage, given; `benchmarks/multi_gpu.py` prints each stage's measured forward and
+  backward times to choose them from.
+- `flops`: the family's cost model (`ModelFamily.stage_costs`: 6 × matmul parameters per token plus the
+  attention scores at `seq_len`; embedding lookups are free, the head counts its matmul), the one the MFU
+  figure uses. FLOPs are not time: measured on 2 × H200 (Qwen3-0.6B, 2-sequence microbatches,
+  docs/benchmarks.md, session 28), the head's FLOPs are 7.8 layers' but its time 2 to 6 layers' (its large
+  matmuls run at a higher rate than a layer's attention and elementwise work, and a small microbatch's
+  layers wait for the host), so `flops` put too few layers on the last stage: pp 2 under 1F1B 0.73× and ZBV
+  0.88× the even split. It is for stages whose layers are compute-bound and whose head is a small share.
 """
 
 from __future__ import annotations

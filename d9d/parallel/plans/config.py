@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from d9d.parallel.context.config import ContextAttention
 from d9d.parallel.expert import AutoBackendConfig, ExpertCommunicationConfig
 from d9d.parallel.fsdp import FSDPConfig
-from d9d.pipeline.split import FlopsSplit, StageSplitConfig
+from d9d.pipeline.split import EvenSplit, StageSplitConfig
 
 
 class ParallelPlanConfig(BaseModel):
@@ -19,9 +19,9 @@ class ParallelPlanConfig(BaseModel):
       `forward_prefetch`, `backward_prefetch`; see `FSDPConfig` and docs/parallelism.md).
     - `context_attention`: how attention spans a sequence split over the cp ranks (`allgather`; `ring` is
       reserved and rejected until it is implemented, see docs/parallelism.md).
-    - `stage_split`: which decoder layers each pipeline stage holds: `flops` (default; stages of equal
-      FLOPs by the family's cost model, attention at `seq_len`), `even` (equal layer counts, embedding and
-      head one layer each) or `layers` (the counts, in stage order; `d9d.pipeline.split`).
+    - `stage_split`: which decoder layers each pipeline stage holds: `even` (default; equal layer counts,
+      embedding and head one layer each), `layers` (the counts, in stage order) or `flops` (stages of equal
+      FLOPs by the family's cost model, attention at `seq_len`; `d9d.pipeline.split` says when it helps).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -30,7 +30,7 @@ class ParallelPlanConfig(BaseModel):
     expert_backend: ExpertCommunicationConfig = Field(default_factory=AutoBackendConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     context_attention: ContextAttention = "allgather"
-    stage_split: StageSplitConfig = Field(default_factory=FlopsSplit)
+    stage_split: StageSplitConfig = Field(default_factory=EvenSplit)
 
     @model_validator(mode="before")
     @classmethod
