@@ -25,9 +25,10 @@ class AllToAllBackendConfig(BaseModel):
     each rank hosting at least one of its experts, and each rank returns one weighted partial sum per
     (token, rank): ≈ 2.2× fewer bytes than one row per copy at 64 experts top-8 over 4 ranks, ≈ 4× over 2,
     but more index work. Measured slower at FSDP 4 × EP 4 (0.83× on 4 × H100, 0.92× on 4 × H200,
-    docs/parallelism.md) when rows, weights and ids were three all-to-alls; they are one message since
-    (not yet timed on GPUs). The copy exchange's combine rounds a token's sum once in the activation
-    dtype, the deduplicated one once per rank's partial as well."""
+    docs/parallelism.md) when rows, weights and ids were three all-to-alls, and with them in one message
+    at FSDP 2 × EP 2 (0.94× on 2 × H200: the step waits for the host's index work, not for NVLink). The
+    copy exchange's combine rounds a token's sum once in the activation dtype, the deduplicated one once
+    per rank's partial as well."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["all_to_all"] = "all_to_all"
