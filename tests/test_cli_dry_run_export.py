@@ -34,6 +34,7 @@ from d9d.engine.trainer import Trainer
 from d9d.models.hf import build_causal_lm
 from d9d.models.qwen3 import Qwen3Config
 from d9d.models.qwen3_moe import Qwen3MoEConfig
+from d9d.pipeline.split import StageCosts, split_layers
 from tests.engine_fixtures import VOCAB
 from tests.harness import RankEnv, run_distributed
 
@@ -97,6 +98,11 @@ def test_dry_run_prints_config_layout_parameters_and_memory(
     total = sum(p.numel() for p in model.parameters())
     assert f"parameters: {total:,} total" in out and f"{total:,} trainable (100.00%)" in out
     assert "ranks 0-1 (pp=0): parameters" in out and "ranks 2-3 (pp=1): parameters" in out
+    # the layers each stage holds (the default even split: the embedding and the head one layer each)
+    first, second = split_layers(StageCosts.uniform(MOE_ARCH["num_layers"]), 2)
+    last = MOE_ARCH["num_layers"] - 1
+    assert f"pipeline: stage 0: layers 0-{first - 1} (" in out
+    assert f"pipeline: stage 1: layers {first}-{last} (" in out and first + second == last + 1
     assert "nothing was started" in out
     # Nothing distributed exists afterwards: no process group, no Ray.
     assert not torch.distributed.is_initialized()

@@ -370,6 +370,15 @@ def estimate_memory(
     if decoder:
         setting = fsdp_config.layers_per_unit
         notes.append(f"FSDP units: {per_unit} decoder layer(s) per unit (fsdp.layers_per_unit {setting})")
+    stage_layers = [
+        f"stage {m.stage.current_stage}: layers {min(layers)}-{max(layers)}"
+        for m in modules
+        if isinstance(m, DecoderStageModel) and m.stage.num_stages > 1
+        for layers in [list(m.model.decoder_layers())]
+        if layers
+    ]
+    if stage_layers:
+        notes.append("pipeline: " + "; ".join(stage_layers) + " (model.options.parallel.stage_split)")
     if footprints[0] is None and mesh.tensor_parallel > 1:
         notes.append("parameters: tensor-parallel sharding of a model outside the catalogue is not modelled")
     optimizer = _optimizer_bytes(config, trainable)
