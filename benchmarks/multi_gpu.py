@@ -44,9 +44,9 @@ that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
   keeps 16,384 tokens per GPU at `--cp-seq` (4 sequences of 8192 per replica, each split over its 2 ranks);
   the pipeline rows cut each replica's 16 sequences into microbatches of `--pp-microbatch` (default 2:
   8 microbatches) with the default stage split (`model.options.parallel.stage_split`; by FLOPs:
-  `--variant 'flops:model.options.parallel.stage_split={kind: flops, seq_len: 2048}'`, and each row prints
-  its stages' measured pass times to choose `{kind: layers, layers: [...]}` from). `--set KEY=VALUE` is
-  passed to every d9d row's launcher (`--set`).
+  `--variant 'flops:model.options.parallel.stage_split={kind: flops, seq_len: 2048}'`; below the table
+  each pipeline row prints its stages' measured work per microbatch, to choose `{kind: layers, layers:
+  [...]}` from). `--set KEY=VALUE` is passed to every d9d row's launcher (`--set`).
 - Variants (`--variant NAME:KEY=VALUE[;KEY=VALUE...]`, repeatable): every selected multi-GPU d9d row runs once
   more per variant with those overrides added to its `--set`s, as row `<id>+NAME` (`dense-fsdp+f32`,
   `dense-fsdp+f32@ray`), right after its base row in run order; `--rows` globs see the variant ids too. A
@@ -1015,6 +1015,21 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def stage_times(results: list[dict[str, Any]]) -> str:
+    """Per pipeline row, each stage's measured work per microbatch (the medians of its F, B, I and W passes
+    summed, ms): what `model.options.parallel.stage_split: {kind: layers}` is chosen from."""
+    lines = []
+    for r in results:
+        medians = (r.get("pipeline") or {}).get("pass_median_s") or {}
+        per_stage: dict[int, float] = {}
+        for key, seconds in medians.items():  # "3F": stage 3's forward
+            per_stage[int(key[:-1])] = per_stage.get(int(key[:-1]), 0.0) + seconds
+        if per_stage:
+            cells = ", ".join(f"{s}: {1e3 * t:.1f}" for s, t in sorted(per_stage.items()))
+            lines.append(f"{r['id']}: stage ms per microbatch {cells}")
+    return "\n".join(lines)
+
+
 def environment(args: argparse.Namespace, n: int) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -1175,7 +1190,8 @@ def main_run(args: argparse.Namespace) -> int:
         out = default_out(env)
     results.sort(key=lambda r: (table_order[split_pass(r["id"])[0]], r["repeat"]))
     write_json(out, {**env, "args": vars(args), "results": results})
-    print(f"\n{json.dumps(env)}\n{table(results)}\n{profile_sections(results)}\nresults: {out}", flush=True)
+    sections = f"{table(results)}\n{stage_times(results)}\n{profile_sections(results)}"
+    print(f"\n{json.dumps(env)}\n{sections}\nresults: {out}", flush=True)
     return 0
 
 

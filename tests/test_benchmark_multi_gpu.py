@@ -154,6 +154,9 @@ def test_smoke_runs_rows_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert bubble["bubble_sim_unit"] == pytest.approx(1 / 9)  # 1F1B: (p - 1) / (m + p - 1)
     assert set(bubble["pass_median_s"]) == {"0F", "0B", "1F", "1B"}
     assert "| dense-pp-1f1b |" in proc.stdout  # the markdown table
+    medians = bubble["pass_median_s"]
+    work = [1e3 * (medians[f"{s}F"] + medians[f"{s}B"]) for s in (0, 1)]
+    assert f"dense-pp-1f1b: stage ms per microbatch 0: {work[0]:.1f}, 1: {work[1]:.1f}" in proc.stdout
 
 
 def test_every_gpu_row_is_a_valid_job(bench, tmp_path: Path) -> None:
