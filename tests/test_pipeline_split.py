@@ -144,6 +144,8 @@ def test_bad_splits_are_refused_naming_the_problem() -> None:
         build_stage_split(LayersSplit(layers=(2, 1, 1)), 4, 2, None)
     with pytest.raises(ValueError, match="4 layers cannot be split over 5 stages"):
         build_stage_split(EvenSplit(), 4, 5, None)
-    assert build_stage_split(FlopsSplit(), 4, 2, None) == split_layers(uniform, 2)  # no cost model: even
+    with pytest.raises(ValueError, match="kind flops needs the model family's cost model"):
+        build_stage_split(FlopsSplit(), 4, 2, None)  # no silent even split
+    assert build_stage_split(FlopsSplit(), 4, 2, lambda seq_len: uniform) == split_layers(uniform, 2)
     with pytest.raises(ValueError, match="one count >= 1 per stage"):
         PipelineStageInfo(0, 2, layer_counts=(3,))

@@ -154,7 +154,7 @@ class ModelFamily(Generic[C]):
       parallelism to a stage in place, as `ctx`'s mesh asks.
     - `flops_per_token(config, seq_len)`: training FLOPs per token (MFU).
     - `stage_costs(config, seq_len)`: the same per embedding, layer and head, for pipeline stages of equal
-      cost (`model.options.parallel.stage_split: flops`; None: the stages split as `even`).
+      cost (`model.options.parallel.stage_split: flops`; None: that choice is refused).
     - `footprint(config, stage_module)`: the dry run's view of a stage (None: not modelled).
     - `mesh_splits(config)`: the sizes tensor / expert parallelism split (preflight checks divisibility).
     - `context_parallel`: whether `parallelize` installs context-parallel attention.

@@ -11,15 +11,16 @@ costs for the embedding, each layer and the head it is the even split.
 
 The choice is `model.options.parallel.stage_split` (`StageSplitConfig`):
 - `even` (default): the embedding and the head count as one layer each.
-- `layers`: the layers per stage, given; `benchmarks/multi_gpu.py` prints each stage's measured forward and
-  backward times to choose them from.
+- `layers`: the layers per stage, given; `benchmarks/multi_gpu.py` prints each stage's measured work per
+  microbatch to choose them from.
 - `flops`: the family's cost model (`ModelFamily.stage_costs`: 6 × matmul parameters per token plus the
   attention scores at `seq_len`; embedding lookups are free, the head counts its matmul), the one the MFU
-  figure uses. FLOPs are not time: measured on 2 × H200 (Qwen3-0.6B, 2-sequence microbatches,
-  docs/benchmarks.md, session 28), the head's FLOPs are 7.8 layers' but its time 2 to 6 layers' (its large
-  matmuls run at a higher rate than a layer's attention and elementwise work, and a small microbatch's
-  layers wait for the host), so `flops` put too few layers on the last stage: pp 2 under 1F1B 0.73× and ZBV
-  0.88× the even split. It is for stages whose layers are compute-bound and whose head is a small share.
+  figure uses (a family without one refuses it). FLOPs are not time: measured on 2 × H200 (Qwen3-0.6B,
+  2-sequence microbatches, docs/benchmarks.md, session 28), the head's FLOPs are 7.8 layers' but its time
+  2 to 6 layers' (its large matmuls run at a higher rate than a layer's attention and elementwise work,
+  and a small microbatch's layers wait for the host), so `flops` put too few layers on the last stage:
+  pp 2 under 1F1B 0.73× and ZBV 0.88× the even split. It is for stages whose layers are compute-bound and
+  whose head is a small share.
 """
 
 from __future__ import annotations
@@ -147,10 +148,14 @@ def build_stage_split(
     stage_costs: Callable[[int], StageCosts] | None,
 ) -> tuple[int, ...]:
     """Layers per stage for a model of `num_layers` over `num_stages` stages; `stage_costs(seq_len)` is the
-    family's cost model (None: it has none, `flops` splits as `even`). ValueError naming the problem."""
+    family's cost model (None: it has none, and `flops` is refused). ValueError naming the problem."""
     match config:
         case FlopsSplit(seq_len=seq_len):
-            costs = stage_costs(seq_len) if stage_costs is not None else StageCosts.uniform(num_layers)
+            if stage_costs is None:
+                raise ValueError(
+                    "kind flops needs the model family's cost model (stage_costs); use even or layers"
+                )
+            costs = stage_costs(seq_len)
             if len(costs.layers) != num_layers:
                 raise ValueError(f"the cost model has {len(costs.layers)} layers, the model {num_layers}")
             return split_layers(costs, num_stages)
