@@ -64,15 +64,15 @@ def test_even_is_the_split_of_before() -> None:
     """Unit costs reproduce `balance_layers`' even split (the layers runs of earlier versions held) wherever
     that split exists, the extra layers on the last stages."""
     compared = 0
-    for stages in range(1, 17):
-        for layers in range(stages, 70):
+    for stages in range(1, 13):
+        for layers in range(stages, 50):
             try:
                 before = [len(balance_layers(layers, PipelineStageInfo(s, stages))) for s in range(stages)]
             except ValueError:
                 continue
             assert split_layers(StageCosts.uniform(layers), stages) == tuple(before), (layers, stages)
             compared += 1
-    assert compared > 700
+    assert compared > 400
     assert split_layers(StageCosts.uniform(28), 4) == (6, 7, 8, 7)  # stage costs 7, 7, 8, 8
 
 
