@@ -1023,7 +1023,8 @@ def stage_times(results: list[dict[str, Any]]) -> str:
         medians = (r.get("pipeline") or {}).get("pass_median_s") or {}
         per_stage: dict[int, float] = {}
         for key, seconds in medians.items():  # "3F": stage 3's forward
-            per_stage[int(key[:-1])] = per_stage.get(int(key[:-1]), 0.0) + seconds
+            stage = int(key[:-1])
+            per_stage[stage] = per_stage.get(stage, 0.0) + seconds
         if per_stage:
             cells = ", ".join(f"{s}: {1e3 * t:.1f}" for s, t in sorted(per_stage.items()))
             lines.append(f"{r['id']}: stage ms per microbatch {cells}")

@@ -34,7 +34,7 @@ from d9d.engine.trainer import Trainer
 from d9d.models.hf import build_causal_lm
 from d9d.models.qwen3 import Qwen3Config
 from d9d.models.qwen3_moe import Qwen3MoEConfig
-from d9d.pipeline.split import StageCosts, split_layers
+from d9d.pipeline.partition import StageCosts, split_layers
 from tests.engine_fixtures import VOCAB
 from tests.harness import RankEnv, run_distributed
 

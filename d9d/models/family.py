@@ -24,7 +24,7 @@ from torch import nn
 from d9d.core.context import DistributedContext
 from d9d.parallel.plans.config import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
-from d9d.pipeline.split import StageCosts
+from d9d.pipeline.partition import StageCosts
 from d9d.state.mapper import StateMapper
 
 ExpertLayout = Literal["per_expert", "fused"]

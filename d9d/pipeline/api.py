@@ -3,7 +3,8 @@
 A pipelining-aware model is built *for a stage*: it holds only its layer range (embeddings on the first
 stage, final norm + head on the last) and declares the tensors it sends to the next stage, so the
 executor can preallocate receive buffers before any microbatch runs. This module imports nothing but
-torch so that model code can depend on it without pulling in the engine.
+torch and the standard-library partition beside it (`d9d.pipeline.partition`) so that model code can
+depend on it without pulling in the engine.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from d9d.pipeline.partition import StageCosts, check_layer_counts, split_layers
 
 
 @dataclass(frozen=True)
@@ -82,39 +85,19 @@ def balance_layers(
     """The transformer layers stage `stage` holds: `stage.layer_counts` when given, else an even split.
 
     The even split counts embeddings (first stage) and final norm + head (last stage) as
-    `virtual_layers_pre` / `virtual_layers_post` layers. Stages that get one more than the others are the
-    last ones, because early stages hold the most in-flight activations under 1F1B-like schedules. (A
-    model's provider usually chooses the counts by its cost model: `d9d.pipeline.split`.)
+    `virtual_layers_pre` / `virtual_layers_post` layers (`d9d.pipeline.partition.split_layers` with those
+    costs). Stages that get one more than the others are the last ones, because early stages hold the most
+    in-flight activations under 1F1B-like schedules. (A model's provider chooses the counts from
+    `model.options.parallel.stage_split`: `d9d.pipeline.split`.)
     """
-    n = stage.num_stages
-    if stage.layer_counts is not None:
-        if sum(stage.layer_counts) != num_layers:
-            raise ValueError(
-                f"layer_counts {list(stage.layer_counts)} sum to {sum(stage.layer_counts)}, not the model's "
-                f"{num_layers} layers"
-            )
-        begin = sum(stage.layer_counts[: stage.current_stage])
-        return range(begin, begin + stage.layer_counts[stage.current_stage])
-    total = num_layers + virtual_layers_pre + virtual_layers_post
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    base, extra = divmod(total, n)
-    sizes = [base + (1 if i >= n - extra else 0) for i in range(n)]
-    starts = [sum(sizes[:i]) for i in range(n + 1)]
-    ranges = [
-        range(
-            min(max(starts[i] - virtual_layers_pre, 0), num_layers),
-            min(max(starts[i + 1] - virtual_layers_pre, 0), num_layers),
-        )
-        for i in range(n)
-    ]
-    empty = [i for i, r in enumerate(ranges) if len(r) == 0]
-    if empty:
-        raise ValueError(
-            f"{num_layers} layers (+{virtual_layers_pre} pre, +{virtual_layers_post} post virtual) cannot be "
-            f"split over {n} stages: stages {empty} would hold no layer"
-        )
-    return ranges[stage.current_stage]
+    counts = stage.layer_counts
+    if counts is None:
+        uniform = StageCosts(float(virtual_layers_pre), (1.0,) * num_layers, float(virtual_layers_post))
+        counts = split_layers(uniform, stage.num_stages)
+    else:
+        check_layer_counts(counts, num_layers, stage.num_stages)
+    begin = sum(counts[: stage.current_stage])
+    return range(begin, begin + counts[stage.current_stage])
 
 
 def needed_input_grads(ctx: torch.autograd.function.FunctionCtx) -> tuple[bool, ...]:

@@ -15,7 +15,7 @@ from torch import nn
 from d9d.models.decoder.tasks import DecoderStageModel
 from d9d.models.family import StageFootprint
 from d9d.modules.moe import GroupedExperts, TopKRouter
-from d9d.pipeline.split import StageCosts
+from d9d.pipeline.partition import StageCosts
 
 
 @dataclass(frozen=True)

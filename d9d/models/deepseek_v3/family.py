@@ -35,7 +35,7 @@ from d9d.parallel.tensor import (
     shard_rows,
 )
 from d9d.pipeline.api import PipelineStageInfo
-from d9d.pipeline.split import StageCosts
+from d9d.pipeline.partition import StageCosts
 
 
 def parallelize_latent_attention_tp(

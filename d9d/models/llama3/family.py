@@ -20,7 +20,7 @@ from d9d.models.llama3.hf import LLAMA3_HF
 from d9d.models.llama3.tasks import Llama3ForCausalLM
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
-from d9d.pipeline.split import StageCosts
+from d9d.pipeline.partition import StageCosts
 
 
 def parallelize_llama3(

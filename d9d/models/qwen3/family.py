@@ -20,7 +20,7 @@ from d9d.models.qwen3.hf import QWEN3_HF
 from d9d.models.qwen3.tasks import Qwen3ForCausalLM
 from d9d.parallel.plans import ParallelPlanConfig
 from d9d.pipeline.api import PipelineStageInfo
-from d9d.pipeline.split import StageCosts
+from d9d.pipeline.partition import StageCosts
 
 
 def parallelize_qwen3(

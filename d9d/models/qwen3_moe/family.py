@@ -18,7 +18,7 @@ from d9d.models.qwen3_moe.hf import QWEN3_MOE_HF
 from d9d.models.qwen3_moe.tasks import Qwen3MoEForCausalLM
 from d9d.modules.moe import MoELayer
 from d9d.pipeline.api import PipelineStageInfo
-from d9d.pipeline.split import StageCosts
+from d9d.pipeline.partition import StageCosts
 
 
 def stage_costs(config: Qwen3MoEConfig, seq_len: int) -> StageCosts:
