@@ -51,12 +51,18 @@ def _hf_moe(path: Path) -> None:
 
 
 def _job(
-    run_dir: Path, mesh: dict[str, int], schedule: str | None, backend: dict[str, Any] | None = None
+    run_dir: Path,
+    mesh: dict[str, int],
+    schedule: str | None,
+    backend: dict[str, Any] | None = None,
+    compile_section: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     options: dict[str, Any] = {"source_checkpoint": str(run_dir.parent / "hf")}
     if backend is not None:
         options["parallel"] = {"expert_backend": backend}
+    extra = {} if compile_section is None else {"compile": compile_section}
     return {
+        **extra,
         "run": {"name": run_dir.name, "dir": str(run_dir)},
         "mesh": mesh,
         "pipelining": None if schedule is None else {"kind": schedule},
@@ -118,6 +124,13 @@ LAYOUTS = {
     # the balancing loss (the checkpoint's router_aux_loss_coef) summed over the ranks that split a sequence
     "tp2": ({"tensor_parallel": 2}, None),
     "cp2": ({"context_parallel_shard": 2}, None),
+    # the compiled blocks replayed as CUDA graphs (compile.mode: reduce-overhead) where the config allows it
+    "pp2-1f1b-cudagraphs": ({"pipeline_parallel": 2}, "1f1b"),
+    "pp2-interleaved-cudagraphs": ({"pipeline_parallel": 2}, "interleaved_1f1b"),
+}
+COMPILE = {
+    "pp2-1f1b-cudagraphs": {"mode": "reduce-overhead"},
+    "pp2-interleaved-cudagraphs": {"mode": "reduce-overhead"},
 }
 BACKENDS = {
     "dp2xep2-capacity": {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1},
@@ -132,7 +145,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float], l
     tmp = tmp_path_factory.mktemp("engine-gpu")
     _hf_moe(tmp / "hf")
     gloo = {
-        name: _Run(_job(tmp / f"gloo-{name}", mesh, sched, BACKENDS.get(name)), 2, cuda=False)
+        name: _Run(
+            _job(tmp / f"gloo-{name}", mesh, sched, BACKENDS.get(name), COMPILE.get(name)), 2, cuda=False
+        )
         for name, (mesh, sched) in LAYOUTS.items()
     }
     one_cpu = _Run(_job(tmp / "one-cpu", {}, None), 1, cuda=False)
@@ -151,7 +166,8 @@ def test_engine_on_two_gpus_matches_one_gpu_and_gloo(
 ) -> None:
     tmp, one_gpu, one_cpu, gloo_runs = runs
     mesh, schedule = LAYOUTS[layout]
-    nccl = _torchrun(_job(tmp / f"nccl-{layout}", mesh, schedule, BACKENDS.get(layout)), 2, cuda=True)
+    job = _job(tmp / f"nccl-{layout}", mesh, schedule, BACKENDS.get(layout), COMPILE.get(layout))
+    nccl = _torchrun(job, 2, cuda=True)
     gloo = gloo_runs[layout].losses()
     layout_gpu, layout_cpu = _max_rel(nccl, one_gpu), _max_rel(gloo, one_cpu)
     device = _max_rel(one_gpu, one_cpu)

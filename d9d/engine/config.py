@@ -32,6 +32,7 @@ from d9d.engine.errors import ConfigError, format_validation_error
 from d9d.engine.parallel_checks import (
     base_model,
     check_activation_checkpointing,
+    check_cuda_graphs,
     check_grad_dtype_under_pipeline_fsdp,
     check_model_layout,
 )
@@ -389,6 +390,7 @@ class TrainConfig(_Section):
         check_model_layout(self.mesh, self.model, self.data, self.task, self.schedule.stages_per_rank)
         check_grad_dtype_under_pipeline_fsdp(self.mesh, self.model, self.gradient_manager.grad_dtype)
         check_activation_checkpointing(self.mesh, self.model, self.activation_checkpointing, self.compile)
+        check_cuda_graphs(self.mesh, self.compile, self.activation_checkpointing, self.schedule.kind)
         return self
 
     @property

@@ -105,6 +105,11 @@ class InferenceConfig(_Section):
                     f"{self.mesh.pipeline_parallel}, microbatches_per_step={self.num_microbatches}): {e}"
                 ) from e
         check_model_layout(self.mesh, self.model, self.data, self.task, self.schedule.stages_per_rank)
+        if self.compile.mode == "reduce-overhead":
+            raise ValueError(
+                "compile.mode: reduce-overhead is a training setting (CUDA graphs replayed step after step); "
+                "inference is not measured under it: use compile.mode: default"
+            )
         return self
 
 

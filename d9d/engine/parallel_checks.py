@@ -240,3 +240,57 @@ def check_op_checkpointing_compiled(
             "block's graph, so the op-level policy cannot be traced with it; remove activation_checkpointing "
             "`ops` (`every: k` alone, or mode full), or set compile.enabled: false"
         )
+
+
+CUDA_GRAPH_SCHEDULES = ("1f1b", "interleaved_1f1b")
+"""Pipeline schedules under which CUDA graphs of the compiled blocks were measured to replay and to train
+like the default mode (engine test on 2 GPUs against one GPU)."""
+
+
+def check_cuda_graphs(
+    mesh: DeviceMeshParameters,
+    compile_config: CompileConfig,
+    checkpointing: ActivationCheckpointingConfig,
+    schedule_kind: str,
+) -> None:
+    """`compile.mode: reduce-overhead` only where its graphs were measured to replay and train like the
+    default mode: one GPU, or pipeline stages alone under a schedule of `CUDA_GRAPH_SCHEDULES`, with the
+    decoder blocks as the only compiled region and no activation checkpointing."""
+    if compile_config.mode != "reduce-overhead" or compile_config.backend != "inductor":
+        return
+    where = "compile.mode: reduce-overhead (CUDA graphs of the compiled blocks)"
+    sharded = {
+        "data_parallel_replicate": mesh.data_parallel_replicate,
+        "data_parallel_shard": mesh.data_parallel_shard,
+        "context_parallel_replicate": mesh.context_parallel_replicate,
+        "context_parallel_shard": mesh.context_parallel_shard,
+        "tensor_parallel": mesh.tensor_parallel,
+        "expert_parallel": mesh.expert_parallel,
+    }
+    for key, size in sharded.items():
+        if size > 1:
+            raise ValueError(
+                f"{where} with mesh.{key} = {size}: supported on one GPU and with pipeline_parallel alone. "
+                "A graph replays on the parameter addresses it was recorded with, and FSDP gathers its "
+                "parameters into new memory every step (every block call would record anew); the other "
+                "layouts' collectives in and around the blocks are not measured under graphs. Use "
+                "compile.mode: default"
+            )
+    if mesh.pipeline_parallel > 1 and schedule_kind not in CUDA_GRAPH_SCHEDULES:
+        raise ValueError(
+            f"{where} with pipelining.kind={schedule_kind}: supported with "
+            f"{', '.join(CUDA_GRAPH_SCHEDULES)}. Under a schedule that splits backward into input and weight "
+            "passes the graph trees recorded anew in every step (measured on 2 GPUs, docs/compile.md); use "
+            "one of those schedules or compile.mode: default"
+        )
+    if not isinstance(checkpointing, NoActivationCheckpointing):
+        raise ValueError(
+            f"{where} with activation_checkpointing.mode={checkpointing.mode}: a checkpoint re-runs the "
+            "graphed blocks in backward, which is not measured under graphs; use compile.mode: default, or "
+            "activation_checkpointing.mode: none"
+        )
+    if "loss_head" in compile_config.regions:
+        raise ValueError(
+            f"{where} with compile.regions containing loss_head: only the decoder blocks are measured under "
+            "graphs; remove loss_head from compile.regions, or use compile.mode: default"
+        )

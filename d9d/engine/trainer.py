@@ -54,6 +54,7 @@ from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
 from d9d.engine.step import counts_positions, global_loss, processed_positions, to_device
 from d9d.engine.train_parts import TrainParts, build_train_parts
+from d9d.parallel.compile import begin_step
 from d9d.parallel.expert import release_expert_communication
 from d9d.profiling import NullProfiler, StepHook, StepProfiler
 
@@ -336,6 +337,7 @@ class Trainer:
         )
         while True:
             parts.optimizer.zero_grad(set_to_none=True)
+            begin_step(parts.stages.compile_reports)
             loss_sum, weight = parts.runner.forward_backward(microbatches)
             record = exchange.take()
             overflow = None if record is None else exchange.overflowed(record)

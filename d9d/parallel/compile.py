@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Self, runtime_checkable
 
@@ -62,7 +62,12 @@ class CompileConfig(BaseModel):
     """The job's `compile:` section. `enabled: null` means on for CUDA, off elsewhere.
 
     - `mode`: `torch.compile`'s mode (`max-autotune-no-cudagraphs` autotunes matmul/flex kernels; slower
-      warm-up).
+      warm-up). `reduce-overhead` replays each compiled block as a CUDA graph (inductor's graph trees, one
+      recording per block and microbatch position, made in the second step): for a step whose GPU waits
+      for the host's launches, as a pipeline stage's at small microbatches. Its outputs live in the
+      graphs' memory until the next step (`begin_step`), and a block's parameters must keep their
+      addresses, so the job config accepts it only where that was measured to hold (`check_cuda_graphs`
+      in `d9d.engine.parallel_checks`).
     - `regions`: what is compiled. `decoder_blocks`: every decoder block, one graph shared by all layers.
       `loss_head`: the chunked linear cross-entropy head; its chunk loop unrolls to the token count, so it
       compiles one graph per distinct batch × sequence size — opt in only with fixed shapes (packing to
@@ -90,7 +95,7 @@ class CompileConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     enabled: bool | None = None
-    mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
+    mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
     regions: tuple[CompileRegion, ...] = ("decoder_blocks",)
     fullgraph: bool = False
     dynamic: bool | None = None
@@ -130,6 +135,9 @@ class CompileReport:
     deferred_weight_grads: bool = False
     """The blocks' projections run eagerly (`CompileConfig.defer_weight_grads` under split backward), so a
     weight pass computes their weight gradients."""
+    cuda_graphs: bool = False
+    """The regions replay as CUDA graphs (`mode: reduce-overhead` with inductor on CUDA): `begin_step`
+    marks every step."""
 
 
 @runtime_checkable
@@ -138,6 +146,15 @@ class DecoderStack(Protocol):
     pipeline stage holds)."""
 
     def decoder_layers(self) -> Mapping[int, nn.Module]: ...
+
+
+def begin_step(reports: Iterable[CompileReport]) -> None:
+    """Call before each training step's (and each evaluation's) first forward. Under CUDA graphs it starts a
+    new generation of inductor's graph trees: the previous step's graph outputs have all been consumed, so
+    their memory may be reused. Without the mark the trees cannot tell a new step from more microbatches
+    of the last one, and keep recording (one new graph per block call) instead of replaying."""
+    if any(report.cuda_graphs for report in reports):
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def compile_enabled(config: CompileConfig, device: torch.device) -> bool:
@@ -477,4 +494,8 @@ def compile_stage(
         modules=count,
         stats=stats,
         deferred_weight_grads=defer and projections > 0,
+        cuda_graphs=bool(count)
+        and config.mode == "reduce-overhead"
+        and config.backend == "inductor"
+        and device.type == "cuda",
     )

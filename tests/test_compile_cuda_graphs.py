@@ -1,0 +1,109 @@
+"""`compile.mode: reduce-overhead` (CUDA graphs of the compiled blocks): where the config accepts it, the
+step mark that lets the graph trees replay, and that nothing is graphed off CUDA. Whether the graphs replay
+and train like the default mode is the NCCL engine test (`tests/test_engine_gpu.py`, layouts
+`pp2-1f1b-cudagraphs` and `pp2-interleaved-cudagraphs`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from d9d.engine.config import ConfigError, parse_config
+from d9d.engine.inference import InferenceConfig
+from d9d.parallel.compile import CompileConfig, CompileReport, begin_step, compile_stage
+from tests.test_engine_config import BASE
+
+
+def _job(mesh: dict[str, int], **sections: Any) -> dict[str, Any]:
+    compile_section = {"mode": "reduce-overhead", **sections.pop("compile", {})}
+    return {**BASE, "mesh": mesh, "compile": compile_section, **sections}
+
+
+@pytest.mark.parametrize(
+    ("mesh", "sections"),
+    [
+        ({}, {}),
+        ({"pipeline_parallel": 2}, {"pipelining": {"kind": "1f1b"}}),
+        ({"pipeline_parallel": 2}, {}),  # the default schedule, 1F1B
+        ({"pipeline_parallel": 2}, {"pipelining": {"kind": "interleaved_1f1b"}}),
+    ],
+)
+def test_accepted_on_one_gpu_and_pipeline_stages_alone(
+    mesh: dict[str, int], sections: dict[str, Any]
+) -> None:
+    config = parse_config(_job(mesh, **sections))
+    assert config.compile.mode == "reduce-overhead"
+
+
+@pytest.mark.parametrize(
+    ("mesh", "sections", "message"),
+    [
+        ({"data_parallel_shard": 2}, {}, r"mesh\.data_parallel_shard = 2: supported on one GPU"),
+        ({"data_parallel_replicate": 2}, {}, r"mesh\.data_parallel_replicate = 2"),
+        ({"tensor_parallel": 2}, {}, r"mesh\.tensor_parallel = 2"),
+        (
+            {"pipeline_parallel": 2, "data_parallel_shard": 2},
+            {"pipelining": {"kind": "1f1b"}},
+            r"mesh\.data_parallel_shard = 2",
+        ),
+        (
+            {"pipeline_parallel": 2},
+            {"pipelining": {"kind": "zbv"}},
+            r"pipelining\.kind=zbv: supported with 1f1b",
+        ),
+        ({"pipeline_parallel": 2}, {"pipelining": {"kind": "gpipe"}}, r"pipelining\.kind=gpipe"),
+        ({}, {"activation_checkpointing": {"mode": "full"}}, r"activation_checkpointing\.mode=full"),
+        ({}, {"compile": {"regions": ["decoder_blocks", "loss_head"]}}, r"regions containing loss_head"),
+    ],
+)
+def test_refused_at_config_time_where_not_measured(
+    mesh: dict[str, int], sections: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(_job(mesh, **sections))
+
+
+def test_the_other_modes_and_backends_are_not_restricted() -> None:
+    parse_config({**BASE, "compile": {"mode": "max-autotune-no-cudagraphs"}})  # BASE is FSDP 2
+    # aot_eager generates no code, so no graphs
+    parse_config(_job({"data_parallel_shard": 2}, compile={"backend": "aot_eager"}))
+
+
+def test_inference_refuses_cuda_graphs() -> None:
+    raw = {
+        "run": {"name": "ppl", "dir": "/tmp/unused"},
+        "microbatch_size": 2,
+        "model": {"provider": "tests.engine_fixtures:TinyLMProvider", "options": {"width": 4}},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "compile": {"mode": "reduce-overhead"},
+    }
+    with pytest.raises(ValueError, match="reduce-overhead is a training setting"):
+        InferenceConfig.model_validate(raw)
+    raw["compile"] = {"mode": "default"}
+    InferenceConfig.model_validate(raw)
+
+
+def test_begin_step_marks_only_where_a_stage_replays_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    plain = CompileReport(enabled=True, regions=("decoder_blocks",), reason="", modules=2)
+    graphed = CompileReport(enabled=True, regions=("decoder_blocks",), reason="", modules=2, cuda_graphs=True)
+    begin_step([])
+    begin_step([plain, plain])
+    assert marks == []
+    begin_step([plain, graphed])
+    assert marks == [1]
+
+
+def test_nothing_is_graphed_off_cuda() -> None:
+    """Inductor graphs CUDA code only: on CPU the mode compiles as `default` and the report says no graphs
+    (so no step is marked)."""
+    from tests.test_parallel_compile import _model
+
+    model = _model()
+    config = CompileConfig(enabled=True, mode="reduce-overhead", backend="inductor")
+    report = compile_stage(model, config, torch.device("cpu"))
+    assert report.enabled and report.modules > 0
+    assert not report.cuda_graphs
