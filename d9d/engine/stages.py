@@ -164,8 +164,9 @@ def _log_compile(ctx: DistributedContext, reports: list[CompileReport], *, split
             "of the bubble. Measured on 2 × H200, compiled dense pp 2 (docs/benchmarks.md): ZBV at 0.95x of "
             "1F1B; compile.defer_weight_grads: true (projections outside the compiled graphs, their weight "
             "gradients deferred) at 0.44x of ZBV without it. Prefer pipelining.kind 1f1b or "
-            "interleaved_1f1b with compile, or compile.enabled: false with a zero-bubble schedule "
-            "(docs/pipelining.md)"
+            "interleaved_1f1b with compile (and compile.mode: reduce-overhead where nothing but the "
+            "pipeline shards the stages: CUDA graphs, 1.19-1.29x of 1F1B's default mode there), or "
+            "compile.enabled: false with a zero-bubble schedule (docs/pipelining.md)"
         )
 
 
