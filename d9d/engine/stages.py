@@ -165,7 +165,7 @@ def _log_compile(ctx: DistributedContext, reports: list[CompileReport], *, split
             "1F1B; compile.defer_weight_grads: true (projections outside the compiled graphs, their weight "
             "gradients deferred) at 0.44x of ZBV without it. Prefer pipelining.kind 1f1b or "
             "interleaved_1f1b with compile (and compile.mode: reduce-overhead where nothing but the "
-            "pipeline shards the stages: CUDA graphs, 1.19-1.29x of 1F1B's default mode there), or "
+            "pipeline shards the stages: CUDA graphs, 1.19-1.46x of 1F1B's default mode there), or "
             "compile.enabled: false with a zero-bubble schedule (docs/pipelining.md)"
         )
 
