@@ -56,6 +56,11 @@ def test_accepted_on_one_gpu_and_pipeline_stages_alone(
         ({"pipeline_parallel": 2}, {"pipelining": {"kind": "gpipe"}}, r"pipelining\.kind=gpipe"),
         ({}, {"activation_checkpointing": {"mode": "full"}}, r"activation_checkpointing\.mode=full"),
         ({}, {"compile": {"regions": ["decoder_blocks", "loss_head"]}}, r"regions containing loss_head"),
+        (
+            {},
+            {"eval": {"data": {"provider": "tests.engine_fixtures:GlobalIndexData"}, "batch_size": 2}},
+            r"reduce-overhead with an eval section",
+        ),
     ],
 )
 def test_refused_at_config_time_where_not_measured(
