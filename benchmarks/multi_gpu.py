@@ -62,6 +62,9 @@ that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
           --variant "pf2:$F.forward_prefetch=2;$F.backward_prefetch=2"
 
   (`--set model.options.parallel.fsdp.reduce_dtype=float32` instead changes every d9d row of the command.)
+  The pipeline rows with CUDA graphs of their compiled blocks (`compile.mode: reduce-overhead`, accepted
+  for pipeline stages alone under 1F1B; docs/compile.md): `--rows 'dense-pp-1f1b*,moe-pp-1f1b*'
+  --variant "cg:compile.mode=reduce-overhead"`.
 - Repeats (`--repeat N`): the selected rows run N times in one command, every second pass in reverse order
   (A B, then B A: drift over the call, e.g. a host that warms up, does not favour the row that always runs
   first), as rows `<id>#<pass>` after the first (`dense-fsdp@ray#2`); every ratio of a row is taken against

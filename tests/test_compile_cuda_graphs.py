@@ -59,7 +59,7 @@ def test_accepted_on_one_gpu_and_pipeline_stages_alone(
         (
             {},
             {"eval": {"data": {"provider": "tests.engine_fixtures:GlobalIndexData"}, "batch_size": 2}},
-            r"reduce-overhead with an eval section",
+            r"reduce-overhead \(CUDA graphs of the compiled blocks\) with an eval section",
         ),
     ],
 )

@@ -390,13 +390,13 @@ class TrainConfig(_Section):
         check_model_layout(self.mesh, self.model, self.data, self.task, self.schedule.stages_per_rank)
         check_grad_dtype_under_pipeline_fsdp(self.mesh, self.model, self.gradient_manager.grad_dtype)
         check_activation_checkpointing(self.mesh, self.model, self.activation_checkpointing, self.compile)
-        check_cuda_graphs(self.mesh, self.compile, self.activation_checkpointing, self.schedule.kind)
-        if self.eval is not None and self.compile.mode == "reduce-overhead":
-            raise ValueError(
-                "compile.mode: reduce-overhead with an eval section: evaluation runs the blocks without "
-                "gradients, which the graph trees record and replay apart from training, and that is not "
-                "measured yet; remove eval, or use compile.mode: default"
-            )
+        check_cuda_graphs(
+            self.mesh,
+            self.compile,
+            self.activation_checkpointing,
+            self.schedule.kind,
+            evaluates=self.eval is not None,
+        )
         return self
 
     @property

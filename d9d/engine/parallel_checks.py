@@ -252,10 +252,13 @@ def check_cuda_graphs(
     compile_config: CompileConfig,
     checkpointing: ActivationCheckpointingConfig,
     schedule_kind: str,
+    *,
+    evaluates: bool,
 ) -> None:
     """`compile.mode: reduce-overhead` only where its graphs were measured to replay and train like the
     default mode: one GPU, or pipeline stages alone under a schedule of `CUDA_GRAPH_SCHEDULES`, with the
-    decoder blocks as the only compiled region and no activation checkpointing."""
+    decoder blocks as the only compiled region, no activation checkpointing and no evaluation
+    (`evaluates`: the job has an eval section)."""
     if compile_config.mode != "reduce-overhead" or compile_config.backend != "inductor":
         return
     where = "compile.mode: reduce-overhead (CUDA graphs of the compiled blocks)"
@@ -293,4 +296,10 @@ def check_cuda_graphs(
         raise ValueError(
             f"{where} with compile.regions containing loss_head: only the decoder blocks are measured under "
             "graphs; remove loss_head from compile.regions, or use compile.mode: default"
+        )
+    if evaluates:
+        raise ValueError(
+            f"{where} with an eval section: evaluation runs the blocks without gradients, which the graph "
+            "trees record and replay apart from training, and that is not measured yet; remove eval, or use "
+            "compile.mode: default"
         )
