@@ -41,7 +41,6 @@ from d9d.engine.providers import DataProvider, DataSetup, TrainTask
 from d9d.engine.runtime import MetricPoint, RunReporter
 from d9d.engine.stages import Stages
 from d9d.engine.step import global_loss, to_device
-from d9d.parallel.compile import begin_step
 from d9d.pipeline.runtime.executor import PipelineExecutor
 from d9d.pipeline.schedule.config import InferenceSchedule
 from d9d.pipeline.setup import PipelineSetup
@@ -137,7 +136,6 @@ class Evaluator:
             weight = weight + loss.weight.detach().double()
 
         inputs = [self.task.forward_inputs(mb) for mb in microbatches]
-        begin_step(self.stages.compile_reports)
         if self.executor is not None:
             self.executor.forward_step(inputs, add)
         else:

@@ -300,6 +300,6 @@ def check_cuda_graphs(
     if evaluates:
         raise ValueError(
             f"{where} with an eval section: evaluation runs the blocks without gradients, which the graph "
-            "trees record and replay apart from training, and that is not measured yet; remove eval, or use "
-            "compile.mode: default"
+            "trees record and replay apart from training (its own step mark, begin_step), and that is not "
+            "measured yet; remove eval, or use compile.mode: default"
         )

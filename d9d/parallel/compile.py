@@ -149,7 +149,7 @@ class DecoderStack(Protocol):
 
 
 def begin_step(reports: Iterable[CompileReport]) -> None:
-    """Call before each training step's (and each evaluation's) first forward. Under CUDA graphs it starts a
+    """Call before each training step's first forward. Under CUDA graphs it starts a
     new generation of inductor's graph trees: the previous step's graph outputs have all been consumed, so
     their memory may be reused. Without the mark the trees cannot tell a new step from more microbatches
     of the last one (measured on one GPU, session 19: they warned of pending backwards and left their fast
