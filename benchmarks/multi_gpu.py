@@ -26,6 +26,7 @@ suffix `@ray`. `--launchers` keeps one launcher only.
 | moe-1gpu | Qwen3-MoE | 1 | one rank: the scaling baseline |
 | moe-fsdp-ep | Qwen3-MoE | N | data_parallel_shard N, expert_parallel N |
 | moe-fsdp | Qwen3-MoE | N | data_parallel_shard N: the experts sharded by FSDP, no token exchange |
+| moe-ddp | Qwen3-MoE | N | data_parallel_replicate N: every expert on every GPU, no token exchange |
 | moe-hsdp-ep | Qwen3-MoE | N | data_parallel_replicate 2 × data_parallel_shard h, expert_parallel N |
 | moe-pp-1f1b, -zbv | Qwen3-MoE | N | pipeline_parallel 2 × data_parallel_shard h, expert_parallel h |
 | titan-dense-1gpu, titan-moe-1gpu | torchtitan | 1 | one rank |
@@ -63,8 +64,10 @@ that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
 
   (`--set model.options.parallel.fsdp.reduce_dtype=float32` instead changes every d9d row of the command.)
   The pipeline rows with CUDA graphs of their compiled blocks (`compile.mode: reduce-overhead`, accepted
-  for pipeline stages alone under 1F1B; docs/compile.md): `--rows 'dense-pp-1f1b*,moe-pp-1f1b*'
-  --variant "cg:compile.mode=reduce-overhead"`.
+  for pipeline stages alone under 1F1B and for replicas alone; docs/compile.md): `--rows
+  'dense-pp-1f1b*,moe-pp-1f1b*' --variant "cg:compile.mode=reduce-overhead"`; the replicas at 2-sequence
+  microbatches: `--rows 'dense-ddp*,moe-ddp*' --set batching.microbatch_size=2 --variant
+  "cg:compile.mode=reduce-overhead"`.
 - Repeats (`--repeat N`): the selected rows run N times in one command, every second pass in reverse order
   (A B, then B A: drift over the call, e.g. a host that warms up, does not favour the row that always runs
   first), as rows `<id>#<pass>` after the first (`dense-fsdp@ray#2`); every ratio of a row is taken against
@@ -281,9 +284,9 @@ def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
                 plain = {"data_parallel_shard": n}
                 rows.append(("moe-fsdp", "d9d", n, f"FSDP {n}, no EP", plain, None, seq, mb))
                 rows.append(("titan-moe-fsdp", "torchtitan", n, f"FSDP {n}, no EP", plain, None, seq, mb))
-            else:  # replicas only: one bucketed all-reduce of the gradients, no per-unit gathers or hooks
-                ddp = {"data_parallel_replicate": n}
-                rows.append(("dense-ddp", "d9d", n, f"replicate {n}", ddp, None, seq, mb))
+            # replicas only: one bucketed all-reduce of the gradients, no per-unit gathers or hooks
+            ddp = {"data_parallel_replicate": n}
+            rows.append((f"{model}-ddp", "d9d", n, f"replicate {n}", ddp, None, seq, mb))
         if even:
             hsdp = {"data_parallel_replicate": 2, "data_parallel_shard": h, **ep}
             rows.append(
@@ -401,6 +404,7 @@ RUN_ORDER = (
     "dense-pp-dualpipev",
     "dense-hsdp",
     "dense-ddp",
+    "moe-ddp",
     "moe-hsdp-ep",
     "dense-tp-fsdp",
     "titan-dense-tp-fsdp",

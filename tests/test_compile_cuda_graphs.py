@@ -1,7 +1,7 @@
 """`compile.mode: reduce-overhead` (CUDA graphs of the compiled blocks): where the config accepts it, the
 step mark that lets the graph trees replay, and that nothing is graphed off CUDA. Whether the graphs replay
 and train like the default mode is the NCCL engine test (`tests/test_engine_gpu.py`, layouts
-`pp2-1f1b-cudagraphs` and `pp2-interleaved-cudagraphs`)."""
+`dp2-cudagraphs`, `pp2-1f1b-cudagraphs` and `pp2-interleaved-cudagraphs`)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ def _job(mesh: dict[str, int], **sections: Any) -> dict[str, Any]:
         ({"pipeline_parallel": 2}, {"pipelining": {"kind": "1f1b"}}),
         ({"pipeline_parallel": 2}, {}),  # the default schedule, 1F1B
         ({"pipeline_parallel": 2}, {"pipelining": {"kind": "interleaved_1f1b"}}),
+        ({"data_parallel_replicate": 2}, {}),
+        ({"data_parallel_replicate": 4}, {}),
     ],
 )
-def test_accepted_on_one_gpu_and_pipeline_stages_alone(
+def test_accepted_on_one_gpu_replicas_and_pipeline_stages_alone(
     mesh: dict[str, int], sections: dict[str, Any]
 ) -> None:
     config = parse_config(_job(mesh, **sections))
@@ -41,7 +43,17 @@ def test_accepted_on_one_gpu_and_pipeline_stages_alone(
     ("mesh", "sections", "message"),
     [
         ({"data_parallel_shard": 2}, {}, r"mesh\.data_parallel_shard = 2: supported on one GPU"),
-        ({"data_parallel_replicate": 2}, {}, r"mesh\.data_parallel_replicate = 2"),
+        (
+            {"data_parallel_replicate": 2, "data_parallel_shard": 2},
+            {},
+            r"mesh\.data_parallel_shard = 2: supported on one GPU, with data_parallel_replicate alone",
+        ),
+        ({"data_parallel_replicate": 2, "expert_parallel": 2}, {}, r"mesh\.expert_parallel = 2"),
+        (
+            {"data_parallel_replicate": 2, "pipeline_parallel": 2},
+            {"pipelining": {"kind": "1f1b"}},
+            r"data_parallel_replicate = 2 and mesh\.pipeline_parallel = 2: each is supported alone",
+        ),
         ({"tensor_parallel": 2}, {}, r"mesh\.tensor_parallel = 2"),
         (
             {"pipeline_parallel": 2, "data_parallel_shard": 2},

@@ -109,6 +109,7 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 
 LAYOUTS = {
+    "dp2": ({"data_parallel_replicate": 2}, None),  # replicas of plain parameters, experts included
     "dp2xep2": ({"data_parallel_replicate": 2, "expert_parallel": 2}, None),
     "fsdp2xep2": ({"data_parallel_shard": 2, "expert_parallel": 2}, None),
     "fsdp2": ({"data_parallel_shard": 2}, None),  # no expert parallelism: the experts sharded by FSDP
@@ -127,8 +128,11 @@ LAYOUTS = {
     # the compiled blocks replayed as CUDA graphs (compile.mode: reduce-overhead) where the config allows it
     "pp2-1f1b-cudagraphs": ({"pipeline_parallel": 2}, "1f1b"),
     "pp2-interleaved-cudagraphs": ({"pipeline_parallel": 2}, "interleaved_1f1b"),
+    # replicas: the gradient synchronizer's hooks take each graphed backward's gradients into its buckets
+    "dp2-cudagraphs": ({"data_parallel_replicate": 2}, None),
 }
 COMPILE = {
+    "dp2-cudagraphs": {"mode": "reduce-overhead"},
     "pp2-1f1b-cudagraphs": {"mode": "reduce-overhead"},
     "pp2-interleaved-cudagraphs": {"mode": "reduce-overhead"},
 }

@@ -15,6 +15,7 @@ from d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClas
 from d9d.models.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM, parallelize_qwen3_moe
 from d9d.parallel import GradSyncConfig, build_gradient_synchronizer
 from d9d.parallel.expert import AllToAllBackendConfig
+from d9d.parallel.grad_sync import grad_reduce_mesh
 from d9d.parallel.plans import ParallelPlanConfig
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_reference import (
@@ -168,6 +169,8 @@ def _run_cases(env: RankEnv, cases: list[Case], backend: str = "gloo") -> None:
         )
         if case.model == "qwen3_moe" and case.ep == 1 and case.tp == 1 and case.shard > 1:
             _assert_experts_sharded_by_fsdp(model, case.shard)
+        if case.replicate > 1 and case.shard == case.tp == case.ep == 1:
+            _assert_plain_replicas(model)
         if case.meta:
             model.to_empty(device=device)
             model.reset_parameters()  # buffers (rotary tables); weights then come from the "checkpoint"
@@ -191,8 +194,19 @@ def _assert_experts_sharded_by_fsdp(model: nn.Module, shard: int) -> None:
         assert param.to_local().shape[0] == param.shape[0] // shard, (name, param.to_local().shape)
 
 
+def _assert_plain_replicas(model: nn.Module) -> None:
+    """Replicas alone keep plain parameters (no DTensor views per block and microbatch), each recorded for
+    a sum over the data-parallel mesh; the run against one process is what shows the sum happens."""
+    for module_name, sub in model.named_modules():
+        for name, param in sub.named_parameters(recurse=False):
+            assert not isinstance(param, DTensor), f"{module_name}.{name}"
+            mesh = grad_reduce_mesh(sub, name)
+            assert mesh is not None and mesh.mesh_dim_names == ("dp_cp_replicate",), (module_name, name, mesh)
+
+
 TWO_RANKS = [
     Case("qwen3", replicate=2),
+    Case("qwen3", replicate=2, meta=True),  # plain replicas built on meta, weights loaded afterwards
     Case("qwen3", shard=2),
     Case("qwen3", tp=2),
     Case("qwen3", tp=2, sp=True),

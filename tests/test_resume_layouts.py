@@ -88,6 +88,8 @@ CASES = {
         ({"data_parallel_shard": 2, "expert_parallel": 2}, None),
     ),
     "tp2-to-dp2": (({"tensor_parallel": 2}, None), ({"data_parallel_replicate": 2}, None)),
+    # replicas keep plain parameters and optimizer state, which both ranks hold under the same keys
+    "dp2-to-fsdp2": (({"data_parallel_replicate": 2}, None), ({"data_parallel_shard": 2}, None)),
 }
 
 

@@ -256,14 +256,14 @@ def check_cuda_graphs(
     evaluates: bool,
 ) -> None:
     """`compile.mode: reduce-overhead` only where its graphs were measured to replay and train like the
-    default mode: one GPU, or pipeline stages alone under a schedule of `CUDA_GRAPH_SCHEDULES`, with the
-    decoder blocks as the only compiled region, no activation checkpointing and no evaluation
-    (`evaluates`: the job has an eval section)."""
+    default mode: one GPU, replicas alone (`data_parallel_replicate`: every rank keeps its parameters at fixed
+    addresses; the gradient synchronizer's hooks run between the graphed backwards), or pipeline stages
+    alone under a schedule of `CUDA_GRAPH_SCHEDULES`; with the decoder blocks as the only compiled region,
+    no activation checkpointing and no evaluation (`evaluates`: the job has an eval section)."""
     if compile_config.mode != "reduce-overhead" or compile_config.backend != "inductor":
         return
     where = "compile.mode: reduce-overhead (CUDA graphs of the compiled blocks)"
     sharded = {
-        "data_parallel_replicate": mesh.data_parallel_replicate,
         "data_parallel_shard": mesh.data_parallel_shard,
         "context_parallel_replicate": mesh.context_parallel_replicate,
         "context_parallel_shard": mesh.context_parallel_shard,
@@ -273,12 +273,18 @@ def check_cuda_graphs(
     for key, size in sharded.items():
         if size > 1:
             raise ValueError(
-                f"{where} with mesh.{key} = {size}: supported on one GPU and with pipeline_parallel alone. "
-                "A graph replays on the parameter addresses it was recorded with, and FSDP gathers its "
-                "parameters into new memory every step (every block call would record anew); the other "
-                "layouts' collectives in and around the blocks are not measured under graphs. Use "
-                "compile.mode: default"
+                f"{where} with mesh.{key} = {size}: supported on one GPU, with data_parallel_replicate "
+                "alone and with pipeline_parallel alone. A graph replays on the parameter addresses it was "
+                "recorded with, and FSDP gathers its parameters into new memory every step (every block "
+                "call would record anew); the other layouts' collectives in and around the blocks are not "
+                "measured under graphs. Use compile.mode: default"
             )
+    if mesh.data_parallel_replicate > 1 and mesh.pipeline_parallel > 1:
+        raise ValueError(
+            f"{where} with mesh.data_parallel_replicate = {mesh.data_parallel_replicate} and "
+            f"mesh.pipeline_parallel = {mesh.pipeline_parallel}: each is supported alone; replicated "
+            "pipeline stages are not measured under graphs (it takes 4 GPUs). Use compile.mode: default"
+        )
     if mesh.pipeline_parallel > 1 and schedule_kind not in CUDA_GRAPH_SCHEDULES:
         raise ValueError(
             f"{where} with pipelining.kind={schedule_kind}: supported with "

@@ -22,7 +22,7 @@ from d9d.parallel.grad_sync import (
     pipeline_group,
 )
 from d9d.parallel.local_params import compute_with_local_parameters, sum_gradients_over
-from d9d.parallel.replicate import parallelize_replicate
+from d9d.parallel.replicate import parallelize_replicate, replicate_plain
 
 __all__ = [
     "FSDPConfig",
@@ -44,6 +44,7 @@ __all__ = [
     "parallelize_hsdp",
     "parallelize_replicate",
     "pipeline_group",
+    "replicate_plain",
     "reshard_fsdp",
     "sum_gradients_over",
 ]

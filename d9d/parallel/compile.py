@@ -64,10 +64,10 @@ class CompileConfig(BaseModel):
     - `mode`: `torch.compile`'s mode (`max-autotune-no-cudagraphs` autotunes matmul/flex kernels; slower
       warm-up). `reduce-overhead` replays each compiled block as a CUDA graph (inductor's graph trees, one
       recording per block and microbatch position, made in the second step): for a step whose GPU waits
-      for the host's launches, as a pipeline stage's at small microbatches. Its outputs live in the
-      graphs' memory until the next step (`begin_step`), and a block's parameters must keep their
-      addresses, so the job config accepts it only where that was measured to hold (`check_cuda_graphs`
-      in `d9d.engine.parallel_checks`).
+      for the host's launches, as a pipeline stage's or a replica's at small microbatches. Its outputs
+      live in the graphs' memory until the next step (`begin_step`), and a block's parameters must keep
+      their addresses, so the job config accepts it only where that was measured to hold
+      (`check_cuda_graphs` in `d9d.engine.parallel_checks`).
     - `regions`: what is compiled. `decoder_blocks`: every decoder block, one graph shared by all layers.
       `loss_head`: the chunked linear cross-entropy head; its chunk loop unrolls to the token count, so it
       compiles one graph per distinct batch × sequence size — opt in only with fixed shapes (packing to

@@ -17,6 +17,23 @@ from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_mesh
 from d9d.parallel.local_params import compute_with_local_parameters, forward_triggers
 
 
+def replicate_plain(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Sum the gradients of every parameter of `module` (recursively) that no strategy has decided yet over
+    all ranks of `mesh`, keeping the parameters plain tensors.
+
+    For a model with no DTensor parameter at all (replicas alone, or with pipeline stages): nothing needs
+    a layout, and as DTensors every block's forward would swap in each parameter's local view
+    (`to_local`, an autograd node whose backward builds a DTensor gradient) and autograd would accumulate
+    DTensor gradients, for every parameter and microbatch. On 2 × H200 with 2-sequence microbatches that
+    host work made two replicas slower than one GPU (docs/benchmarks.md, session 30). Ranks must hold
+    identical values, as for `parallelize_replicate`; checkpoints write a plain tensor held under one key
+    by several ranks once (DCP's replicated-tensor deduplication; `StateWriter`'s lowest rank)."""
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            if param is not None and not is_grad_reduce_marked(sub, name):
+                mark_grad_reduce_mesh(sub, name, mesh)
+
+
 def parallelize_replicate(module: nn.Module, mesh: DeviceMesh, *, units: Sequence[nn.Module] = ()) -> None:
     """Replicate every parameter of `module` (recursively) over all ranks of `mesh`.
 

@@ -39,7 +39,7 @@ from d9d.parallel.expert import parallelize_expert_parallel
 from d9d.parallel.fsdp import FSDPUnit, fsdp_gathered_bytes, parallelize_fsdp, parallelize_hsdp
 from d9d.parallel.grad_sync import mark_no_grad_reduction
 from d9d.parallel.plans.config import ParallelPlanConfig
-from d9d.parallel.replicate import parallelize_replicate
+from d9d.parallel.replicate import parallelize_replicate, replicate_plain
 from d9d.parallel.tensor import (
     gather_from_group,
     parallelize_attention_tp,
@@ -170,11 +170,15 @@ def parallelize_decoder(
             parallelize_fsdp(
                 model, dense["dp_cp_shard"], units=units, config=config.fsdp, mp_policy=mp_policy
             )
-    elif dense["dp_cp_replicate"].size() > 1 or any(isinstance(p, DTensor) for p in model.parameters()):
-        # Also on one data-parallel rank when tensor or expert parallelism made some parameters DTensors:
-        # torch's multi-tensor and fused optimizers refuse a parameter group that mixes DTensors and plain
-        # tensors, so the rest become DTensors too (replicated over the one-rank mesh).
+    elif any(isinstance(p, DTensor) for p in model.parameters()):
+        # Tensor or expert parallelism made some parameters DTensors: torch's multi-tensor and fused
+        # optimizers refuse a parameter group that mixes DTensors and plain tensors, so the rest become
+        # DTensors too (replicated over the data-parallel mesh, of one rank or more).
         parallelize_replicate(model, dense["dp_cp_replicate"], units=layers)
+    elif dense["dp_cp_replicate"].size() > 1:
+        # Replicas of plain parameters: the synchronizer sums their gradients; no DTensor views per block
+        # and microbatch (2 × H200, 2-sequence microbatches: docs/benchmarks.md, session 30).
+        replicate_plain(model, dense["dp_cp_replicate"])
     else:
         # One data-parallel rank: no gradient is summed anywhere, so the parameters stay plain tensors. As
         # DTensors replicated over one rank they cost every step the views swapped around each block, a
