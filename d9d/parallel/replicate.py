@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_mesh
+from d9d.parallel.grad_sync.reduce_mesh import mark_undecided_grad_reduction
 from d9d.parallel.local_params import compute_with_local_parameters, forward_triggers
 
 
@@ -28,10 +29,7 @@ def replicate_plain(module: nn.Module, mesh: DeviceMesh) -> None:
     host work made two replicas slower than one GPU (docs/benchmarks.md, session 30). Ranks must hold
     identical values, as for `parallelize_replicate`; checkpoints write a plain tensor held under one key
     by several ranks once (DCP's replicated-tensor deduplication; `StateWriter`'s lowest rank)."""
-    for sub in module.modules():
-        for name, param in sub.named_parameters(recurse=False):
-            if param is not None and not is_grad_reduce_marked(sub, name):
-                mark_grad_reduce_mesh(sub, name, mesh)
+    mark_undecided_grad_reduction(module, mesh)
 
 
 def parallelize_replicate(module: nn.Module, mesh: DeviceMesh, *, units: Sequence[nn.Module] = ()) -> None:

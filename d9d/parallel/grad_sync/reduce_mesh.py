@@ -37,13 +37,19 @@ def mark_grad_reduce_mesh(module: nn.Module, name: str, mesh: DeviceMesh | None)
     records[name] = mesh
 
 
-def mark_no_grad_reduction(module: nn.Module) -> None:
-    """Record "no reduction" for every parameter of `module` (recursively) that no strategy has decided
-    yet: the layout has a single data-parallel rank, so its gradients are complete after backward."""
+def mark_undecided_grad_reduction(module: nn.Module, mesh: DeviceMesh | None) -> None:
+    """Record `mesh` (None: no reduction) for every parameter of `module` (recursively) that no strategy
+    has decided yet."""
     for sub in module.modules():
         for name, param in sub.named_parameters(recurse=False):
             if param is not None and not is_grad_reduce_marked(sub, name):
-                mark_grad_reduce_mesh(sub, name, None)
+                mark_grad_reduce_mesh(sub, name, mesh)
+
+
+def mark_no_grad_reduction(module: nn.Module) -> None:
+    """Record "no reduction" for every parameter of `module` (recursively) that no strategy has decided
+    yet: the layout has a single data-parallel rank, so its gradients are complete after backward."""
+    mark_undecided_grad_reduction(module, None)
 
 
 def mark_grad_reduce_dtype(module: nn.Module, name: str, dtype: torch.dtype) -> None:
