@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
@@ -14,6 +15,7 @@ from d9d.parallel import (
     GradSyncConfig,
     collect_synced_params,
     parallelize_replicate,
+    replicate_plain,
 )
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_reference import (
@@ -47,18 +49,32 @@ def _global_batches(steps: int, size: int, seed: int = 1) -> list[Batch]:
     return out
 
 
-def _dp_cases(env: RankEnv) -> None:
+def _replicate(model: nn.Module, mesh: DeviceMesh, plain: bool) -> None:
+    """Replicas as the decoder plan makes them: plain parameters (no DTensor anywhere), or `Replicate`
+    DTensors (beside tensor or expert parallelism)."""
+    if plain:
+        replicate_plain(model, mesh)
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+    else:
+        parallelize_replicate(model, mesh)
+        assert all(isinstance(p, DTensor) and p.placements == (Replicate(),) for p in model.parameters())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _dp_cases(env: RankEnv, plain: bool) -> None:
     ctx = DistributedContext.create(
         DeviceMeshParameters(data_parallel_replicate=env.world_size), backend="gloo"
     )
     mesh = ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"]
     batches = _global_batches(3, 16)
     for max_norm, microbatches, bucket_mb in ((None, 2, 25.0), (0.05, 4, 1e-6)):
-        case = f"max_norm={max_norm} microbatches={microbatches} bucket_mb={bucket_mb}"
+        case = f"max_norm={max_norm} microbatches={microbatches} bucket_mb={bucket_mb} plain={plain}"
         ref = reference_run(_mlp(), batches, _loss, max_norm=max_norm)
         model = _mlp()
-        parallelize_replicate(model, mesh)
-        assert all(isinstance(p, DTensor) and p.placements == (Replicate(),) for p in model.parameters())
+        _replicate(model, mesh, plain)
         sync = GradientSynchronizer(
             collect_synced_params(model),
             GradSyncConfig(bucket_size_mb=bucket_mb),
@@ -72,8 +88,9 @@ def _dp_cases(env: RankEnv) -> None:
         sync.close()
 
 
-def test_replicate_matches_single_process() -> None:
-    run_distributed(_dp_cases, 2, timeout=120)
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "dtensor"])
+def test_replicate_matches_single_process(plain: bool) -> None:
+    run_distributed(_dp_cases, 2, plain, timeout=120)
 
 
 class _Branchy(nn.Module):
@@ -94,7 +111,7 @@ class _Branchy(nn.Module):
         return self.b(h)
 
 
-def _sync_behaviour(env: RankEnv) -> None:
+def _sync_behaviour(env: RankEnv, plain: bool) -> None:
     ctx = DistributedContext.create(
         DeviceMeshParameters(data_parallel_replicate=env.world_size), backend="gloo"
     )
@@ -106,7 +123,7 @@ def _sync_behaviour(env: RankEnv) -> None:
     # 1. Buckets start reducing during backward: every layer's bucket but the first one's is launched before
     #    backward reaches the input; with two microbatches nothing is launched in the first backward.
     model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)])
-    parallelize_replicate(model, mesh)
+    _replicate(model, mesh, plain)
     sync = GradientSynchronizer(collect_synced_params(model), GradSyncConfig(bucket_size_mb=1e-6))
     events: list[str] = []
     real_all_reduce = dist.all_reduce
@@ -140,7 +157,7 @@ def _sync_behaviour(env: RankEnv) -> None:
     # 2. Parameters unused on some ranks (or on all) still get the right (or zero) gradient, no hang.
     model = _Branchy()
     ref = _Branchy()
-    parallelize_replicate(model, mesh)
+    _replicate(model, mesh, plain)
     sync = GradientSynchronizer(collect_synced_params(model), loss_weight_mesh=batch_mesh)
     model(xs[env.rank], use_extra=env.rank == 0).sum().backward()
     total = sync.wait(float(xs[env.rank].shape[0]))
@@ -151,13 +168,13 @@ def _sync_behaviour(env: RankEnv) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         want = q.grad if q.grad is not None else torch.zeros_like(q)
         torch.testing.assert_close(
-            p.grad.full_tensor(), want, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+            _full(p.grad), want, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
         )
 
     # 3. Forgetting zero_grad is an error, not silently doubled gradients; so is an extra backward.
     sync.close()
     model = _mlp()
-    parallelize_replicate(model, mesh)
+    _replicate(model, mesh, plain)
     sync = GradientSynchronizer(collect_synced_params(model))
     model(xs[env.rank]).sum().backward()
     sync.wait()
@@ -168,11 +185,23 @@ def _sync_behaviour(env: RankEnv) -> None:
     with pytest.raises(RuntimeError, match="num_microbatches=1"):
         model(xs[env.rank]).sum().backward()
     sync.close()
+    #    ... also when the extra gradient's bucket has not been reduced yet (another parameter of it has
+    #    not arrived).
+    model = _mlp()
+    _replicate(model, mesh, plain)
+    sync = GradientSynchronizer(collect_synced_params(model), num_microbatches=2)  # one bucket
+    head = model[-1]  # only the head's weight and bias get gradients: the bucket stays incomplete
+    for _ in range(2):
+        head(torch.ones(2, 12)).sum().backward()
+    with pytest.raises(RuntimeError, match="once more than expected"):
+        head(torch.ones(2, 12)).sum().backward()
+    assert len(sync.buckets) == 1 and not sync.buckets[0].launched
+    sync.close()
 
     # 4. bf16 parameters, float32 accumulation and reduction; the optimizer sees bf16 gradients.
     model = _mlp(dtype=torch.bfloat16)
     replica = _mlp(dtype=torch.bfloat16)
-    parallelize_replicate(model, mesh)
+    _replicate(model, mesh, plain)
     sync = GradientSynchronizer(
         collect_synced_params(model),
         GradSyncConfig(grad_dtype="float32"),
@@ -193,11 +222,12 @@ def _sync_behaviour(env: RankEnv) -> None:
                 acc += p.grad.float()
     for (name, p), want in zip(model.named_parameters(), expected, strict=True):
         assert p.grad.dtype == torch.bfloat16, name
-        got = p.grad.full_tensor().float()
+        got = _full(p.grad).float()
         torch.testing.assert_close(
             got, (want / (8.0 * env.world_size)).bfloat16().float(), rtol=0, atol=0, msg=name
         )
 
 
-def test_synchronizer_overlap_unused_params_and_errors() -> None:
-    run_distributed(_sync_behaviour, 2, timeout=120)
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "dtensor"])
+def test_synchronizer_overlap_unused_params_and_errors(plain: bool) -> None:
+    run_distributed(_sync_behaviour, 2, plain, timeout=120)

@@ -23,7 +23,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from d9d.core import DeviceMeshParameters, DistributedContext, MeshDomain
 from d9d.modules.moe import GroupedExperts, MoELayer, TopKRouter
-from d9d.parallel import GradientSynchronizer, collect_synced_params, parallelize_replicate
+from d9d.parallel import (
+    GradientSynchronizer,
+    collect_synced_params,
+    parallelize_replicate,
+    replicate_plain,
+)
 from d9d.parallel.expert import AllToAllBackendConfig, parallelize_expert_parallel
 from d9d.pipeline.api import PipelineStageInfo, TensorMeta, balance_layers
 from d9d.pipeline.runtime.channels import P2PChannels, pipeline_groups, program_channels
@@ -320,7 +325,12 @@ def _hybrid_body(env: RankEnv, expert_parallel: int) -> None:
                     backend=AllToAllBackendConfig(),
                 )
                 assert module.moe.experts.gate_up_proj.to_local().shape[0] == 4 // expert_parallel
-            parallelize_replicate(module, ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"])
+            # as the decoder plan does: plain replicas where no parameter is a DTensor
+            dense = ctx.mesh_for(MeshDomain.DENSE)["dp_cp_replicate"]
+            if moe:
+                parallelize_replicate(module, dense)
+            else:
+                replicate_plain(module, dense)
         sync = GradientSynchronizer(
             [p for module in modules for p in collect_synced_params(module)],
             num_microbatches=executor.num_microbatches,

@@ -145,6 +145,14 @@ class GradientSynchronizer:
             raise self._stale_error(slot)
         return grad
 
+    def _late_error(self, slot: _Slot) -> RuntimeError:
+        return RuntimeError(
+            f"gradient of {slot.name!r} arrived once more than expected (its bucket may already be "
+            f"reduced): more backward passes than num_microbatches={self._num_microbatches} in this step"
+            if slot.expected == self._num_microbatches
+            else f"gradient of {slot.name!r} arrived twice in a step, but it is reduced once per step"
+        )
+
     def _stale_error(self, slot: _Slot) -> RuntimeError:
         return RuntimeError(
             f"{slot.name!r} still holds last step's synchronized gradient; call "
@@ -158,13 +166,9 @@ class GradientSynchronizer:
             return
         local = local_tensor(grad)
         bucket = slot.bucket
-        if bucket.launched:
-            raise RuntimeError(
-                f"gradient of {slot.name!r} arrived after its bucket was already reduced: more backward "
-                f"passes than num_microbatches={self._num_microbatches} in this step"
-                if slot.expected == self._num_microbatches
-                else f"gradient of {slot.name!r} arrived twice in a step, but it is reduced once per step"
-            )
+        # Counted per parameter: a bucket still waiting for another parameter would take it silently.
+        if slot.count >= slot.expected or bucket.launched:
+            raise self._late_error(slot)
         if local.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
             raise self._stale_error(slot)  # FSDP adds its shard into an existing `.grad` in place
         bucket.accumulate(slot.index, local)
