@@ -4,6 +4,7 @@ torchtitan 0.2.2, one row per process, in one command.
     python benchmarks/multi_gpu.py [--gpus N] [--rows GLOB,...] [--launchers torchrun,ray]
         [--ray-rows GLOB,...] [--steps 10] [--warmup 3] [--timeout-per-row 420] [--budget-s S]
         [--pp-microbatch 2] [--cp-seq 8192] [--set KEY=VALUE ...] [--variant NAME:KEY=VALUE[;KEY=VALUE] ...]
+        [--variants-on-1gpu]
         [--profile GLOB,... [--profile-steps 3] [--profile-trace]] [--concurrent-1gpu] [--numa-binding MODE]
         [--repeat N] [--out FILE] [--list]
     python benchmarks/multi_gpu.py --merge a.json b.json [--out FILE]     # one table from several runs
@@ -52,7 +53,9 @@ that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
   more per variant with those overrides added to its `--set`s, as row `<id>+NAME` (`dense-fsdp+f32`,
   `dense-fsdp+f32@ray`), right after its base row in run order; `--rows` globs see the variant ids too. A
   variant row is scaled against the 1-GPU row and torchtitan like its base, and also gets `x_base`: its tok/s
-  over the base row's of this run (shown beside the launcher). One command thus sweeps settings on one warm
+  over the base row's of this run (shown beside the launcher). `--variants-on-1gpu` adds them to the 1-GPU
+  d9d rows as well (`dense-1gpu+cg`), for settings that apply without sharding, such as `compile.mode`.
+  One command thus sweeps settings on one warm
   machine, e.g. the FSDP settings of `model.options.parallel.fsdp` (docs/parallelism.md, "FSDP settings"):
 
       F=model.options.parallel.fsdp
@@ -321,7 +324,7 @@ def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
                         f"{row_id}@ray", model, framework, "ray", gpus, layout, mesh, schedule, row_seq, micro
                     )
                 )
-    return with_variants(out, args.variant)
+    return with_variants(out, args.variant, one_gpu=args.variants_on_1gpu)
 
 
 def split_pass(row_id: str) -> tuple[str, str]:
@@ -360,8 +363,9 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
     return name, sets
 
 
-def with_variants(rows: list[Row], variants: list[str]) -> list[Row]:
-    """Each multi-GPU d9d row followed by one row per variant (1-GPU rows shard nothing to vary)."""
+def with_variants(rows: list[Row], variants: list[str], *, one_gpu: bool = False) -> list[Row]:
+    """Each multi-GPU d9d row followed by one row per variant; the 1-GPU d9d rows too with `one_gpu`
+    (`--variants-on-1gpu`: for settings that apply without sharding, e.g. `compile.mode`)."""
     parsed = [parse_variant(v) for v in variants]
     names = [name for name, _ in parsed]
     if len(set(names)) != len(names):
@@ -369,7 +373,7 @@ def with_variants(rows: list[Row], variants: list[str]) -> list[Row]:
     out: list[Row] = []
     for row in rows:
         out.append(row)
-        if row.framework != "d9d" or row.gpus < 2:
+        if row.framework != "d9d" or (row.gpus < 2 and not one_gpu):
             continue
         for name, sets in parsed:
             stem, _, launcher = row.id.partition("@")
@@ -1266,6 +1270,11 @@ def main() -> int:
         default=[],
         metavar="NAME:KEY=VALUE[;KEY=VALUE]",
         help="also run every multi-GPU d9d row with these overrides, as row <id>+NAME (repeatable)",
+    )
+    parser.add_argument(
+        "--variants-on-1gpu",
+        action="store_true",
+        help="run the variants on the 1-GPU d9d rows too (settings that apply without sharding)",
     )
     parser.add_argument(
         "--profile",

@@ -35,6 +35,7 @@ def _args(**overrides):
         "cpus_per_rank": 4,
         "set": [],
         "variant": [],
+        "variants_on_1gpu": False,
         "profile": "",
         "profile_steps": 3,
         "profile_trace": False,
@@ -401,6 +402,17 @@ def test_variants_sweep_settings(bench, tmp_path: Path) -> None:
             config = parse_config(apply_overrides(job, sets))
             got = config.model.options.parallel.fsdp.model_dump(exclude_defaults=True)
             assert got == want, (row_id, got)
+    one_gpu = _args(
+        variant=["cg:compile.mode=reduce-overhead"],
+        rows="dense-1gpu*,titan-dense-1gpu",
+        launchers="torchrun",
+        variants_on_1gpu=True,
+    )
+    assert [r.id for r in bench.select(bench.all_rows(2, one_gpu), one_gpu)] == [
+        "dense-1gpu",
+        "dense-1gpu+cg",  # `--variants-on-1gpu`: d9d's 1-GPU rows too, never torchtitan's
+        "titan-dense-1gpu",
+    ]
     for bad in ("noname", "x:", "x:novalue", "a b:k=v"):
         with pytest.raises(ValueError, match="--variant"):
             bench.parse_variant(bad)
