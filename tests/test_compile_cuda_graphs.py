@@ -12,6 +12,7 @@ import torch
 
 from d9d.engine.config import ConfigError, parse_config
 from d9d.engine.inference import InferenceConfig
+from d9d.engine.parallel_checks import cuda_graphs_hint
 from d9d.parallel.compile import CompileConfig, CompileReport, begin_step, compile_stage
 from tests.test_engine_config import BASE
 
@@ -124,3 +125,33 @@ def test_nothing_is_graphed_off_cuda() -> None:
     report = compile_stage(model, config, torch.device("cpu"))
     assert report.enabled and report.modules > 0
     assert not report.cuda_graphs
+
+
+@pytest.mark.parametrize(
+    ("mesh", "sections", "microbatches", "hinted"),
+    [
+        ({"data_parallel_replicate": 2}, {}, 4, True),
+        ({"pipeline_parallel": 2}, {"pipelining": {"kind": "1f1b"}}, 8, True),
+        ({}, {}, 4, False),  # one GPU accumulating several microbatches: not measured under graphs
+        ({"data_parallel_replicate": 2}, {}, 1, False),  # one microbatch per step: measured the same speed
+        ({"data_parallel_shard": 2}, {}, 4, False),  # refused there
+        ({"pipeline_parallel": 2}, {"pipelining": {"kind": "zbv"}}, 8, False),
+        ({"data_parallel_replicate": 2}, {"compile": {"mode": "reduce-overhead"}}, 4, False),  # already on
+        ({"data_parallel_replicate": 2}, {"compile": {"mode": "max-autotune-no-cudagraphs"}}, 4, False),
+    ],
+)
+def test_the_mode_is_suggested_where_it_is_accepted_and_a_step_has_several_microbatches(
+    mesh: dict[str, int], sections: dict[str, Any], microbatches: int, hinted: bool
+) -> None:
+    config = parse_config({**BASE, "mesh": mesh, **sections})
+    hint = cuda_graphs_hint(
+        config.mesh,
+        config.compile,
+        config.activation_checkpointing,
+        config.schedule.kind,
+        evaluates=config.eval is not None,
+        microbatches=microbatches,
+    )
+    assert (hint is not None) == hinted, hint
+    if hint is not None:
+        assert "compile.mode: reduce-overhead" in hint and f"{microbatches} microbatches" in hint

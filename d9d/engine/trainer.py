@@ -47,6 +47,7 @@ from d9d.engine.nonfinite import (
     describe,
 )
 from d9d.engine.offload import HostOffload, SleepReport, WakeReport, training_state_tensors
+from d9d.engine.parallel_checks import cuda_graphs_hint
 from d9d.engine.progress import StepProgress
 from d9d.engine.resume import base_lrs, committed_config, decide_resume, resume_changes, set_base_lrs
 from d9d.engine.runtime import MetricPoint, RankResult, RunReporter, mark_failed_step
@@ -203,6 +204,7 @@ class Trainer:
                         # The attempt's first step is done (loading, compilation): hung ranks surface quickly.
                         self.ctx.set_timeout(timedelta(seconds=c.timeouts.step_s))
                         log_compile_warmup(self.ctx, self.parts.stages)
+                        self._hint_cuda_graphs()
                         self._reserve_checkpoint_buffers()
                         if c.gc.freeze:
                             freeze_heap(self.ctx)
@@ -298,6 +300,25 @@ class Trainer:
         for module in self.modules:  # every rank gets here together: the release is a barrier per EP group
             release_expert_communication(module)
         self.parts.reports.finish()
+
+    def _hint_cuda_graphs(self) -> None:
+        """Once, on the main process: where compiled CUDA blocks could replay as graphs and the step runs
+        several microbatches, say so (`cuda_graphs_hint`)."""
+        reports = self.parts.stages.compile_reports
+        compiled = any(r.enabled and r.modules > 0 for r in reports)
+        if not self.ctx.is_main_process or self.ctx.device.type != "cuda" or not compiled:
+            return
+        c = self.config
+        hint = cuda_graphs_hint(
+            c.mesh,
+            c.compile,
+            c.activation_checkpointing,
+            c.schedule.kind,
+            evaluates=c.eval is not None,
+            microbatches=self.parts.grad_accumulation,
+        )
+        if hint is not None:
+            self.ctx.logger.info(hint)
 
     def _build_profiler(self) -> StepHook:
         p = self.config.profiling
