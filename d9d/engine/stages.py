@@ -138,8 +138,9 @@ def check_gradient_sync(module: nn.Module, ctx: DistributedContext, info: Pipeli
         raise ConfigError(
             f"model: with data parallelism {dp} (mesh.data_parallel_replicate × data_parallel_shard), "
             f"{len(missing)} trainable parameter(s) of stage {info.current_stage} have no gradient sync: "
-            f"{listing}. The model provider's parallelize() must apply parallelize_replicate, "
-            "parallelize_fsdp or parallelize_hsdp (d9d.parallel) to them, or freeze them"
+            f"{listing}. The model provider's parallelize() must apply replicate_plain, "
+            "parallelize_replicate, parallelize_fsdp or parallelize_hsdp (d9d.parallel) to them, or "
+            "freeze them"
         )
 
 
