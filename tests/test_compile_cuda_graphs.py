@@ -12,7 +12,6 @@ import torch
 
 from d9d.engine.config import ConfigError, parse_config
 from d9d.engine.inference import InferenceConfig
-from d9d.engine.parallel_checks import cuda_graphs_hint
 from d9d.parallel.compile import CompileConfig, CompileReport, begin_step, compile_stage
 from tests.test_engine_config import BASE
 
@@ -143,15 +142,7 @@ def test_nothing_is_graphed_off_cuda() -> None:
 def test_the_mode_is_suggested_where_it_is_accepted_and_a_step_has_several_microbatches(
     mesh: dict[str, int], sections: dict[str, Any], microbatches: int, hinted: bool
 ) -> None:
-    config = parse_config({**BASE, "mesh": mesh, **sections})
-    hint = cuda_graphs_hint(
-        config.mesh,
-        config.compile,
-        config.activation_checkpointing,
-        config.schedule.kind,
-        evaluates=config.eval is not None,
-        microbatches=microbatches,
-    )
+    hint = parse_config({**BASE, "mesh": mesh, **sections}).cuda_graphs_hint(microbatches)
     assert (hint is not None) == hinted, hint
     if hint is not None:
         assert "compile.mode: reduce-overhead" in hint and f"{microbatches} microbatches" in hint

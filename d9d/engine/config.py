@@ -35,6 +35,7 @@ from d9d.engine.parallel_checks import (
     check_cuda_graphs,
     check_grad_dtype_under_pipeline_fsdp,
     check_model_layout,
+    cuda_graphs_hint,
 )
 from d9d.engine.registry import ModelComponent, validate_components
 from d9d.modules.checkpointing import ActivationCheckpointingConfig, NoActivationCheckpointing
@@ -398,6 +399,17 @@ class TrainConfig(_Section):
             evaluates=self.eval is not None,
         )
         return self
+
+    def cuda_graphs_hint(self, microbatches: int) -> str | None:
+        """`d9d.engine.parallel_checks.cuda_graphs_hint` for this job, at `microbatches` per rank and step."""
+        return cuda_graphs_hint(
+            self.mesh,
+            self.compile,
+            self.activation_checkpointing,
+            self.schedule.kind,
+            evaluates=self.eval is not None,
+            microbatches=microbatches,
+        )
 
     @property
     def schedule(self) -> ScheduleConfig:

@@ -47,7 +47,6 @@ from d9d.engine.nonfinite import (
     describe,
 )
 from d9d.engine.offload import HostOffload, SleepReport, WakeReport, training_state_tensors
-from d9d.engine.parallel_checks import cuda_graphs_hint
 from d9d.engine.progress import StepProgress
 from d9d.engine.resume import base_lrs, committed_config, decide_resume, resume_changes, set_base_lrs
 from d9d.engine.runtime import MetricPoint, RankResult, RunReporter, mark_failed_step
@@ -308,15 +307,7 @@ class Trainer:
         compiled = any(r.enabled and r.modules > 0 for r in reports)
         if not self.ctx.is_main_process or self.ctx.device.type != "cuda" or not compiled:
             return
-        c = self.config
-        hint = cuda_graphs_hint(
-            c.mesh,
-            c.compile,
-            c.activation_checkpointing,
-            c.schedule.kind,
-            evaluates=c.eval is not None,
-            microbatches=self.parts.grad_accumulation,
-        )
+        hint = self.config.cuda_graphs_hint(self.parts.grad_accumulation)
         if hint is not None:
             self.ctx.logger.info(hint)
 
