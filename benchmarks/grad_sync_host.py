@@ -34,17 +34,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from throughput.common import DENSE, sync_device  # benchmarks/ is the script's directory: on sys.path
+
 from d9d.core.context import init_process_group
 from d9d.parallel.grad_sync import GradientSynchronizer, SyncedParam
 
-LAYERS = 28
 PER_LAYER = 11  # q, k, v, o, gate, up, down, two norms, q/k norms
-TENSORS = 2 * 1 + LAYERS * PER_LAYER  # + embedding, final norm
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+TENSORS = 2 + DENSE["num_layers"] * PER_LAYER  # + embedding, final norm
 
 
 def run(mode: str, device: torch.device, microbatches: int, steps: int) -> dict[str, Any]:
@@ -73,10 +69,10 @@ def run(mode: str, device: torch.device, microbatches: int, steps: int) -> dict[
     want = scales.float().sum().to(torch.bfloat16)
     times = []
     for _ in range(steps):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         grads = step()
-        _sync(device)
+        sync_device(device)
         times.append((time.perf_counter() - start) / microbatches)
         for g in grads:
             torch.testing.assert_close(g, torch.full_like(g, float(want)), rtol=2e-2, atol=0)

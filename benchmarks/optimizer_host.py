@@ -32,6 +32,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from throughput.common import sync_device  # benchmarks/ is the script's directory: on sys.path
+
 from d9d.core.context import init_process_group
 from d9d.pipeline.optim import PipelinedOptimizer
 
@@ -70,23 +72,18 @@ def run(kind: str, device: torch.device, dtype: torch.dtype, steps: int, smoke: 
 
     for _ in range(3):  # the first creates the state
         step()
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     for _ in range(steps):
         step()
     host_ms = (time.perf_counter() - start) / steps * 1e3
-    _sync(device)
+    sync_device(device)
     return {
         "kind": kind,
         "params": len(params),
         "host_ms": round(host_ms, 3),
         "final": [p.detach().to_local().clone() if kind != "plain" else p.detach().clone() for p in params],
     }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:

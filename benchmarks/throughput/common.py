@@ -255,6 +255,12 @@ def model_flops_per_token(model: str, seq: int = SEQ) -> float:
     return flops_per_token(ARCHS[model], model == "moe", seq)
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for `device`'s queued work (nothing to wait for on CPU): host timers around it see the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def cuda_ms(fn: Callable[[], object], iters: int = 50, warmup: int = 5) -> float:
     """Device milliseconds per call of `fn`, from CUDA events around `iters` calls queued back to back (after
     `warmup` calls)."""

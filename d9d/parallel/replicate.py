@@ -13,8 +13,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_mesh
-from d9d.parallel.grad_sync.reduce_mesh import mark_undecided_grad_reduction
+from d9d.parallel.grad_sync import (
+    is_grad_reduce_marked,
+    mark_grad_reduce_mesh,
+    mark_undecided_grad_reduction,
+)
 from d9d.parallel.local_params import compute_with_local_parameters, forward_triggers
 
 

@@ -12,6 +12,7 @@ from d9d.parallel.grad_sync.reduce_mesh import (
     mark_grad_reduce_dtype,
     mark_grad_reduce_mesh,
     mark_no_grad_reduction,
+    mark_undecided_grad_reduction,
     unsynced_params,
 )
 from d9d.parallel.grad_sync.synchronizer import GradientSynchronizer, mesh_group
@@ -29,6 +30,7 @@ __all__ = [
     "mark_grad_reduce_dtype",
     "mark_grad_reduce_mesh",
     "mark_no_grad_reduction",
+    "mark_undecided_grad_reduction",
     "mesh_group",
     "pipeline_group",
     "unsynced_params",
