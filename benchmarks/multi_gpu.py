@@ -290,6 +290,8 @@ def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
             # replicas only: one bucketed all-reduce of the gradients, no per-unit gathers or hooks
             ddp = {"data_parallel_replicate": n}
             rows.append((f"{model}-ddp", "d9d", n, f"replicate {n}", ddp, None, seq, mb))
+            if model == "moe":  # replicated dense weights, the experts split over the same ranks
+                rows.append(("moe-ddp-ep", "d9d", n, f"replicate {n} × EP {n}", {**ddp, **ep}, None, seq, mb))
         if even:
             hsdp = {"data_parallel_replicate": 2, "data_parallel_shard": h, **ep}
             rows.append(
@@ -409,6 +411,7 @@ RUN_ORDER = (
     "dense-hsdp",
     "dense-ddp",
     "moe-ddp",
+    "moe-ddp-ep",
     "moe-hsdp-ep",
     "dense-tp-fsdp",
     "titan-dense-tp-fsdp",

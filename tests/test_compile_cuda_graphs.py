@@ -5,6 +5,7 @@ and train like the default mode is the NCCL engine test (`tests/test_engine_gpu.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from d9d.engine.config import ConfigError, parse_config
 from d9d.engine.inference import InferenceConfig
 from d9d.parallel.compile import CompileConfig, CompileReport, begin_step, compile_stage
+from tests.test_engine_builtin import ARCH
 from tests.test_engine_config import BASE
 
 
@@ -46,13 +48,18 @@ def test_accepted_on_one_gpu_replicas_and_pipeline_stages_alone(
         (
             {"data_parallel_replicate": 2, "data_parallel_shard": 2},
             {},
-            r"mesh\.data_parallel_shard = 2: supported on one GPU, with data_parallel_replicate alone",
+            r"mesh\.data_parallel_shard = 2: supported on one GPU, with data_parallel_replicate \(and",
         ),
-        ({"data_parallel_replicate": 2, "expert_parallel": 2}, {}, r"mesh\.expert_parallel = 2"),
+        # a plug-in model: no capacity exchange to be sure of
+        (
+            {"data_parallel_replicate": 2, "expert_parallel": 2},
+            {},
+            r"mesh\.expert_parallel = 2: supported with",
+        ),
         (
             {"data_parallel_replicate": 2, "pipeline_parallel": 2},
             {"pipelining": {"kind": "1f1b"}},
-            r"data_parallel_replicate = 2 and mesh\.pipeline_parallel = 2: each is supported alone",
+            r"mesh\.data_parallel_replicate = 2 and mesh\.expert_parallel = 1: pipeline stages are supported",
         ),
         ({"tensor_parallel": 2}, {}, r"mesh\.tensor_parallel = 2"),
         (
@@ -78,6 +85,64 @@ def test_accepted_on_one_gpu_replicas_and_pipeline_stages_alone(
 def test_refused_at_config_time_where_not_measured(
     mesh: dict[str, int], sections: dict[str, Any], message: str
 ) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(_job(mesh, **sections))
+
+
+def _moe(backend: dict[str, Any]) -> dict[str, Any]:
+    options = {"dtype": "bfloat16", "architecture": ARCH, "parallel": {"expert_backend": backend}}
+    return {"provider": "qwen3_moe", "options": options}  # bf16: DeepEP's own check passes
+
+
+CAPACITY = {"kind": "all_to_all", "capacity_factor": 1.25}
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        {"data_parallel_replicate": 2, "expert_parallel": 2},
+        {"data_parallel_replicate": 4, "expert_parallel": 2},
+    ],
+)
+def test_expert_parallel_replicas_are_accepted_with_the_capacity_exchange(mesh: dict[str, int]) -> None:
+    config = parse_config(_job(mesh, model=_moe(CAPACITY)))
+    assert config.compile.mode == "reduce-overhead"
+
+
+@pytest.mark.parametrize(
+    ("mesh", "backend", "message"),
+    [
+        # the exchange that reads its split sizes: each MoE block in pieces around the read
+        (
+            {"data_parallel_replicate": 2, "expert_parallel": 2},
+            {"kind": "all_to_all"},
+            r"model\.options\.parallel\.expert_backend \{kind: all_to_all, capacity_factor",
+        ),
+        (
+            {"data_parallel_replicate": 2, "expert_parallel": 2},
+            {"kind": "auto"},
+            r"expert_parallel = 2: supported with",
+        ),
+        (
+            {"data_parallel_replicate": 2, "expert_parallel": 2},
+            {"kind": "deep_ep"},
+            r"DeepEP is not measured under graphs",
+        ),
+        # FSDP under the experts' exchange: refused for FSDP, whatever the exchange
+        ({"data_parallel_shard": 2, "expert_parallel": 2}, CAPACITY, r"mesh\.data_parallel_shard = 2"),
+        (
+            {"pipeline_parallel": 2, "data_parallel_replicate": 2, "expert_parallel": 2},
+            CAPACITY,
+            r"expert-parallel pipeline stages are not measured",
+        ),
+    ],
+)
+def test_expert_parallel_is_refused_without_the_capacity_exchange_or_with_fsdp_or_stages(
+    mesh: dict[str, int], backend: dict[str, Any], message: str
+) -> None:
+    sections: dict[str, Any] = {"model": _moe(backend)}
+    if mesh.get("pipeline_parallel", 1) > 1:
+        sections["pipelining"] = {"kind": "1f1b"}
     with pytest.raises(ConfigError, match=message):
         parse_config(_job(mesh, **sections))
 
@@ -112,6 +177,55 @@ def test_begin_step_marks_only_where_a_stage_replays_graphs(monkeypatch: pytest.
     assert marks == []
     begin_step([plain, graphed])
     assert marks == [1]
+
+
+def test_begin_step_says_when_inductor_runs_a_graph_without_cuda_graphs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Inductor decides to skip CUDA graphs for a compiled graph (e.g. a mutated input) when it compiles or
+    first runs it and only logs it under TORCH_LOGS: the step mark reads its counter and warns, once per new
+    skip, on a stage that asked for graphs."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+    monkeypatch.setitem(counters["inductor"], "cudagraph_skips", 0)
+    graphed = CompileReport(enabled=True, regions=("decoder_blocks",), reason="", modules=2, cuda_graphs=True)
+    plain = CompileReport(enabled=True, regions=("decoder_blocks",), reason="", modules=2)
+
+    def warnings_after_step(reports: list[CompileReport]) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="d9d.parallel.compile"):
+            begin_step(reports)
+        return [r.getMessage() for r in caplog.records]
+
+    assert warnings_after_step([graphed]) == []
+    counters["inductor"]["cudagraph_skips"] += 2
+    assert warnings_after_step([plain]) == []  # no graphs asked for: nothing skipped from the user's view
+    (said,) = warnings_after_step([graphed])
+    assert "runs 2 compiled graph(s) without CUDA graphs" in said and "TORCH_LOGS=cudagraphs" in said
+    assert graphed.stats.cuda_graph_skips == 2
+    assert warnings_after_step([graphed]) == []  # said once
+    counters["inductor"]["cudagraph_skips"] += 1  # a graph compiled later (a retrace) skipped too
+    assert len(warnings_after_step([graphed])) == 1
+
+
+def test_graphs_are_released_when_training_ends_where_a_stage_recorded_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA graph that captured NCCL collectives keeps `destroy_process_group` from returning (measured on
+    2 GPUs: `tests/test_engine_gpu.py`, `dp2xep2-capacity-cudagraphs`, hung at exit before this release)."""
+    import torch._inductor.cudagraph_trees as trees
+
+    from d9d.parallel.compile import release_cuda_graphs
+
+    resets: list[int] = []
+    monkeypatch.setattr(trees, "reset_cudagraph_trees", lambda: resets.append(1))
+    plain = CompileReport(enabled=True, regions=("decoder_blocks",), reason="", modules=2)
+    graphed = CompileReport(enabled=True, regions=("decoder_blocks",), reason="", modules=2, cuda_graphs=True)
+    release_cuda_graphs([plain])
+    assert resets == []
+    release_cuda_graphs([plain, graphed])
+    assert resets == [1]
 
 
 def test_nothing_is_graphed_off_cuda() -> None:

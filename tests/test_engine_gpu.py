@@ -130,14 +130,19 @@ LAYOUTS = {
     "pp2-interleaved-cudagraphs": ({"pipeline_parallel": 2}, "interleaved_1f1b"),
     # replicas: the gradient synchronizer's hooks take each graphed backward's gradients into its buckets
     "dp2-cudagraphs": ({"data_parallel_replicate": 2}, None),
+    # the capacity exchange's all-to-alls inside the graphed blocks; sized to the first step's loads, so
+    # later steps overflow, grow the capacity (new shapes: new recordings) and rerun
+    "dp2xep2-capacity-cudagraphs": ({"data_parallel_replicate": 2, "expert_parallel": 2}, None),
 }
 COMPILE = {
     "dp2-cudagraphs": {"mode": "reduce-overhead"},
+    "dp2xep2-capacity-cudagraphs": {"mode": "reduce-overhead"},
     "pp2-1f1b-cudagraphs": {"mode": "reduce-overhead"},
     "pp2-interleaved-cudagraphs": {"mode": "reduce-overhead"},
 }
 BACKENDS = {
     "dp2xep2-capacity": {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1},
+    "dp2xep2-capacity-cudagraphs": {"kind": "all_to_all", "capacity_factor": 1.0, "capacity_align": 1},
     "fsdp2xep2-overlap": {"kind": "all_to_all", "overlap_chunks": 2},
 }
 
@@ -180,6 +185,9 @@ def test_engine_on_two_gpus_matches_one_gpu_and_gloo(
     assert layout_gpu <= LAYOUT_RTOL, (layout, nccl, one_gpu)
     assert layout_cpu <= 1e-5, (layout, gloo, one_cpu)  # float32 CPU kernels: exact up to reduction order
     assert _max_rel(nccl, gloo) <= device + LAYOUT_RTOL, (layout, nccl, gloo, device)
+    if layout in COMPILE:  # graphs asked for: none of the compiled graphs may have run without them
+        log = (tmp / f"nccl-{layout}.log").read_text(errors="replace")
+        assert "without CUDA graphs" not in log, log[-4000:]
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ from d9d.modules.attention import (
     build_sdpa_backend,
     segment_ids_from_position_ids,
 )
+from d9d.modules.attention.backends import FLEX_MIN_HEAD_DIM
 from d9d.modules.rotary import RotaryEmbedding
 from tests.test_parallel_qwen3 import _dense_config
 
@@ -232,6 +233,31 @@ def test_auto_logs_its_policy_once(caplog: pytest.LogCaptureFixture) -> None:
         for _ in range(3):
             backend.prepare(AttentionMask(), seq_len=4, windows={None}, device=torch.device("cpu"))
     assert len(caplog.records) == 1 and "attention backend auto on cpu" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("head_dim", [8, 16])
+def test_auto_on_cuda_sends_heads_narrower_than_flex_takes_to_the_dense_mask(head_dim: int) -> None:
+    """CUDA FlexAttention refuses heads under 16 (a tiny model's 8-wide heads failed every masked batch
+    there, found on 2 × H200): `auto` gives such calls the dense-mask SDPA, built per call from the block
+    masks' source, and it matches the float64 reference."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 7, head_dim)
+    k, v = torch.randn(2, 2, 7, head_dim), torch.randn(2, 2, 7, head_dim)
+    backend = AutoSdpa()
+    # what `auto` prepares on CUDA: block masks only
+    mask = FlexSdpa().prepare(AttentionMask(segment_ids=SEGMENTS), seq_len=7, windows={None}, device=q.device)
+    assert mask.block_masks and not mask.dense_masks
+    call = SdpaCall(q, k, v, mask=mask, window=None, scale=0.3)
+    chosen = backend.backend_for(call, cuda=True)
+    assert isinstance(chosen, TorchSdpa if head_dim < FLEX_MIN_HEAD_DIM else FlexSdpa)
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        out = chosen(call)
+    expected = _reference_attention(
+        q, k, v, lambda b, i, j: j <= i and bool(SEGMENTS[b, i] == SEGMENTS[b, j]), 0.3
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    plain = SdpaCall(q, k, v, mask=AttentionMask(), window=None, scale=0.3)
+    assert isinstance(backend.backend_for(plain, cuda=True), TorchSdpa)  # is_causal, any head size
 
 
 def test_gqa_derives_local_heads_from_projections() -> None:

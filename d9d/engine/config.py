@@ -393,6 +393,7 @@ class TrainConfig(_Section):
         check_activation_checkpointing(self.mesh, self.model, self.activation_checkpointing, self.compile)
         check_cuda_graphs(
             self.mesh,
+            self.model,
             self.compile,
             self.activation_checkpointing,
             self.schedule.kind,
@@ -404,6 +405,7 @@ class TrainConfig(_Section):
         """`d9d.engine.parallel_checks.cuda_graphs_hint` for this job, at `microbatches` per rank and step."""
         return cuda_graphs_hint(
             self.mesh,
+            self.model,
             self.compile,
             self.activation_checkpointing,
             self.schedule.kind,

@@ -21,7 +21,7 @@ from d9d.engine.registry import PeftModel
 from d9d.models.family import check_checkpointing_family, families
 from d9d.modules.checkpointing import ActivationCheckpointingConfig, NoActivationCheckpointing
 from d9d.parallel.compile import CompileConfig
-from d9d.parallel.expert.backend import DeepEPBackendConfig
+from d9d.parallel.expert.backend import AllToAllBackendConfig, DeepEPBackendConfig
 from d9d.parallel.expert.deepep import INTRANODE_GROUP_SIZES
 from d9d.parallel.grad_sync.config import GradDTypeName
 from d9d.peft.config import FullTuneConfig, LoRAConfig, PeftConfig, StackConfig
@@ -249,6 +249,7 @@ like the default mode (engine test on 2 GPUs against one GPU)."""
 
 def check_cuda_graphs(
     mesh: DeviceMeshParameters,
+    model: ModelChoice,
     compile_config: CompileConfig,
     checkpointing: ActivationCheckpointingConfig,
     schedule_kind: str,
@@ -256,10 +257,11 @@ def check_cuda_graphs(
     evaluates: bool,
 ) -> None:
     """`compile.mode: reduce-overhead` only where its graphs were measured to replay and train like the
-    default mode: one GPU, replicas alone (`data_parallel_replicate`: every rank keeps its parameters at fixed
-    addresses; the gradient synchronizer's hooks run between the graphed backwards), or pipeline stages
-    alone under a schedule of `CUDA_GRAPH_SCHEDULES`; with the decoder blocks as the only compiled region,
-    no activation checkpointing and no evaluation (`evaluates`: the job has an eval section)."""
+    default mode: one GPU, replicas (`data_parallel_replicate`: every rank keeps its parameters at fixed
+    addresses; the gradient synchronizer's hooks run between the graphed backwards) with or without expert
+    parallelism through the capacity exchange (its all-to-alls inside the graphed blocks), or pipeline
+    stages alone under a schedule of `CUDA_GRAPH_SCHEDULES`; with the decoder blocks as the only compiled
+    region, no activation checkpointing and no evaluation (`evaluates`: the job has an eval section)."""
     if compile_config.mode != "reduce-overhead" or compile_config.backend != "inductor":
         return
     where = "compile.mode: reduce-overhead (CUDA graphs of the compiled blocks)"
@@ -268,23 +270,25 @@ def check_cuda_graphs(
         "context_parallel_replicate": mesh.context_parallel_replicate,
         "context_parallel_shard": mesh.context_parallel_shard,
         "tensor_parallel": mesh.tensor_parallel,
-        "expert_parallel": mesh.expert_parallel,
     }
     for key, size in sharded.items():
         if size > 1:
             raise ValueError(
                 f"{where} with mesh.{key} = {size}: supported on one GPU, with data_parallel_replicate "
-                "alone and with pipeline_parallel alone. A graph replays on the parameter addresses it was "
-                "recorded with, and FSDP gathers its parameters into new memory every step (every block "
-                "call would record anew); the other layouts' collectives in and around the blocks are not "
-                "measured under graphs. Use compile.mode: default"
+                "(and expert_parallel over it) and with pipeline_parallel alone. A graph replays on the "
+                "parameter addresses it was recorded with, and FSDP gathers its parameters into new memory "
+                "every step (every block call would record anew); the other layouts' collectives in and "
+                "around the blocks are not measured under graphs. Use compile.mode: default"
             )
-    if mesh.data_parallel_replicate > 1 and mesh.pipeline_parallel > 1:
+    if mesh.pipeline_parallel > 1 and (mesh.data_parallel_replicate > 1 or mesh.expert_parallel > 1):
         raise ValueError(
-            f"{where} with mesh.data_parallel_replicate = {mesh.data_parallel_replicate} and "
-            f"mesh.pipeline_parallel = {mesh.pipeline_parallel}: each is supported alone; replicated "
+            f"{where} with mesh.pipeline_parallel = {mesh.pipeline_parallel}, "
+            f"mesh.data_parallel_replicate = {mesh.data_parallel_replicate} and mesh.expert_parallel = "
+            f"{mesh.expert_parallel}: pipeline stages are supported alone; replicated or expert-parallel "
             "pipeline stages are not measured under graphs (it takes 4 GPUs). Use compile.mode: default"
         )
+    if mesh.expert_parallel > 1:
+        _check_graphed_exchange(mesh, model, where)
     if mesh.pipeline_parallel > 1 and schedule_kind not in CUDA_GRAPH_SCHEDULES:
         raise ValueError(
             f"{where} with pipelining.kind={schedule_kind}: supported with "
@@ -311,8 +315,28 @@ def check_cuda_graphs(
         )
 
 
+def _check_graphed_exchange(mesh: DeviceMeshParameters, model: ModelChoice, where: str) -> None:
+    """Expert parallelism under graphs needs an exchange whose sizes the host knows without reading the
+    device: the capacity exchange, traced whole into the compiled block once calibrated (the reading one
+    breaks each MoE block into pieces around a host read of its split sizes, and DeepEP's buffers and
+    host-side handles are not measured under graphs)."""
+    base, field = base_model(model)
+    key = f"{field}.options.parallel.expert_backend"
+    backend = base.options.parallel.expert_backend if isinstance(base, BuiltinModel) else None
+    if isinstance(backend, AllToAllBackendConfig) and backend.capacity_factor is not None:
+        return
+    raise ValueError(
+        f"{where} with mesh.expert_parallel = {mesh.expert_parallel}: supported with {key} "
+        "{kind: all_to_all, capacity_factor: <f>} (the exchange with a static capacity, whose all-to-alls "
+        "are traced into the graphed block); the exchange that reads its split sizes to the host splits "
+        "every MoE block around that read, and DeepEP is not measured under graphs. Set "
+        f"{key}.capacity_factor (docs/parallelism.md, 'Exchange capacity') or use compile.mode: default"
+    )
+
+
 def cuda_graphs_hint(
     mesh: DeviceMeshParameters,
+    model: ModelChoice,
     compile_config: CompileConfig,
     checkpointing: ActivationCheckpointingConfig,
     schedule_kind: str,
@@ -327,9 +351,11 @@ def cuda_graphs_hint(
         return None
     if mesh.data_parallel_replicate == 1 and mesh.pipeline_parallel == 1:
         return None  # one GPU accumulating small microbatches: not measured under graphs
+    if mesh.expert_parallel > 1:
+        return None  # accepted with the capacity exchange, but not measured at small microbatches
     graphed = compile_config.model_copy(update={"mode": "reduce-overhead"})
     try:
-        check_cuda_graphs(mesh, graphed, checkpointing, schedule_kind, evaluates=evaluates)
+        check_cuda_graphs(mesh, model, graphed, checkpointing, schedule_kind, evaluates=evaluates)
     except ValueError:
         return None
     return (

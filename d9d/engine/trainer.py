@@ -54,7 +54,7 @@ from d9d.engine.stages import log_compile_warmup
 from d9d.engine.state import TrainProgress
 from d9d.engine.step import counts_positions, global_loss, processed_positions, to_device
 from d9d.engine.train_parts import TrainParts, build_train_parts
-from d9d.parallel.compile import begin_step
+from d9d.parallel.compile import begin_step, release_cuda_graphs
 from d9d.parallel.expert import release_expert_communication
 from d9d.profiling import NullProfiler, StepHook, StepProfiler
 
@@ -221,6 +221,7 @@ class Trainer:
                 gc.unfreeze()  # back into the collector's reach: cycles of this run's objects can go now
             if c.gc.period is not None:
                 gc.enable()
+            release_cuda_graphs(self.parts.stages.compile_reports)
         status = "finished" if finished else "stopped"
         self.events.publish(TrainingFinished(self.progress.step, status))
         losses = self.progress.losses

@@ -34,6 +34,7 @@ split backward defers (`d9d.pipeline.autograd.split_backward`).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import warnings
@@ -121,6 +122,9 @@ class CompileStats:
     compile_seconds: float = 0.0
     graphs: int = 0
     failure: str | None = None
+    cuda_graph_skips: int = 0
+    """Under `reduce-overhead`: compiled graphs of this process that inductor runs without CUDA graphs (its
+    `cudagraph_skips` counter, read at each `begin_step`)."""
 
 
 @dataclass(frozen=True)
@@ -153,9 +157,46 @@ def begin_step(reports: Iterable[CompileReport]) -> None:
     new generation of inductor's graph trees: the previous step's graph outputs have all been consumed, so
     their memory may be reused. Without the mark the trees cannot tell a new step from more microbatches
     of the last one (measured on one GPU, session 19: they warned of pending backwards and left their fast
-    path)."""
-    if any(report.cuda_graphs for report in reports):
-        torch.compiler.cudagraph_mark_step_begin()
+    path).
+
+    It also says when inductor decided to run a compiled graph without CUDA graphs (a mutated input, a CPU
+    tensor, ...): inductor only logs that under `TORCH_LOGS=cudagraphs`, so a job asking for graphs would
+    otherwise run without them, silently slower. Such decisions are made when a graph is compiled or first
+    run, so the count is read here, before every step."""
+    graphed = [report for report in reports if report.cuda_graphs]
+    if not graphed:
+        return
+    skips = cuda_graph_skips()
+    if skips > max(report.stats.cuda_graph_skips for report in graphed):
+        logger.warning(
+            "compile.mode: reduce-overhead: inductor runs %d compiled graph(s) without CUDA graphs (they "
+            "run as plain compiled code, with the host launching every kernel); run with "
+            "TORCH_LOGS=cudagraphs to see why, and please report it",
+            skips,
+        )
+    for report in graphed:
+        report.stats.cuda_graph_skips = skips
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def release_cuda_graphs(reports: Iterable[CompileReport]) -> None:
+    """Call when training ends (also after an error), before the process group is destroyed: frees the
+    graph trees' CUDA graphs. A graph that captured NCCL collectives (the capacity exchange's all-to-alls
+    inside a graphed MoE block) holds its communicator, and `destroy_process_group` then waits in
+    `ncclCommDestroy` forever (pytorch/pytorch#115388; measured on 2 x H200 with replicas x expert
+    parallelism: the run finished, its ranks never exited). No device synchronization: a graph still running
+    is freed when it completes, and after an error a stuck collective must not hang this too."""
+    if not any(report.cuda_graphs for report in reports):
+        return
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()  # drops every recorded graph of this thread's trees
+    gc.collect()  # and whatever cycle still held one
+
+
+def cuda_graph_skips() -> int:
+    """Compiled graphs this process runs without CUDA graphs although their mode asked for them."""
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def compile_enabled(config: CompileConfig, device: torch.device) -> bool:

@@ -117,6 +117,11 @@ class EagerSdpa:
         return torch.matmul(probs, v)
 
 
+FLEX_MIN_HEAD_DIM = 16
+"""CUDA FlexAttention's kernels refuse query/key or value heads narrower than this (torch 2.11: inductor's
+"embedding dimension ... must be at least 16"), compiled or not."""
+
+
 @functools.cache
 def compiled_flex_attention() -> Callable[..., Any]:
     """`flex_attention` wrapped by `torch.compile` once per process (lazily: importing dynamo is slow)."""
@@ -239,14 +244,29 @@ class AutoSdpa:
         return self._flex.prepare(mask, seq_len=seq_len, windows=windows, device=device)
 
     def __call__(self, call: SdpaCall) -> torch.Tensor:
-        backend: SdpaBackend = self._torch
-        if call.q.is_cuda:
-            half = call.q.dtype in (torch.float16, torch.bfloat16)
-            if self._flash_installed and half and call.mask.is_plain_causal and _flash_shapes(call):
-                backend = self._flash
-            elif not call.plain_causal:
-                backend = self._flex
-        return backend(call)
+        return self.backend_for(call, cuda=call.q.is_cuda)(call)
+
+    def backend_for(self, call: SdpaCall, *, cuda: bool) -> SdpaBackend:
+        if not cuda:
+            return self._torch
+        half = call.q.dtype in (torch.float16, torch.bfloat16)
+        if self._flash_installed and half and call.mask.is_plain_causal and _flash_shapes(call):
+            return self._flash
+        if call.plain_causal:
+            return self._torch
+        if min(call.q.shape[-1], call.v.shape[-1]) < FLEX_MIN_HEAD_DIM:
+            # the dense mask, built per call (prepare made block masks): only models this small get here
+            if "small heads" not in self._logged:
+                self._logged.add("small heads")
+                logger.info(
+                    "attention backend auto on cuda: heads of %d/%d are below FlexAttention's minimum of %d: "
+                    "masked batches use SDPA with a dense mask",
+                    call.q.shape[-1],
+                    call.v.shape[-1],
+                    FLEX_MIN_HEAD_DIM,
+                )
+            return self._torch
+        return self._flex
 
 
 def build_sdpa_backend(name: SdpaBackendName = "auto") -> SdpaBackend:

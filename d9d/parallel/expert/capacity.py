@@ -39,6 +39,15 @@ Loads = list[list[float]]
 """One MoE layer's copies by (source rank, destination rank) of its expert-parallel group."""
 
 
+def _static(record: torch.Tensor) -> torch.Tensor:
+    """The load record keeps its memory for the run (updated in place, zeroed by `take`); marked so, a
+    graphed block (`compile.mode: reduce-overhead`) may update it in place: inductor's CUDA graphs refuse
+    an input mutated in the graph unless its address is static, and would run the whole block ungraphed.
+    Unguarded, as parameters are: every layer has its own record and shares the block's one graph."""
+    torch._dynamo.mark_static_address(record, guard=False)
+    return record
+
+
 class ExchangeCapacity:
     """One MoE layer's capacity in rows for each (source, destination) pair of its expert-parallel group
     (None until calibrated; the same on every rank of the group), this rank's place in that group, and its
@@ -131,7 +140,7 @@ class ExchangeCapacity:
         overflowed = (loads > rows).any() if rows is not None else torch.zeros((), device=loads.device)
         seen = torch.cat([overflowed.float()[None], loads])
         if self._record is None:  # the first dispatch: the reading exchange, or right after a restore
-            self._record = torch.zeros_like(seen)
+            self._record = _static(torch.zeros_like(seen))
         self._record.copy_(torch.maximum(self._record, seen))
         self._dispatched = True
 
@@ -197,7 +206,7 @@ class ExchangeCapacity:
         if state["rows"] is not None:
             self.set_rows(state["rows"])
             # the record's buffer before the first (traced) dispatch, as a fresh run has it from calibration
-            self._record = torch.zeros(1 + self.peers, device=device)
+            self._record = _static(torch.zeros(1 + self.peers, device=device))
         self._window = None if state["window"] is None else torch.tensor(state["window"], device=device)
 
     @property
