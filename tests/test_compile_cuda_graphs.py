@@ -54,7 +54,7 @@ def test_accepted_on_one_gpu_replicas_and_pipeline_stages_alone(
         (
             {"data_parallel_replicate": 2, "expert_parallel": 2},
             {},
-            r"mesh\.expert_parallel = 2: supported with",
+            r"mesh\.expert_parallel = 2: supported for the built-in families",
         ),
         (
             {"data_parallel_replicate": 2, "pipeline_parallel": 2},

@@ -321,8 +321,14 @@ def _check_graphed_exchange(mesh: DeviceMeshParameters, model: ModelChoice, wher
     breaks each MoE block into pieces around a host read of its split sizes, and DeepEP's buffers and
     host-side handles are not measured under graphs)."""
     base, field = base_model(model)
+    if not isinstance(base, BuiltinModel):
+        raise ValueError(
+            f"{where} with mesh.expert_parallel = {mesh.expert_parallel}: supported for the built-in "
+            f"families with the capacity exchange; {field} is a plug-in, whose expert exchange the config "
+            "cannot see. Use compile.mode: default"
+        )
     key = f"{field}.options.parallel.expert_backend"
-    backend = base.options.parallel.expert_backend if isinstance(base, BuiltinModel) else None
+    backend = base.options.parallel.expert_backend
     if isinstance(backend, AllToAllBackendConfig) and backend.capacity_factor is not None:
         return
     raise ValueError(
