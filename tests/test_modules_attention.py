@@ -351,6 +351,30 @@ def test_flash_attn_backend_matches_eager() -> None:
         )
 
 
+@pytest.mark.gpu
+def test_heads_narrower_than_flex_takes_train_under_auto_and_are_refused_by_flex_on_cuda() -> None:
+    """8-wide heads with packed documents: `auto` runs them (dense-mask SDPA) with gradients matching the
+    eager reference; the explicit `flex` backend names the limit instead of inductor's lowering error."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 7, 8, device="cuda", requires_grad=True)
+    k = torch.randn(2, 2, 7, 8, device="cuda", requires_grad=True)
+    v = torch.randn(2, 2, 7, 8, device="cuda", requires_grad=True)
+    mask = AttentionMask(segment_ids=SEGMENTS.cuda())
+    outs = []
+    for backend in (AutoSdpa(), EagerSdpa()):
+        prepared = backend.prepare(mask, seq_len=7, windows={None}, device=q.device)
+        out = backend(SdpaCall(q, k, v, mask=prepared, window=None, scale=0.3))
+        outs.append((out, torch.autograd.grad(out.square().sum(), (q, k, v))))
+    (auto, auto_grads), (eager, eager_grads) = outs
+    torch.testing.assert_close(auto, eager, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(auto_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    flex = FlexSdpa()
+    prepared = flex.prepare(mask, seq_len=7, windows={None}, device=q.device)
+    with pytest.raises(ValueError, match="'flex' on CUDA needs query/key and value heads of at least 16"):
+        flex(SdpaCall(q, k, v, mask=prepared, window=None, scale=0.3))
+
+
 def test_flash_attn_refuses_value_heads_narrower_than_query_heads() -> None:
     """Multi-head latent attention (DeepSeek-V3) has 192-wide query/key heads and 128-wide value heads,
     which flash_attn's kernels do not take: the explicit backend says so before importing the package."""

@@ -150,8 +150,15 @@ class FlexSdpa:
 
     def __call__(self, call: SdpaCall) -> torch.Tensor:
         kernel: Callable[..., Any] = flex_attention
-        if call.q.is_cuda and self._cuda_kernel is not None:
-            kernel = self._cuda_kernel
+        if call.q.is_cuda:
+            if min(call.q.shape[-1], call.v.shape[-1]) < FLEX_MIN_HEAD_DIM:
+                raise ValueError(
+                    f"attention backend 'flex' on CUDA needs query/key and value heads of at least "
+                    f"{FLEX_MIN_HEAD_DIM}, got {call.q.shape[-1]} and {call.v.shape[-1]}: use 'auto' (the "
+                    "dense-mask SDPA for such heads) or 'torch'"
+                )
+            if self._cuda_kernel is not None:
+                kernel = self._cuda_kernel
         block = call.mask.block(call.q.shape[2], call.window, call.q.device)
         out = kernel(call.q, call.k, call.v, block_mask=block, scale=call.scale, enable_gqa=call.gqa)
         assert isinstance(out, torch.Tensor)  # no lse/aux requested
