@@ -151,6 +151,8 @@ def test_the_other_modes_and_backends_are_not_restricted() -> None:
     parse_config({**BASE, "compile": {"mode": "max-autotune-no-cudagraphs"}})  # BASE is FSDP 2
     # aot_eager generates no code, so no graphs
     parse_config(_job({"data_parallel_shard": 2}, compile={"backend": "aot_eager"}))
+    # compilation off: the mode graphs nothing (with compilation on, the same layout is refused above)
+    parse_config(_job({"data_parallel_shard": 2}, compile={"enabled": False}))
 
 
 def test_inference_refuses_cuda_graphs() -> None:

@@ -264,6 +264,8 @@ def check_cuda_graphs(
     region, no activation checkpointing and no evaluation (`evaluates`: the job has an eval section)."""
     if compile_config.mode != "reduce-overhead" or compile_config.backend != "inductor":
         return
+    if compile_config.enabled is False:
+        return  # nothing is compiled, so nothing is graphed: the mode is inert
     where = "compile.mode: reduce-overhead (CUDA graphs of the compiled blocks)"
     sharded = {
         "data_parallel_shard": mesh.data_parallel_shard,
