@@ -212,7 +212,7 @@ def test_begin_step_says_when_inductor_runs_a_graph_without_cuda_graphs(
 
 
 def test_graphs_are_released_when_training_ends_where_a_stage_recorded_them(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A CUDA graph that captured NCCL collectives keeps `destroy_process_group` from returning (measured on
     2 GPUs: `tests/test_engine_gpu.py`, `dp2xep2-capacity-cudagraphs`, hung at exit before this release)."""
@@ -228,6 +228,15 @@ def test_graphs_are_released_when_training_ends_where_a_stage_recorded_them(
     assert resets == []
     release_cuda_graphs([plain, graphed])
     assert resets == [1]
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    # the trainer calls it in a `finally`: a failure there must not replace the run's own error
+    monkeypatch.setattr(trees, "reset_cudagraph_trees", broken)
+    with caplog.at_level(logging.WARNING, logger="d9d.parallel.compile"):
+        release_cuda_graphs([graphed])
+    assert "freeing the CUDA graphs failed (RuntimeError: CUDA error" in caplog.text
 
 
 def test_nothing_is_graphed_off_cuda() -> None:

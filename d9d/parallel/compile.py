@@ -190,8 +190,11 @@ def release_cuda_graphs(reports: Iterable[CompileReport]) -> None:
         return
     from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
-    reset_cudagraph_trees()  # drops every recorded graph of this thread's trees
-    gc.collect()  # and whatever cycle still held one
+    try:
+        reset_cudagraph_trees()  # drops every recorded graph of this thread's trees
+        gc.collect()  # and whatever cycle still held one
+    except Exception as error:  # called from a `finally`: never in place of the error that ended the run
+        logger.warning("compile: freeing the CUDA graphs failed (%s: %s)", type(error).__name__, error)
 
 
 def cuda_graph_skips() -> int:
