@@ -151,7 +151,7 @@ class FlexSdpa:
     def __call__(self, call: SdpaCall) -> torch.Tensor:
         kernel: Callable[..., Any] = flex_attention
         if call.q.is_cuda:
-            if min(call.q.shape[-1], call.v.shape[-1]) < FLEX_MIN_HEAD_DIM:
+            if not _flex_shapes(call):
                 raise ValueError(
                     f"attention backend 'flex' on CUDA needs query/key and value heads of at least "
                     f"{FLEX_MIN_HEAD_DIM}, got {call.q.shape[-1]} and {call.v.shape[-1]}: use 'auto' (the "
@@ -202,6 +202,11 @@ def _flash_shapes(call: SdpaCall) -> bool:
     # flash_attn's kernels take one head dim for q, k and v (MLA's value heads are narrower than its query
     # heads) and at most 256.
     return call.q.shape[-1] == call.v.shape[-1] <= 256
+
+
+def _flex_shapes(call: SdpaCall) -> bool:
+    # what CUDA FlexAttention's kernels take (on CPU the uncompiled reference takes any head size)
+    return min(call.q.shape[-1], call.v.shape[-1]) >= FLEX_MIN_HEAD_DIM
 
 
 def _flash_attn_installed() -> bool:
@@ -261,7 +266,7 @@ class AutoSdpa:
             return self._flash
         if call.plain_causal:
             return self._torch
-        if min(call.q.shape[-1], call.v.shape[-1]) < FLEX_MIN_HEAD_DIM:
+        if not _flex_shapes(call):
             # the dense mask, built per call (prepare made block masks): only models this small get here
             if "small heads" not in self._logged:
                 self._logged.add("small heads")
