@@ -3,7 +3,8 @@ torchtitan 0.2.2, one row per process, in one command.
 
     python benchmarks/multi_gpu.py [--gpus N] [--rows GLOB,...] [--launchers torchrun,ray]
         [--ray-rows GLOB,...] [--steps 10] [--warmup 3] [--timeout-per-row 420] [--budget-s S]
-        [--pp-microbatch 2] [--cp-seq 8192] [--set KEY=VALUE ...] [--variant NAME:KEY=VALUE[;KEY=VALUE] ...]
+        [--pp-microbatch 2] [--microbatch 8] [--cp-seq 8192] [--set KEY=VALUE ...]
+        [--variant NAME:KEY=VALUE[;KEY=VALUE] ...]
         [--variants-on-1gpu]
         [--profile GLOB,... [--profile-steps 3] [--profile-trace]] [--concurrent-1gpu] [--numa-binding MODE]
         [--repeat N] [--out FILE] [--list]
@@ -41,8 +42,10 @@ Qwen3-MoE (16 layers, 64 experts top-8, moe ffn 512) of `throughput/common.py`. 
 initialized model on uniform random tokens, 8 × 2048 tokens per GPU (16,384; the global batch is N times
 that): bf16 parameters, fused AdamW, compiled, gradient clipping off on d9d.
 - d9d: the real engine through its launchers; the job is `throughput.data:RandomTokens` for data,
-  `compile: {enabled: true}`, `model.options.dtype: bfloat16`. Sequences per microbatch: 8 (one microbatch
-  per step on the FSDP/HSDP rows, two on the TP row, whose replica of 2 GPUs takes 16 sequences); the CP row
+  `compile: {enabled: true}`, `model.options.dtype: bfloat16`. Sequences per microbatch: `--microbatch`
+  (default 8: one microbatch per step on the 1-GPU, FSDP, HSDP and replica rows, two on the TP row, whose
+  replica of 2 GPUs takes 16 sequences; `--microbatch 2` runs each GPU's 8 as 4 accumulated microbatches,
+  torchtitan's rows as well: its `local_batch_size` is the same, its global batch unchanged); the CP row
   keeps 16,384 tokens per GPU at `--cp-seq` (4 sequences of 8192 per replica, each split over its 2 ranks);
   the pipeline rows cut each replica's 16 sequences into microbatches of `--pp-microbatch` (default 2:
   8 microbatches) with the default stage split (`model.options.parallel.stage_split`; by FLOPs:
@@ -263,7 +266,7 @@ def all_rows(n: int, args: argparse.Namespace) -> list[Row]:
     smoke = args.smoke
     seq = SMOKE_SEQ if smoke else SEQ
     cp_seq = SMOKE_CP_SEQ if smoke else args.cp_seq
-    mb = SMOKE_BATCH if smoke else BATCH
+    mb = SMOKE_BATCH if smoke else args.microbatch
     pp_mb = 1 if smoke else args.pp_microbatch
     h = n // 2
     even = n >= 2 and n % 2 == 0
@@ -1258,6 +1261,14 @@ def main() -> int:
     parser.add_argument(
         "--pp-microbatch", type=int, default=2, help="sequences per microbatch on pipeline rows"
     )
+    parser.add_argument(
+        "--microbatch",
+        type=int,
+        default=BATCH,
+        help=f"sequences per microbatch on the other rows (d9d microbatch_size, torchtitan "
+        f"local_batch_size), a divisor of {BATCH}: each GPU's {BATCH} sequences per step then run as "
+        "gradient accumulation",
+    )
     parser.add_argument("--cp-seq", type=int, default=8192, help="sequence length of the CP row")
     parser.add_argument("--cpus-per-rank", type=int, default=4, help="Ray CPUs (and OMP threads) per rank")
     parser.add_argument(
@@ -1314,6 +1325,8 @@ def main() -> int:
         return main_merge(args)
     if args.profile_steps < 1:
         parser.error("--profile-steps must be >= 1")
+    if args.microbatch < 1 or BATCH % args.microbatch:
+        parser.error(f"--microbatch {args.microbatch}: expected a divisor of {BATCH}")
     if args.warmup < 1:
         parser.error("--warmup must be >= 1 (the first step compiles; torchtitan's first interval is step 2)")
     try:

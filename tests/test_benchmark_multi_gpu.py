@@ -27,6 +27,7 @@ def _args(**overrides):
         "smoke": False,
         "cp_seq": 8192,
         "pp_microbatch": 2,
+        "microbatch": 8,
         "ray_rows": "*",
         "rows": "*",
         "launchers": "torchrun,ray",
@@ -165,8 +166,8 @@ def test_every_gpu_row_is_a_valid_job(bench, tmp_path: Path) -> None:
     from d9d.core.mesh_params import DeviceMeshParameters
     from d9d.engine.config import parse_config
 
-    for n in (2, 4):
-        rows = bench.all_rows(n, _args())
+    for n, microbatch in ((2, 8), (4, 8), (2, 2)):
+        rows = bench.all_rows(n, _args(microbatch=microbatch))
         ids = {r.id for r in rows}
         assert {
             "dense-fsdp@ray",
@@ -177,9 +178,11 @@ def test_every_gpu_row_is_a_valid_job(bench, tmp_path: Path) -> None:
         } <= ids
         for row in rows:
             assert DeviceMeshParameters(**row.mesh).world_size == row.gpus, row
+            if row.pp == 1 and "context_parallel_shard" not in row.mesh:  # `--microbatch`'s rows
+                assert row.microbatch == microbatch, row
             assert bench.global_batch(row, smoke=False) * row.seq == 8 * 2048 * row.gpus, row
             if row.framework != "d9d":
-                flags = bench.titan_flags(row, _args(), tmp_path)
+                flags = bench.titan_flags(row, _args(microbatch=microbatch), tmp_path)
                 value = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--")}
                 degrees = [
                     int(value[f"--parallelism.{d}_degree"])
@@ -195,7 +198,7 @@ def test_every_gpu_row_is_a_valid_job(bench, tmp_path: Path) -> None:
                     row
                 )
                 continue
-            job = bench.d9d_job(row, _args(), Path(tempfile.mkdtemp(dir=tmp_path)))
+            job = bench.d9d_job(row, _args(microbatch=microbatch), Path(tempfile.mkdtemp(dir=tmp_path)))
             if row.launcher == "ray":
                 spec = build_job(job)
                 assert spec.cluster.resources.gpus == 1 and spec.cluster.max_failures == 0

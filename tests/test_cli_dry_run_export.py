@@ -197,11 +197,14 @@ def test_dry_run_counts_lora_parameters_and_shards_their_memory(tmp_path: Path) 
     assert "FSDP units: 1 decoder layer(s) per unit (fsdp.layers_per_unit auto)" in memory.notes
     (fixed,) = report({"layers_per_unit": 2}).memory
     assert "FSDP units: 2 decoder layer(s) per unit (fsdp.layers_per_unit 2)" in fixed.notes
-    assert (kept.gradients, kept.optimizer, kept.activations) == (
-        memory.gradients,
-        memory.optimizer,
-        memory.activations,
-    )
+    assert (kept.optimizer, kept.activations) == (memory.optimizer, memory.activations)
+    # Kept gathered, `reduce_every: auto` reduces once per step over the job's microbatches: each rank holds
+    # the whole (fp32) LoRA gradients through the step, not its half.
+    assert parse_config(_job(tmp_path)).batching.gradient_accumulation(2) > 1
+    assert kept.gradients == lora * 4 and any("reduces once per step" in note for note in kept.notes)
+    (per_microbatch,) = report({"reduce_every": "microbatch"}).memory
+    assert per_microbatch.gradients == memory.gradients
+    assert not any("reduces once per step" in note for note in per_microbatch.notes)
 
 
 def test_dry_run_reports_a_bad_layout_by_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -203,17 +203,27 @@ def test_deep_ep_needs_bf16_and_a_group_its_kernels_serve_at_config_time() -> No
         parse_config({**job("bfloat16", three), "batching": {"global_batch_size": 6, "microbatch_size": 2}})
 
 
-def test_a_wider_grad_dtype_under_pipeline_fsdp_needs_the_fsdp_reduce_dtype() -> None:
-    """Inside a pipeline step FSDP accumulates the microbatches' gradients in its reduce dtype, where
+def test_a_wider_grad_dtype_where_fsdp_reduces_once_per_step_needs_the_fsdp_reduce_dtype() -> None:
+    """Where FSDP reduces once per step (inside a pipeline step; without one under `fsdp.reduce_every:
+    step` with several microbatches) it accumulates the microbatches' gradients in its reduce dtype, where
     `gradient_manager.grad_dtype` does not reach: a float32 grad_dtype over bf16 FSDP-sharded parameters
-    would silently accumulate in bf16 (measured: 56% of a step's gradient elements differed from one
-    process), so the job is refused, naming the key that makes it true."""
+    would silently accumulate in bf16 (measured under pipelining: 56% of a step's gradient elements differed
+    from one process), so the job is refused, naming the key that makes it true. Pipeline steps cannot
+    reduce every microbatch: `reduce_every: microbatch` is refused with them."""
 
-    def job(mesh: dict[str, int], dtype: str = "bfloat16", reduce_dtype: str | None = None) -> dict:
-        options = {"architecture": ARCH, "dtype": dtype, "parallel": {"fsdp": {"reduce_dtype": reduce_dtype}}}
+    def job(
+        mesh: dict[str, int],
+        dtype: str = "bfloat16",
+        reduce_dtype: str | None = None,
+        reduce_every: str = "auto",
+        microbatch_size: int = 2,
+    ) -> dict:
+        fsdp = {"reduce_dtype": reduce_dtype, "reduce_every": reduce_every}
+        options = {"architecture": ARCH, "dtype": dtype, "parallel": {"fsdp": fsdp}}
         return {
             **BASE,
             "mesh": mesh,
+            "batching": {"global_batch_size": 8, "microbatch_size": microbatch_size},
             "model": {"provider": "qwen3_moe", "options": options},  # FSDP shards its dense parameters
             "task": {"provider": "causal_lm"},
             "gradient_manager": {"grad_dtype": "float32"},
@@ -222,13 +232,24 @@ def test_a_wider_grad_dtype_under_pipeline_fsdp_needs_the_fsdp_reduce_dtype() ->
     pp_fsdp = {"pipeline_parallel": 2, "data_parallel_shard": 2}
     with pytest.raises(
         ConfigError,
-        match=r"gradient_manager\.grad_dtype 'float32' with mesh\.pipeline_parallel = 2 and FSDP .*"
-        r"bfloat16 here.* set model\.options\.parallel\.fsdp\.reduce_dtype: float32",
+        match=r"gradient_manager\.grad_dtype 'float32' with FSDP .* mesh\.pipeline_parallel = 2: within a "
+        r"pipeline step .*bfloat16 here.* set model\.options\.parallel\.fsdp\.reduce_dtype: float32",
     ):
         parse_config(job(pp_fsdp))
     parse_config(job(pp_fsdp, reduce_dtype="float32"))  # FSDP accumulates in float32 itself
     parse_config(job(pp_fsdp, dtype="float32"))  # nothing wider to ask for
-    parse_config(job({"data_parallel_shard": 2}))  # no pipeline: the synchronizer accumulates
+    with pytest.raises(ConfigError, match=r"reduce_every 'microbatch' with mesh\.pipeline_parallel = 2"):
+        parse_config(job(pp_fsdp, reduce_dtype="float32", reduce_every="microbatch"))
+    fsdp2 = {"data_parallel_shard": 2}
+    with pytest.raises(
+        ConfigError,
+        match=r"fsdp\.reduce_every 'step' \(2 microbatches per step\): within a step .*reduce_dtype: float32",
+    ):
+        parse_config(job(fsdp2, reduce_every="step"))
+    parse_config(job(fsdp2, reduce_every="step", reduce_dtype="float32"))
+    parse_config(job(fsdp2, reduce_every="step", microbatch_size=4))  # one microbatch: nothing accumulates
+    parse_config(job(fsdp2))  # auto: reduces every microbatch when grad_dtype is wider (d9d.engine.step)
+    parse_config(job(fsdp2, reduce_every="microbatch"))
     parse_config(job({"pipeline_parallel": 2, "data_parallel_replicate": 2}))  # no FSDP
 
 

@@ -33,7 +33,7 @@ from d9d.engine.parallel_checks import (
     base_model,
     check_activation_checkpointing,
     check_cuda_graphs,
-    check_grad_dtype_under_pipeline_fsdp,
+    check_fsdp_step_reduction,
     check_model_layout,
     cuda_graphs_hint,
 )
@@ -389,7 +389,12 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _check_context_parallel(self) -> Self:
         check_model_layout(self.mesh, self.model, self.data, self.task, self.schedule.stages_per_rank)
-        check_grad_dtype_under_pipeline_fsdp(self.mesh, self.model, self.gradient_manager.grad_dtype)
+        check_fsdp_step_reduction(
+            self.mesh,
+            self.model,
+            self.gradient_manager.grad_dtype,
+            self.batching.gradient_accumulation(self.mesh.data_parallel),
+        )
         check_activation_checkpointing(self.mesh, self.model, self.activation_checkpointing, self.compile)
         check_cuda_graphs(
             self.mesh,

@@ -16,7 +16,10 @@ estimate from those meta parameters, their dtypes and the mesh:
   that stay gathered (the root; under `auto` the last unit too) and `1 + max(forward_prefetch,
   backward_prefetch)` of its largest resharding unit (`fsdp.layers_per_unit` layers each) gathered at once;
   other models: not counted.
-- gradients: trainable parameters, sharded alike, in `gradient_manager.grad_dtype` (default: theirs).
+- gradients: trainable parameters, sharded alike, in `gradient_manager.grad_dtype` (default: theirs); where
+  FSDP reduces once per step (pipeline steps always; otherwise `fsdp.reduce_every`, `auto` under
+  `keep_gathered_gib`, with several microbatches) the FSDP parameters' gradients are held unsharded too, in
+  FSDP's reduce dtype (default: theirs).
 - optimizer state: AdamW two moments in the parameter dtype, stochastic AdamW two in its `state_dtype`,
   SGD one momentum buffer when `momentum > 0`; a plug-in optimizer is not estimated.
 - activations, for a model family's causal LM with a known sequence length only: the values per token its
@@ -336,6 +339,12 @@ def estimate_memory(
     fsdp = mesh.data_parallel_shard * mesh.context_parallel_shard
     params = grads = gathered = sharded = 0  # the last two: FSDP's parameters gathered, and their shards
     unsharded: dict[nn.Parameter, int] = {}  # per FSDP-sharded parameter: its gathered bytes less its shard
+    fsdp_config = _fsdp_config(provider)
+    # Where FSDP reduces once per step it holds each trainable FSDP parameter's gradient unsharded through
+    # the step, in its reduce dtype (else the parameter's): those bytes beyond the shard's; and whether
+    # grad_dtype is wider than that accumulation (`reduce_every: auto` then reduces every microbatch).
+    unsharded_grads = 0
+    grad_dtype_wider = False
     trainable: list[tuple[nn.Parameter, int]] = []
     notes: list[str] = []
     for module, footprint in zip(modules, footprints, strict=True):
@@ -352,16 +361,32 @@ def estimate_memory(
                 unsharded[p] = (whole - n) * p.element_size()
             params += n * p.element_size()
             if p.requires_grad:
-                grads += n * torch.empty((), dtype=_grad_dtype(config, p)).element_size()
+                grads += n * _grad_dtype(config, p).itemsize
                 trainable.append((p, n))
-    fsdp_config = _fsdp_config(provider)
+                if p not in experts:
+                    accumulated = fsdp_config.resolve_reduce_dtype() or p.dtype
+                    unsharded_grads += (whole - n) * accumulated.itemsize
+                    grad_dtype_wider |= _grad_dtype(config, p).itemsize > accumulated.itemsize
     decoder = fsdp > 1 and isinstance(_base(provider), CausalLMProvider)  # the decoder plan makes the units
     per_unit = fsdp_config.resolve_layers_per_unit(gathered)
-    if fsdp > 1 and (mesh.pipeline_parallel > 1 or fsdp_config.keeps_units_gathered(gathered)):
+    once_per_step = fsdp > 1 and (
+        mesh.pipeline_parallel > 1
+        or (
+            accumulation > 1
+            and fsdp_config.reduces_once_per_step(gathered, grad_dtype_wider=grad_dtype_wider)
+        )
+    )
+    if fsdp > 1 and (once_per_step or fsdp_config.keeps_units_gathered(gathered)):
         params += gathered - sharded
         notes.append(
             f"parameters: FSDP's units stay gathered from forward to backward ({gathered / GIB:.2f} GiB "
             "gathered, included)"
+        )
+    if once_per_step:
+        grads += unsharded_grads
+        notes.append(
+            "gradients: FSDP reduces once per step (pipeline steps, fsdp.reduce_every), holding them "
+            f"unsharded until then ({unsharded_grads / GIB:.2f} GiB more, included)"
         )
     elif decoder and len(modules) == 1 and isinstance(modules[0], DecoderStageModel):
         held, note = _gathered_while_resharding(modules[0], fsdp_config, per_unit, unsharded, gathered)

@@ -113,33 +113,48 @@ def check_expert_backend(mesh: DeviceMeshParameters, model: ModelChoice) -> None
         )
 
 
-def check_grad_dtype_under_pipeline_fsdp(
-    mesh: DeviceMeshParameters, model: ModelChoice, grad_dtype: GradDTypeName | None
+def check_fsdp_step_reduction(
+    mesh: DeviceMeshParameters, model: ModelChoice, grad_dtype: GradDTypeName | None, accumulation: int
 ) -> None:
-    """Inside a pipeline step FSDP accumulates every microbatch's unsharded gradient itself, in its reduce
-    dtype, and reduce-scatters once after the last: the gradient synchronizer (where `grad_dtype` applies)
-    sees only the reduced result. A `grad_dtype` wider than the parameters would silently not apply to the
-    FSDP-sharded ones, so the FSDP reduce dtype must be at least as wide."""
-    if mesh.pipeline_parallel == 1 or grad_dtype is None:
-        return
+    """Where FSDP reduces a step's gradients once, after its last backward — inside a pipeline step always,
+    without pipelining under `fsdp.reduce_every: step` with several microbatches — it accumulates every
+    microbatch's unsharded gradient itself, in its reduce dtype: the gradient synchronizer (where
+    `grad_dtype` applies) sees only the reduced result. A `grad_dtype` wider than the parameters would
+    silently not apply to the FSDP-sharded ones, so the FSDP reduce dtype must be at least as wide. Pipeline
+    steps cannot reduce every microbatch (a split backward's weight pass comes after the input pass that
+    FSDP's per-microbatch reduction hooks into), so `reduce_every: microbatch` is refused with them."""
     if mesh.data_parallel_shard * mesh.context_parallel_shard == 1:
         return  # no FSDP: the synchronizer accumulates the stages' gradients in grad_dtype
     base, field = base_model(model)
     if not isinstance(base, BuiltinModel):
-        return  # a plug-in's sharding is its own business
+        return  # a plug-in's sharding is its own business (the engine checks what it built)
+    fsdp = base.options.parallel.fsdp
+    key = f"{field}.options.parallel.fsdp"
+    if mesh.pipeline_parallel > 1 and fsdp.reduce_every == "microbatch":
+        raise ValueError(
+            f"{key}.reduce_every 'microbatch' with mesh.pipeline_parallel = {mesh.pipeline_parallel}: "
+            "pipeline steps keep each stage's FSDP units gathered and reduce their gradients once per step; "
+            "use reduce_every: auto or step"
+        )
+    if mesh.pipeline_parallel > 1:
+        where = f"mesh.pipeline_parallel = {mesh.pipeline_parallel}: within a pipeline step"
+    elif fsdp.reduce_every == "step" and accumulation > 1:
+        where = f"{key}.reduce_every 'step' ({accumulation} microbatches per step): within a step"
+    else:
+        return  # per microbatch (`auto` keeps that when grad_dtype is wider: d9d.engine.step)
+    if grad_dtype is None:
+        return
     params = getattr(torch, base.options.dtype)
-    accumulated = base.options.parallel.fsdp.resolve_reduce_dtype() or params
+    accumulated = fsdp.resolve_reduce_dtype() or params
     wanted = getattr(torch, grad_dtype)
     if wanted.itemsize > accumulated.itemsize:
         accumulated_name = str(accumulated).removeprefix("torch.")
         raise ValueError(
-            f"gradient_manager.grad_dtype {grad_dtype!r} with mesh.pipeline_parallel = "
-            f"{mesh.pipeline_parallel} and FSDP (data_parallel_shard × context_parallel_shard = "
-            f"{mesh.data_parallel_shard * mesh.context_parallel_shard}): within a pipeline step FSDP "
-            f"accumulates the microbatches' gradients in its reduce dtype ({accumulated_name} here: "
-            f"{field}.options.dtype {base.options.dtype!r}, {field}.options.parallel.fsdp.reduce_dtype "
-            f"{base.options.parallel.fsdp.reduce_dtype!r}), so grad_dtype would not apply to them; set "
-            f"{field}.options.parallel.fsdp.reduce_dtype: {grad_dtype}"
+            f"gradient_manager.grad_dtype {grad_dtype!r} with FSDP (data_parallel_shard × "
+            f"context_parallel_shard = {mesh.data_parallel_shard * mesh.context_parallel_shard}) and {where} "
+            f"FSDP accumulates the microbatches' gradients in its reduce dtype ({accumulated_name} here: "
+            f"{field}.options.dtype {base.options.dtype!r}, {key}.reduce_dtype {fsdp.reduce_dtype!r}), so "
+            f"grad_dtype would not apply to them; set {key}.reduce_dtype: {grad_dtype}"
         )
 
 

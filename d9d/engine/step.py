@@ -9,6 +9,7 @@ single process, DP, FSDP, EP and PP.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -25,9 +26,13 @@ from d9d.core.types import PyTree
 from d9d.engine.providers import LossOutput, TrainTask
 from d9d.parallel import clip_coefficient, clip_grad_norm_, global_grad_norm
 from d9d.parallel.context import ContextParallelGroup, shard_microbatch
+from d9d.parallel.fsdp import fsdp_root
 from d9d.parallel.grad_sync import GradientSynchronizer, GradSyncConfig, SyncedParam, collect_synced_params
 from d9d.parallel.grad_sync.bucket import scale_
 from d9d.pipeline.runtime.executor import PipelineExecutor
+from d9d.pipeline.runtime.sharding import StageSharding
+
+logger = logging.getLogger(__name__)
 
 
 class StepRunner(Protocol):
@@ -47,7 +52,10 @@ class GradientReducer(Protocol):
 
 
 class SequentialStepRunner:
-    """One stage holds the whole model: plain forward/backward per microbatch, gradients accumulate."""
+    """One stage holds the whole model: plain forward/backward per microbatch, gradients accumulate.
+
+    `sharding`: the model's FSDP units when they reduce once per step (`once_per_step_sharding`): kept
+    gathered from the first forward and reduced after the last backward."""
 
     loss_pp_rank = 0
 
@@ -57,15 +65,19 @@ class SequentialStepRunner:
         task: TrainTask,
         device: torch.device,
         metrics: Mapping[str, Any] | None = None,
+        sharding: StageSharding | None = None,
     ) -> None:
         self.module = module
         self.task = task
         self.device = device
         self.metrics = metrics or {}
+        self.sharding = sharding
 
     def forward_backward(self, microbatches: Sequence[PyTree]) -> tuple[torch.Tensor, torch.Tensor]:
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         weight_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.sharding is not None:
+            self.sharding.begin_step()
         for microbatch in microbatches:
             outputs = self.module(**self.task.forward_inputs(microbatch))
             loss: LossOutput = self.task.compute_loss(outputs, microbatch)
@@ -75,7 +87,44 @@ class SequentialStepRunner:
                 weight_total += loss.weight.detach().double()
                 if self.metrics:
                     self.task.update_metrics(self.metrics, outputs, microbatch, loss)
+        if self.sharding is not None:
+            self.sharding.reduce()
         return loss_total, weight_total
+
+
+def once_per_step_sharding(
+    module: nn.Module, microbatches: int, grad_sync: GradSyncConfig
+) -> StageSharding | None:
+    """`module`'s FSDP units when a step of `microbatches` reduces their gradients once, after the last
+    backward (`fsdp.reduce_every`, d9d.parallel.fsdp), else None: a single microbatch, a module that
+    `parallelize_fsdp` did not shard, or the policy choosing every microbatch. The synchronizer accumulates
+    in `grad_sync`'s dtype only what reaches it per microbatch; `auto` keeps that when it is wider than
+    FSDP's accumulation, `step` is refused then (the job config refuses it earlier for the built-in
+    models)."""
+    root = fsdp_root(module)
+    sharding = StageSharding.of(module) if root is not None and microbatches > 1 else None
+    if root is None or sharding is None:
+        return None
+    wider = [
+        p
+        for p in sharding.reduced_params()
+        if grad_sync.resolve_grad_dtype(p.dtype).itemsize > (root.accumulation_dtype or p.dtype).itemsize
+    ]
+    if wider and root.config.reduce_every == "step":
+        raise ValueError(
+            f"fsdp.reduce_every 'step': FSDP would accumulate the microbatches' gradients in "
+            f"{root.accumulation_dtype or wider[0].dtype}, narrower than gradient_manager.grad_dtype "
+            f"{grad_sync.grad_dtype!r}; set fsdp.reduce_dtype to it, or reduce_every: microbatch"
+        )
+    if not root.config.reduces_once_per_step(root.gathered_bytes, grad_dtype_wider=bool(wider)):
+        return None
+    logger.info(
+        "fsdp reduce_every %s: the units stay gathered through the step's %d microbatches and their "
+        "gradients are reduced once, after the last backward",
+        root.config.reduce_every,
+        microbatches,
+    )
+    return sharding
 
 
 class PipelinedStepRunner:

@@ -41,6 +41,7 @@ from d9d.engine.step import (
     StepRunner,
     build_gradient_reducer,
     data_group,
+    once_per_step_sharding,
 )
 from d9d.engine.step_metrics import StepMetrics
 from d9d.metrics import AsyncMetricCollector, ComposeMetric
@@ -136,7 +137,11 @@ def build_train_parts(
         once_per_step = executor.reduced_once_per_step()
         runner = PipelinedStepRunner(executor, task, ctx.device, metrics)
     else:
-        runner = SequentialStepRunner(stages.modules[0], task, ctx.device, metrics)
+        module = stages.modules[0]
+        sharding = once_per_step_sharding(module, grad_accumulation, c.gradient_manager)
+        if sharding is not None:
+            once_per_step = sharding.reduced_params()
+        runner = SequentialStepRunner(module, task, ctx.device, metrics, sharding)
     reducer = build_gradient_reducer(
         optimizer.pair_with(stages.by_index), c.gradient_manager, grad_accumulation, once_per_step
     )

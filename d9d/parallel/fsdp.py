@@ -45,6 +45,15 @@ passed to FSDP as ignored: they live on the expert mesh, which FSDP cannot combi
   Qwen3-0.6B 1.12x and the benchmark MoE 1.05x the tokens/s of one layer per unit (docs/benchmarks.md,
   session 25). `parallelize_fsdp` itself takes the units it is given: an entry of `units` that is a list
   of modules is one unit.
+- `reduce_every` (`auto`): under gradient accumulation without pipelining (several microbatches per rank
+  and step), `microbatch` lets FSDP reduce-scatter each microbatch's gradients and reshard after each
+  backward (the next microbatch gathers again); `step` keeps every unit gathered through the step,
+  accumulates the unsharded gradients (in FSDP's reduce dtype) and reduce-scatters once, after the last
+  backward (`d9d.pipeline.runtime.sharding.StageSharding`, what pipeline steps always do): one all-gather
+  and one reduce-scatter per unit and step instead of one of each per microbatch, for the gathered
+  parameters and an unsharded gradient held through the step. `auto` is `step` where the units stay
+  gathered anyway (`keeps_units_gathered`) and the gradient synchronizer would not accumulate wider than
+  FSDP does (`gradient_manager.grad_dtype`), else `microbatch`.
 
 A unit kept gathered after forward stays gathered until its backward, and the module then holds the
 gathered parameters in place of the sharded ones. A forward that no backward follows (evaluation,
@@ -70,6 +79,7 @@ from torch.distributed.tensor import DTensor
 from d9d.parallel.grad_sync import is_grad_reduce_marked, mark_grad_reduce_dtype, mark_grad_reduce_mesh
 
 ReshardPolicy = Literal["auto", "always", "never"]
+ReduceEvery = Literal["auto", "microbatch", "step"]
 GIB = 1 << 30
 # `layers_per_unit: auto`'s grouping of units kept gathered. 2 x H200, FSDP 2 (docs/benchmarks.md, session
 # 25): 2, 4 and 8 layers per unit gave Qwen3-0.6B 1.06x, 1.12x and 1.14x one layer's tokens/s, the benchmark
@@ -100,6 +110,11 @@ class FSDPConfig(BaseModel):
     - `layers_per_unit`: consecutive decoder layers per FSDP unit; `auto` (default) groups 4 when every
       unit stays gathered from forward to backward (see `reshard_after_forward`) and 1 otherwise. Fewer
       units cost the host fewer FSDP hooks per step; each unit's gather and reduction grows with it.
+    - `reduce_every`: with several microbatches per rank and step (no pipeline), `microbatch` reduces the
+      gradients after every microbatch's backward, `step` once after the last (the parameters stay
+      gathered and the gradients unsharded through the step; pipeline steps always do this); `auto`
+      (default) is `step` when the units stay gathered anyway and `gradient_manager.grad_dtype` is not
+      wider than FSDP's reduce dtype, else `microbatch`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -112,6 +127,7 @@ class FSDPConfig(BaseModel):
     # kept gathered, 1.11× the resharding step's tokens/s for 1.1 GiB more per GPU (docs/parallelism.md).
     keep_gathered_gib: float = Field(4.0, ge=0)
     layers_per_unit: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    reduce_every: ReduceEvery = "auto"
 
     def keeps_units_gathered(self, gathered_bytes: int) -> bool:
         """Whether every unit stays gathered from forward to backward, for a module whose FSDP parameters
@@ -132,12 +148,45 @@ class FSDPConfig(BaseModel):
             case int(layers):
                 return layers
 
+    def reduces_once_per_step(self, gathered_bytes: int, *, grad_dtype_wider: bool) -> bool:
+        """Whether a step of several microbatches without pipelining reduces FSDP's gradients once, after
+        its last backward (`reduce_every`), for a module whose FSDP parameters take `gathered_bytes`
+        gathered; `grad_dtype_wider`: the gradient synchronizer would accumulate the microbatches in a dtype
+        wider than FSDP's (which only reducing every microbatch leaves to it)."""
+        match self.reduce_every:
+            case "microbatch":
+                return False
+            case "step":
+                return True
+            case "auto":
+                return self.keeps_units_gathered(gathered_bytes) and not grad_dtype_wider
+
     def resolve_reduce_dtype(self) -> torch.dtype | None:
         return None if self.reduce_dtype is None else getattr(torch, self.reduce_dtype)  # type: ignore[no-any-return]
 
 
 FSDPUnit = nn.Module | list[nn.Module]
 """One FSDP unit: a module, or consecutive modules gathered and reduced as one (`fully_shard` of a list)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPRoot:
+    """What `parallelize_fsdp` made of a module, for whoever drives its steps (`fsdp_root`): the settings,
+    its FSDP parameters' gathered bytes on one rank, and the dtype FSDP accumulates and reduces their
+    gradients in (the mixed-precision policy's; None: each parameter's own)."""
+
+    config: FSDPConfig
+    gathered_bytes: int
+    accumulation_dtype: torch.dtype | None
+
+
+_ROOT_ATTR = "_d9d_fsdp_root"
+
+
+def fsdp_root(module: nn.Module) -> FSDPRoot | None:
+    """`module`'s record if `parallelize_fsdp` (or `parallelize_hsdp`) sharded it, else None."""
+    root: FSDPRoot | None = module.__dict__.get(_ROOT_ATTR)
+    return root
 
 
 def _decided_params(unit: FSDPUnit) -> set[nn.Parameter]:
@@ -272,6 +321,8 @@ def parallelize_fsdp(
     if not all([*unit_reshard, root_reshard]):
         # Registered after FSDP's own hooks: runs once the root's post-forward is done.
         module.register_forward_hook(_reshard_without_grad)
+    # FSDP2 reduces in the parameter dtype of its mixed-precision policy when no reduce dtype is set.
+    module.__dict__[_ROOT_ATTR] = FSDPRoot(config, gathered, policy.reduce_dtype or policy.param_dtype)
     for sub in module.modules():
         for name, _ in sub.named_parameters(recurse=False):
             if not is_grad_reduce_marked(sub, name):

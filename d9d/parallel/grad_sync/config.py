@@ -17,9 +17,10 @@ class GradSyncConfig(BaseModel):
     `grad_dtype`: the dtype gradients are accumulated over microbatches and all-reduced in (e.g. float32
     for bf16 parameters); None keeps each parameter's dtype. A parameter whose strategy reduces it wider
     (FSDP with `reduce_dtype: float32`, recorded by `mark_grad_reduce_dtype`) gets at least that dtype. The
-    optimizer always sees gradients in the parameter's dtype. Under pipelining FSDP accumulates a step's
-    microbatches itself, in its reduce dtype: a wider `grad_dtype` there needs FSDP's `reduce_dtype` at least
-    as wide (the engine refuses the job otherwise).
+    optimizer always sees gradients in the parameter's dtype. Under pipelining, and where FSDP reduces
+    once per step (`fsdp.reduce_every`), FSDP accumulates a step's microbatches itself, in its reduce
+    dtype: a wider `grad_dtype` there needs FSDP's `reduce_dtype` at least as wide (the engine refuses the
+    job otherwise; `reduce_every: auto` then reduces every microbatch).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -1,5 +1,8 @@
 """FSDP2 inside a pipeline step: gather a stage once, reduce its gradients once, after its last backward.
 
+(The engine drives a model without pipelining the same way under gradient accumulation, when
+`fsdp.reduce_every` resolves to `step`: `d9d.engine.step.SequentialStepRunner`.)
+
 FSDP2 reduce-scatters a module's gradients in a hook on the module's *inputs*, which fires when autograd
 reaches them. Under a split backward (ZB1P, ZBV, DualPipeV) that is the input-gradient pass: the weight
 gradients come later, in the weight pass, which never reaches the inputs. FSDP would reduce nothing and
@@ -76,7 +79,7 @@ class StageSharding:
 
     def begin_step(self) -> None:
         if self._in_step:
-            raise RuntimeError("a pipeline step began before the previous one reduced its gradients")
+            raise RuntimeError("a step began before the previous one reduced its FSDP gradients")
         self._reshard_after_forward = [
             [g.post_forward_mesh_info for g in _param_groups(fully_shard.state(u))]  # type: ignore[attr-defined]
             for u in self._units
@@ -91,7 +94,7 @@ class StageSharding:
     def reduce(self) -> None:
         """Reduce-scatter every unit's accumulated gradients and reshard (after the stage's last backward)."""
         if not self._in_step:
-            raise RuntimeError("gradients reduced outside a pipeline step")
+            raise RuntimeError("FSDP gradients reduced outside a step")
         for unit in self._units:
             unit.set_requires_gradient_sync(True, recurse=False)
             unit.set_reshard_after_backward(True, recurse=False)

@@ -1,0 +1,181 @@
+"""FSDP under gradient accumulation without pipelining (`fsdp.reduce_every`): the engine's step, against one
+process, and what each setting does to FSDP's collectives.
+
+- `reduce_every` `auto` (the tiny models stay gathered, so once per step), `microbatch`, `step` on units
+  that would otherwise reshard, `auto` on units that reshard (every microbatch): dense FSDP 2, MoE FSDP 2 ×
+  EP 2 (the experts' gradients reach the synchronizer per microbatch, the dense ones once per step) and
+  HSDP 2 × 2 (the replica all-reduce from FSDP's post-backward, once per step): losses over 3 AdamW steps
+  equal one process on the same global batches (2 microbatches per rank and step).
+- Observed from outside FSDP: per step, reducing once issues exactly half the reduce-scatters and half the
+  all-gathers of reducing every microbatch (2 microbatches), and at least one of each.
+- `gradient_manager.grad_dtype` wider than FSDP's accumulation: `auto` reduces every microbatch (the
+  synchronizer then accumulates in grad_dtype), `step` is refused naming the setting (the job config
+  refuses it earlier for the built-in models: tests/test_engine_config.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from d9d.engine.checkpoint import LocalRunReporter
+from d9d.engine.config import parse_config
+from d9d.engine.launch import run_rank
+from d9d.engine.runtime import RankRuntime
+from tests.engine_fixtures import make_hf_qwen3, make_hf_qwen3_moe
+from tests.harness import RankEnv, run_distributed
+
+STEPS = 3
+
+
+def _job(
+    tmp: Path, name: str, mesh: dict[str, int], fsdp: dict[str, Any], global_batch: int
+) -> dict[str, Any]:
+    moe = name.startswith("moe")
+    options: dict[str, Any] = {"source_checkpoint": str(tmp / ("hf-moe" if moe else "hf-dense"))}
+    if fsdp:
+        options["parallel"] = {"fsdp": fsdp}
+    return {
+        "run": {"name": name, "dir": str(tmp / name)},
+        "mesh": mesh,
+        "batching": {"global_batch_size": global_batch, "microbatch_size": 2},
+        "trainer": {"total_steps": STEPS},
+        "logging": {"progress_bar": "off", "period": 1},
+        "checkpointing": {"save_at_end": False},
+        "model": {"provider": "qwen3_moe" if moe else "qwen3", "options": options},
+        "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+        "optimizer": {"provider": "adamw", "options": {"lr": 3e-3}},
+    }
+
+
+@contextlib.contextmanager
+def _counting(*names: str) -> Iterator[dict[str, int]]:
+    """Calls of the first of each group of `torch.distributed` functions that exists (FSDP2 calls
+    `all_gather_single` / `reduce_scatter_single`; torch before 2.12 `all_gather_into_tensor` /
+    `reduce_scatter_tensor`)."""
+    counts: dict[str, int] = {}
+    patched: list[tuple[str, Any]] = []
+    for group in names:
+        name = next(n for n in group.split("|") if hasattr(dist, n))
+        real = getattr(dist, name)
+        counts[group] = 0
+
+        def counting(*args: Any, _real: Any = real, _group: str = group, **kwargs: Any) -> Any:
+            counts[_group] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counting)
+        patched.append((name, real))
+    try:
+        yield counts
+    finally:
+        for name, real in patched:
+            setattr(dist, name, real)
+
+
+GATHER = "all_gather_single|all_gather_into_tensor"
+SCATTER = "reduce_scatter_single|reduce_scatter_tensor"
+
+
+def _runs(env: RankEnv, runs: list[tuple[str, dict[str, int], dict[str, Any], int]]) -> None:
+    for name, mesh, fsdp, global_batch in runs:
+        config = parse_config(_job(env.tmp_dir, name, mesh, fsdp, global_batch))
+        runtime = RankRuntime(
+            rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
+        )
+        with _counting(GATHER, SCATTER) as counts:
+            result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 1))
+        if env.rank == 0:
+            torch.save({"losses": list(result.losses), **counts}, env.tmp_dir / f"{name}.pt")
+
+
+def _load(tmp: Path, name: str) -> dict[str, Any]:
+    return torch.load(tmp / f"{name}.pt")  # type: ignore[no-any-return]
+
+
+def _assert_like(tmp: Path, name: str, reference: str) -> None:
+    losses = torch.tensor(_load(tmp, name)["losses"])
+    want = torch.tensor(_load(tmp, reference)["losses"])
+    assert len(losses) == STEPS and losses[-1] < losses[0], name
+    torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _assert_halves(tmp: Path, once: str, every: str) -> None:
+    """Reducing once per step issues half the collectives of reducing each of 2 microbatches."""
+    a, b = _load(tmp, once), _load(tmp, every)
+    for kind in (GATHER, SCATTER):
+        assert a[kind] > 0 and 2 * a[kind] == b[kind], (once, every, kind, a[kind], b[kind])
+
+
+RESHARDING = {"keep_gathered_gib": 0}  # the tiny models' units then reshard after forward
+
+
+@pytest.mark.distributed
+def test_reducing_once_per_step_trains_like_one_process_with_half_the_collectives(tmp_path: Path) -> None:
+    make_hf_qwen3(tmp_path / "hf-dense", num_layers=4)
+    make_hf_qwen3_moe(tmp_path / "hf-moe", num_layers=4)
+    one = [("one", {}, {}, 8), ("moe-one", {}, {}, 8), ("one-16", {}, {}, 16)]
+    run_distributed(_runs, 1, one, tmp_dir=tmp_path, timeout=300)
+    fsdp2 = {"data_parallel_shard": 2}
+    two = [
+        ("fsdp2-auto", fsdp2, {}, 8),
+        ("fsdp2-microbatch", fsdp2, {"reduce_every": "microbatch"}, 8),
+        ("fsdp2-resharding-step", fsdp2, {**RESHARDING, "reduce_every": "step"}, 8),
+        ("fsdp2-resharding-auto", fsdp2, RESHARDING, 8),
+        ("moe-fsdp2xep2-auto", {**fsdp2, "expert_parallel": 2}, {}, 8),
+        ("moe-fsdp2xep2-microbatch", {**fsdp2, "expert_parallel": 2}, {"reduce_every": "microbatch"}, 8),
+    ]
+    run_distributed(_runs, 2, two, tmp_dir=tmp_path, timeout=600)
+    hsdp = {"data_parallel_replicate": 2, "data_parallel_shard": 2}
+    four = [("hsdp-auto", hsdp, {}, 16), ("hsdp-microbatch", hsdp, {"reduce_every": "microbatch"}, 16)]
+    run_distributed(_runs, 4, four, tmp_dir=tmp_path, timeout=600)
+    for name, *_ in two + four:
+        _assert_like(
+            tmp_path, name, "moe-one" if name.startswith("moe") else "one-16" if "hsdp" in name else "one"
+        )
+    _assert_halves(tmp_path, "fsdp2-auto", "fsdp2-microbatch")
+    _assert_halves(tmp_path, "moe-fsdp2xep2-auto", "moe-fsdp2xep2-microbatch")
+    _assert_halves(tmp_path, "hsdp-auto", "hsdp-microbatch")
+    # Resharding units gather again in backward: reducing every microbatch (auto over the size limit) issues
+    # more all-gathers than keeping them gathered through the step, and twice its reduce-scatters.
+    step, auto = _load(tmp_path, "fsdp2-resharding-step"), _load(tmp_path, "fsdp2-resharding-auto")
+    assert 2 * step[SCATTER] == auto[SCATTER] and 2 * step[GATHER] < auto[GATHER], (step, auto)
+
+
+def _grad_dtype_cases(env: RankEnv) -> None:
+    from d9d.core import DeviceMeshParameters, DistributedContext
+    from d9d.engine.step import once_per_step_sharding
+    from d9d.models.qwen3 import parallelize_qwen3
+    from d9d.parallel import GradSyncConfig
+    from d9d.parallel.fsdp import FSDPConfig
+    from d9d.parallel.plans import ParallelPlanConfig
+    from tests.test_parallel_qwen3 import _dense
+
+    ctx = DistributedContext.create(DeviceMeshParameters(data_parallel_shard=2), backend="gloo")
+    wide, same = GradSyncConfig(grad_dtype="float64"), GradSyncConfig()
+    for reduce_every in ("auto", "step", "microbatch"):
+        model = _dense()  # float32
+        parallelize_qwen3(model, ctx, ParallelPlanConfig(fsdp=FSDPConfig(reduce_every=reduce_every)))
+        assert once_per_step_sharding(model, 1, same) is None, reduce_every  # nothing accumulates
+        chosen = once_per_step_sharding(model, 2, same)
+        assert (chosen is not None) == (reduce_every != "microbatch"), reduce_every
+        if reduce_every == "step":
+            with pytest.raises(ValueError, match=r"fsdp\.reduce_every 'step'.*narrower than.*'float64'"):
+                once_per_step_sharding(model, 2, wide)
+        else:
+            assert once_per_step_sharding(model, 2, wide) is None, reduce_every
+    widened = _dense()
+    config = FSDPConfig(reduce_every="step", reduce_dtype="float32")
+    parallelize_qwen3(widened, ctx, ParallelPlanConfig(fsdp=config))
+    assert once_per_step_sharding(widened, 2, GradSyncConfig(grad_dtype="float32")) is not None
+
+
+@pytest.mark.distributed
+def test_a_wider_grad_dtype_keeps_per_microbatch_reduction_under_auto_and_refuses_step() -> None:
+    run_distributed(_grad_dtype_cases, 2, timeout=120)
