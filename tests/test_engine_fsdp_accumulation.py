@@ -4,8 +4,9 @@ process, and what each setting does to FSDP's collectives.
 - `reduce_every` `auto` (the tiny models stay gathered, so once per step), `microbatch`, `step` on units
   that would otherwise reshard, `auto` on units that reshard (every microbatch): dense FSDP 2, MoE FSDP 2 ×
   EP 2 (the experts' gradients reach the synchronizer per microbatch, the dense ones once per step) and
-  HSDP 2 × 2 (the replica all-reduce from FSDP's post-backward, once per step): losses over 3 AdamW steps
-  equal one process on the same global batches (2 microbatches per rank and step).
+  HSDP 2 × 2 (the replica all-reduce from FSDP's post-backward, once per step), and `auto` under TP 2 × FSDP
+  2 and CP 2 × FSDP 2: losses over 3 AdamW steps equal one process on the same global batches (2 or 4
+  microbatches per rank and step).
 - Observed from outside FSDP: per step, reducing once issues exactly half the reduce-scatters and half the
   all-gathers of reducing every microbatch (2 microbatches), and at least one of each.
 - `gradient_manager.grad_dtype` wider than FSDP's accumulation: `auto` reduces every microbatch (the
@@ -133,12 +134,19 @@ def test_reducing_once_per_step_trains_like_one_process_with_half_the_collective
     ]
     run_distributed(_runs, 2, two, tmp_dir=tmp_path, timeout=600)
     hsdp = {"data_parallel_replicate": 2, "data_parallel_shard": 2}
-    four = [("hsdp-auto", hsdp, {}, 16), ("hsdp-microbatch", hsdp, {"reduce_every": "microbatch"}, 16)]
+    four = [
+        ("hsdp-auto", hsdp, {}, 16),
+        ("hsdp-microbatch", hsdp, {"reduce_every": "microbatch"}, 16),
+        # FSDP over tensor-parallel shards, and over the context-parallel ranks of a split sequence
+        ("tp2xfsdp2-auto-16", {"tensor_parallel": 2, "data_parallel_shard": 2}, {}, 16),
+        ("cp2xfsdp2-auto-16", {"context_parallel_shard": 2, "data_parallel_shard": 2}, {}, 16),
+    ]
     run_distributed(_runs, 4, four, tmp_dir=tmp_path, timeout=600)
     for name, *_ in two + four:
-        _assert_like(
-            tmp_path, name, "moe-one" if name.startswith("moe") else "one-16" if "hsdp" in name else "one"
+        reference = (
+            "moe-one" if name.startswith("moe") else "one-16" if "16" in name or "hsdp" in name else "one"
         )
+        _assert_like(tmp_path, name, reference)
     _assert_halves(tmp_path, "fsdp2-auto", "fsdp2-microbatch")
     _assert_halves(tmp_path, "moe-fsdp2xep2-auto", "moe-fsdp2xep2-microbatch")
     _assert_halves(tmp_path, "hsdp-auto", "hsdp-microbatch")
