@@ -203,8 +203,11 @@ def test_dry_run_counts_lora_parameters_and_shards_their_memory(tmp_path: Path) 
     assert parse_config(_job(tmp_path)).batching.gradient_accumulation(2) > 1
     assert kept.gradients == lora * 4 and any("reduces once per step" in note for note in kept.notes)
     (per_microbatch,) = report({"reduce_every": "microbatch"}).memory
-    assert per_microbatch.gradients == memory.gradients
+    assert per_microbatch.gradients == memory.gradients and per_microbatch.parameters == kept.parameters
     assert not any("reduces once per step" in note for note in per_microbatch.notes)
+    # `step` over the size limit keeps the units gathered through the step: the same as kept
+    (stepped,) = report({"keep_gathered_gib": 0, "reduce_every": "step"}).memory
+    assert (stepped.parameters, stepped.gradients) == (kept.parameters, kept.gradients)
 
 
 def test_dry_run_reports_a_bad_layout_by_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

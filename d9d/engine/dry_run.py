@@ -382,16 +382,16 @@ def estimate_memory(
             f"parameters: FSDP's units stay gathered from forward to backward ({gathered / GIB:.2f} GiB "
             "gathered, included)"
         )
+    elif decoder and len(modules) == 1 and isinstance(modules[0], DecoderStageModel):
+        held, note = _gathered_while_resharding(modules[0], fsdp_config, per_unit, unsharded, gathered)
+        params += held
+        notes.append(note)
     if once_per_step:
         grads += unsharded_grads
         notes.append(
             "gradients: FSDP reduces once per step (pipeline steps, fsdp.reduce_every), holding them "
             f"unsharded until then ({unsharded_grads / GIB:.2f} GiB more, included)"
         )
-    elif decoder and len(modules) == 1 and isinstance(modules[0], DecoderStageModel):
-        held, note = _gathered_while_resharding(modules[0], fsdp_config, per_unit, unsharded, gathered)
-        params += held
-        notes.append(note)
     if decoder:
         setting = fsdp_config.layers_per_unit
         notes.append(f"FSDP units: {per_unit} decoder layer(s) per unit (fsdp.layers_per_unit {setting})")
