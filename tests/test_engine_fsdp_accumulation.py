@@ -10,13 +10,14 @@ process, and what each setting does to FSDP's collectives.
 - Observed from outside FSDP: per step, reducing once issues exactly half the reduce-scatters and half the
   all-gathers of reducing every microbatch (2 microbatches), and at least one of each.
 - `gradient_manager.grad_dtype` wider than FSDP's accumulation: `auto` reduces every microbatch (the
-  synchronizer then accumulates in grad_dtype), `step` is refused naming the setting (the job config
+  synchronizer then accumulates in grad_dtype) and logs why, `step` is refused naming the setting (the job config
   refuses it earlier for the built-in models: tests/test_engine_config.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,25 @@ def test_reducing_once_per_step_trains_like_one_process_with_half_the_collective
     assert 2 * step[SCATTER] == auto[SCATTER] and 2 * step[GATHER] < auto[GATHER], (step, auto)
 
 
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    lines: list[str] = []
+
+    class Sink(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger, sink = logging.getLogger(name), Sink()
+    level = logger.level
+    logger.addHandler(sink)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(sink)
+        logger.setLevel(level)
+
+
 def _grad_dtype_cases(env: RankEnv) -> None:
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.engine.step import once_per_step_sharding
@@ -177,7 +197,10 @@ def _grad_dtype_cases(env: RankEnv) -> None:
             with pytest.raises(ValueError, match=r"fsdp\.reduce_every 'step'.*narrower than.*'float64'"):
                 once_per_step_sharding(model, 2, wide)
         else:
-            assert once_per_step_sharding(model, 2, wide) is None, reduce_every
+            with _logged("d9d.engine.step") as said:
+                assert once_per_step_sharding(model, 2, wide) is None, reduce_every
+            # auto says why it reduces every microbatch and how to get once per step back
+            assert (reduce_every == "auto") == any("set fsdp.reduce_dtype" in line for line in said), said
     widened = _dense()
     config = FSDPConfig(reduce_every="step", reduce_dtype="float32")
     parallelize_qwen3(widened, ctx, ParallelPlanConfig(fsdp=config))

@@ -117,6 +117,14 @@ def once_per_step_sharding(
             f"{grad_sync.grad_dtype!r}; set fsdp.reduce_dtype to it, or reduce_every: microbatch"
         )
     if not root.config.reduces_once_per_step(root.gathered_bytes, grad_dtype_wider=bool(wider)):
+        if wider and root.config.reduces_once_per_step(root.gathered_bytes, grad_dtype_wider=False):
+            logger.info(
+                "fsdp reduce_every auto: every microbatch, so that the gradient synchronizer accumulates in "
+                "gradient_manager.grad_dtype %r (FSDP would in %s); set fsdp.reduce_dtype to it to reduce "
+                "once per step",
+                grad_sync.grad_dtype,
+                root.accumulation_dtype or wider[0].dtype,
+            )
         return None
     logger.info(
         "fsdp reduce_every %s: the units stay gathered through the step's %d microbatches and their "
