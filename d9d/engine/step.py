@@ -55,7 +55,8 @@ class SequentialStepRunner:
     """One stage holds the whole model: plain forward/backward per microbatch, gradients accumulate.
 
     `sharding`: the model's FSDP units when they reduce once per step (`once_per_step_sharding`): kept
-    gathered from the first forward and reduced after the last backward."""
+    gathered from the first forward, their gradients accumulated unsharded and reduce-scattered by FSDP's
+    own hooks in the last microbatch's backward, each unit as backward reaches it."""
 
     loss_pp_rank = 0
 
@@ -78,7 +79,10 @@ class SequentialStepRunner:
         weight_total = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.sharding is not None:
             self.sharding.begin_step()
-        for microbatch in microbatches:
+        for index, microbatch in enumerate(microbatches):
+            if self.sharding is not None and index == len(microbatches) - 1:
+                # the last backward reduces each unit as it reaches it, overlapping the rest of backward
+                self.sharding.reduce_in_next_backward()
             outputs = self.module(**self.task.forward_inputs(microbatch))
             loss: LossOutput = self.task.compute_loss(outputs, microbatch)
             loss.loss_sum.backward()
@@ -88,7 +92,7 @@ class SequentialStepRunner:
                 if self.metrics:
                     self.task.update_metrics(self.metrics, outputs, microbatch, loss)
         if self.sharding is not None:
-            self.sharding.reduce()
+            self.sharding.end_step()
         return loss_total, weight_total
 
 

@@ -61,6 +61,7 @@ class StageSharding:
         self._units: list[FSDPModule] = list(states.values())
         self._roots = [m for m in self._units if not _inside_another(m, self._units)]
         self._in_step = False
+        self._reducing = False  # between `reduce_in_next_backward` and `end_step`
         self._reshard_after_forward: list[list[Any]] = []
 
     @classmethod
@@ -78,7 +79,7 @@ class StageSharding:
         return params
 
     def begin_step(self) -> None:
-        if self._in_step:
+        if self._in_step or self._reducing:
             raise RuntimeError("a step began before the previous one reduced its FSDP gradients")
         self._reshard_after_forward = [
             [g.post_forward_mesh_info for g in _param_groups(fully_shard.state(u))]  # type: ignore[attr-defined]
@@ -91,23 +92,47 @@ class StageSharding:
             unit.set_is_last_backward(False)
         self._in_step = True
 
-    def reduce(self) -> None:
-        """Reduce-scatter every unit's accumulated gradients and reshard (after the stage's last backward)."""
+    def reduce_in_next_backward(self) -> None:
+        """Let the step's next backward, its last, reduce as FSDP does by itself: each unit's accumulated
+        gradients are reduce-scattered as that backward reaches it (overlapping the backward of the units
+        before it) and the unit reshards. For a plain backward (no split into input and weight passes);
+        `end_step` follows it. The units stay gathered through its forward."""
         if not self._in_step:
             raise RuntimeError("FSDP gradients reduced outside a step")
+        self._sync_on()
+        self._in_step = False
+        self._reducing = True
+
+    def end_step(self) -> None:
+        """After the backward that `reduce_in_next_backward` announced: the forward setting restored."""
+        if not self._reducing:
+            raise RuntimeError("end_step without reduce_in_next_backward")
+        self._restore_reshard_after_forward()
+        self._reducing = False
+
+    def _sync_on(self) -> None:
         for unit in self._units:
             unit.set_requires_gradient_sync(True, recurse=False)
             unit.set_reshard_after_backward(True, recurse=False)
             unit.set_is_last_backward(True)
+
+    def _restore_reshard_after_forward(self) -> None:
+        for unit, saved in zip(self._units, self._reshard_after_forward, strict=True):
+            for group, info in zip(_param_groups(fully_shard.state(unit)), saved, strict=True):  # type: ignore[attr-defined]
+                group.post_forward_mesh_info = info
+
+    def reduce(self) -> None:
+        """Reduce-scatter every unit's accumulated gradients and reshard (after the stage's last backward)."""
+        if not self._in_step:
+            raise RuntimeError("FSDP gradients reduced outside a step")
+        self._sync_on()
         # Last unit first, the order a plain backward reaches them in.
         for unit in reversed(self._units):
             for group in _param_groups(fully_shard.state(unit)):  # type: ignore[attr-defined]
                 group.post_backward()
         for root in self._roots:
             fully_shard.state(root)._root_post_backward_final_callback()  # type: ignore[attr-defined]
-        for unit, saved in zip(self._units, self._reshard_after_forward, strict=True):
-            for group, info in zip(_param_groups(fully_shard.state(unit)), saved, strict=True):  # type: ignore[attr-defined]
-                group.post_forward_mesh_info = info
+        self._restore_reshard_after_forward()
         self._in_step = False
 
     @property
