@@ -116,9 +116,9 @@ def check_expert_backend(mesh: DeviceMeshParameters, model: ModelChoice) -> None
 def check_fsdp_step_reduction(
     mesh: DeviceMeshParameters, model: ModelChoice, grad_dtype: GradDTypeName | None, accumulation: int
 ) -> None:
-    """Where FSDP reduces a step's gradients once, after its last backward — inside a pipeline step always,
-    without pipelining under `fsdp.reduce_every: step` with several microbatches — it accumulates every
-    microbatch's unsharded gradient itself, in its reduce dtype: the gradient synchronizer (where
+    """Where FSDP reduces a step's gradients once, in or after its last backward — inside a pipeline step
+    always, without pipelining under `fsdp.reduce_every: step` with several microbatches — it accumulates
+    every microbatch's unsharded gradient itself, in its reduce dtype: the gradient synchronizer (where
     `grad_dtype` applies) sees only the reduced result. A `grad_dtype` wider than the parameters would
     silently not apply to the FSDP-sharded ones, so the FSDP reduce dtype must be at least as wide. Pipeline
     steps cannot reduce every microbatch (a split backward's weight pass comes after the input pass that

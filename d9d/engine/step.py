@@ -132,7 +132,7 @@ def once_per_step_sharding(
         return None
     logger.info(
         "fsdp reduce_every %s: the units stay gathered through the step's %d microbatches and their "
-        "gradients are reduced once, after the last backward",
+        "gradients are reduced once, in the last microbatch's backward",
         root.config.reduce_every,
         microbatches,
     )

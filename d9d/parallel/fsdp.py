@@ -48,10 +48,11 @@ passed to FSDP as ignored: they live on the expert mesh, which FSDP cannot combi
 - `reduce_every` (`auto`): under gradient accumulation without pipelining (several microbatches per rank
   and step), `microbatch` lets FSDP reduce-scatter each microbatch's gradients and reshard after each
   backward (the next microbatch gathers again); `step` keeps every unit gathered through the step,
-  accumulates the unsharded gradients (in FSDP's reduce dtype) and reduce-scatters once, after the last
-  backward (`d9d.pipeline.runtime.sharding.StageSharding`, what pipeline steps always do): one all-gather
-  and one reduce-scatter per unit and step instead of one of each per microbatch, for the gathered
-  parameters and an unsharded gradient held through the step. `auto` is `step` where the units stay
+  accumulates the unsharded gradients (in FSDP's reduce dtype) and reduce-scatters each unit once, in the
+  last microbatch's backward (`d9d.pipeline.runtime.sharding.StageSharding`; pipeline steps always reduce
+  once per step, after a stage's last backward): one all-gather and one reduce-scatter per unit and step
+  instead of one of each per microbatch, for the gathered parameters and an unsharded gradient held
+  through the step. `auto` is `step` where the units stay
   gathered anyway (`keeps_units_gathered`) and the gradient synchronizer would not accumulate wider than
   FSDP does (`gradient_manager.grad_dtype`), else `microbatch`.
 

@@ -1,7 +1,10 @@
 """FSDP2 inside a pipeline step: gather a stage once, reduce its gradients once, after its last backward.
 
-(The engine drives a model without pipelining the same way under gradient accumulation, when
-`fsdp.reduce_every` resolves to `step`: `d9d.engine.step.SequentialStepRunner`.)
+(The engine drives a model without pipelining much the same way under gradient accumulation, when
+`fsdp.reduce_every` resolves to `step` (`d9d.engine.step.SequentialStepRunner`): there backward is never
+split, so instead of `reduce` the last microbatch's backward reduces each unit as it reaches it, through
+FSDP's own post-backward hooks (`reduce_in_next_backward`, then `end_step`), overlapping the backward of
+the units before it.)
 
 FSDP2 reduce-scatters a module's gradients in a hook on the module's *inputs*, which fires when autograd
 reaches them. Under a split backward (ZB1P, ZBV, DualPipeV) that is the input-gradient pass: the weight
