@@ -99,12 +99,12 @@ class SequentialStepRunner:
 def once_per_step_sharding(
     module: nn.Module, microbatches: int, grad_sync: GradSyncConfig
 ) -> StageSharding | None:
-    """`module`'s FSDP units when a step of `microbatches` reduces their gradients once, after the last
-    backward (`fsdp.reduce_every`, d9d.parallel.fsdp), else None: a single microbatch, a module that
-    `parallelize_fsdp` did not shard, or the policy choosing every microbatch. The synchronizer accumulates
-    in `grad_sync`'s dtype only what reaches it per microbatch; `auto` keeps that when it is wider than
-    FSDP's accumulation, `step` is refused then (the job config refuses it earlier for the built-in
-    models)."""
+    """`module`'s FSDP units when a step of `microbatches` reduces their gradients once, in the last
+    microbatch's backward (`fsdp.reduce_every`, d9d.parallel.fsdp), else None: a single microbatch, a
+    module that `parallelize_fsdp` did not shard, or the policy choosing every microbatch. The synchronizer
+    accumulates in `grad_sync`'s dtype only what reaches it per microbatch; `auto` keeps that when it is
+    wider than FSDP's accumulation, `step` is refused then (the job config refuses it earlier for the
+    built-in models)."""
     root = fsdp_root(module)
     sharding = StageSharding.of(module) if root is not None and microbatches > 1 else None
     if root is None or sharding is None:
