@@ -10,8 +10,8 @@ process, and what each setting does to FSDP's collectives.
 - Observed from outside FSDP: per step, reducing once issues exactly half the reduce-scatters and half the
   all-gathers of reducing every microbatch (2 microbatches), and at least one of each.
 - `gradient_manager.grad_dtype` wider than FSDP's accumulation: `auto` reduces every microbatch (the
-  synchronizer then accumulates in grad_dtype) and logs why, `step` is refused naming the setting (the job config
-  refuses it earlier for the built-in models: tests/test_engine_config.py).
+  synchronizer then accumulates in grad_dtype) and logs why, `step` is refused naming the setting (the job
+  config refuses it earlier for the built-in models: tests/test_engine_config.py).
 """
 
 from __future__ import annotations
