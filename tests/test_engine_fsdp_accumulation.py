@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import parse_config
@@ -32,6 +31,7 @@ from d9d.engine.launch import run_rank
 from d9d.engine.runtime import RankRuntime
 from tests.engine_fixtures import make_hf_qwen3, make_hf_qwen3_moe
 from tests.harness import RankEnv, run_distributed
+from tests.test_parallel_fsdp_settings import GATHER, SCATTER, counting_collectives
 
 STEPS = 3
 
@@ -56,42 +56,13 @@ def _job(
     }
 
 
-@contextlib.contextmanager
-def _counting(*names: str) -> Iterator[dict[str, int]]:
-    """Calls of the first of each group of `torch.distributed` functions that exists (FSDP2 calls
-    `all_gather_single` / `reduce_scatter_single`; torch before 2.12 `all_gather_into_tensor` /
-    `reduce_scatter_tensor`)."""
-    counts: dict[str, int] = {}
-    patched: list[tuple[str, Any]] = []
-    for group in names:
-        name = next(n for n in group.split("|") if hasattr(dist, n))
-        real = getattr(dist, name)
-        counts[group] = 0
-
-        def counting(*args: Any, _real: Any = real, _group: str = group, **kwargs: Any) -> Any:
-            counts[_group] += 1
-            return _real(*args, **kwargs)
-
-        setattr(dist, name, counting)
-        patched.append((name, real))
-    try:
-        yield counts
-    finally:
-        for name, real in patched:
-            setattr(dist, name, real)
-
-
-GATHER = "all_gather_single|all_gather_into_tensor"
-SCATTER = "reduce_scatter_single|reduce_scatter_tensor"
-
-
 def _runs(env: RankEnv, runs: list[tuple[str, dict[str, int], dict[str, Any], int]]) -> None:
     for name, mesh, fsdp, global_batch in runs:
         config = parse_config(_job(env.tmp_dir, name, mesh, fsdp, global_batch))
         runtime = RankRuntime(
             rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
         )
-        with _counting(GATHER, SCATTER) as counts:
+        with counting_collectives(GATHER, SCATTER) as counts:
             result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 1))
         if env.rank == 0:
             torch.save({"losses": list(result.losses), **counts}, env.tmp_dir / f"{name}.pt")

@@ -78,23 +78,33 @@ SETTINGS: list[tuple[int, int, FSDPConfig]] = [  # (replicate, shard, settings)
 ]
 
 
+GATHER = "all_gather_single|all_gather_into_tensor"
+SCATTER = "reduce_scatter_single|reduce_scatter_tensor"
+
+
 @contextlib.contextmanager
-def _counting_all_gathers() -> Iterator[list[int]]:
-    """Counts the all-gathers issued (FSDP2 calls `all_gather_single`; torch before 2.12
-    `all_gather_into_tensor`)."""
-    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    real = getattr(dist, name)
-    count = [0]
+def counting_collectives(*groups: str) -> Iterator[dict[str, int]]:
+    """Calls of the first existing `torch.distributed` function of each group (`GATHER`, `SCATTER`: FSDP2
+    calls `all_gather_single` / `reduce_scatter_single`; torch before 2.12 `all_gather_into_tensor` /
+    `reduce_scatter_tensor`), by group."""
+    counts: dict[str, int] = {}
+    patched: list[tuple[str, Any]] = []
+    for group in groups:
+        name = next(n for n in group.split("|") if hasattr(dist, n))
+        real = getattr(dist, name)
+        counts[group] = 0
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return real(*args, **kwargs)
+        def counting(*args: Any, _real: Any = real, _group: str = group, **kwargs: Any) -> Any:
+            counts[_group] += 1
+            return _real(*args, **kwargs)
 
-    setattr(dist, name, counting)
+        setattr(dist, name, counting)
+        patched.append((name, real))
     try:
-        yield count
+        yield counts
     finally:
-        setattr(dist, name, real)
+        for name, real in patched:
+            setattr(dist, name, real)
 
 
 def _first_with_params(unit: nn.Module) -> nn.Module:
@@ -129,16 +139,18 @@ def _probe(model: nn.Module, units: list[nn.Module], config: FSDPConfig, what: s
     forward_seen: list[int] = []
     backward_seen: dict[int, int] = {}
     handles = []
-    with _counting_all_gathers() as count:
+    with counting_collectives(GATHER) as count:
         for i, unit in enumerate(units):
             # A hook registered after FSDP's runs after its pre-forward (gather and prefetch) did.
-            handles.append(unit.register_forward_pre_hook(lambda _m, _a, i=i: forward_seen.append(count[0])))
+            handles.append(
+                unit.register_forward_pre_hook(lambda _m, _a, i=i: forward_seen.append(count[GATHER]))
+            )
             if (
                 0 < i < n - 1
             ):  # a decoder layer: its first norm's backward comes after the layer's pre-backward
                 handles.append(
                     _first_with_params(unit).register_full_backward_pre_hook(
-                        lambda _m, _g, i=i: backward_seen.__setitem__(i, count[0])
+                        lambda _m, _g, i=i: backward_seen.__setitem__(i, count[GATHER])
                     )
                 )
         batch = _batches(1, 4)[0]
@@ -234,16 +246,16 @@ def _grouped_layer_cases(data: list[Any], want: Any) -> None:
         parallelize_qwen3(model, ctx, ParallelPlanConfig(fsdp=config))
         states = {id(fully_shard.state(layer)) for layer in layers}  # type: ignore[attr-defined]
         assert len(states) == (1 if grouped else 2), what
-        with _counting_all_gathers() as count:
+        with counting_collectives(GATHER) as count:
             loss = _task_loss(model, _batches(1, 4)[0])
-            gathered_in_forward = count[0]
+            gathered_in_forward = count[GATHER]
             loss.backward()
         units = 3 if grouped else 4  # embedding, the layers, head
         # Backward gathers again what forward resharded: `always` every unit and the root, `auto` over the
         # size limit all units but the last.
         regathered = {"always": units + 1, "auto": 0 if config.keep_gathered_gib else units - 1}
         want_counts = (1 + units, 1 + units + regathered[config.reshard_after_forward])
-        assert (gathered_in_forward, count[0]) == want_counts, (what, count[0])
+        assert (gathered_in_forward, count[GATHER]) == want_counts, (what, count[GATHER])
         model.zero_grad(set_to_none=True)
         _assert_trains_like_one_process(model, ctx, params, data, want, what)
 
