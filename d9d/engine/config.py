@@ -392,7 +392,7 @@ class TrainConfig(_Section):
         check_fsdp_step_reduction(
             self.mesh,
             self.model,
-            self.gradient_manager.grad_dtype,
+            self.gradient_manager,
             self.batching.gradient_accumulation(self.mesh.data_parallel),
         )
         check_activation_checkpointing(self.mesh, self.model, self.activation_checkpointing, self.compile)

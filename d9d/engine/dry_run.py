@@ -364,9 +364,9 @@ def estimate_memory(
                 grads += n * _grad_dtype(config, p).itemsize
                 trainable.append((p, n))
                 if p not in experts:
-                    accumulated = fsdp_config.resolve_reduce_dtype() or p.dtype
-                    unsharded_grads += (whole - n) * accumulated.itemsize
-                    grad_dtype_wider |= _grad_dtype(config, p).itemsize > accumulated.itemsize
+                    accumulated = fsdp_config.resolve_reduce_dtype()
+                    unsharded_grads += (whole - n) * (accumulated or p.dtype).itemsize
+                    grad_dtype_wider |= config.gradient_manager.accumulates_wider(p.dtype, accumulated)
     decoder = fsdp > 1 and isinstance(_base(provider), CausalLMProvider)  # the decoder plan makes the units
     per_unit = fsdp_config.resolve_layers_per_unit(gathered)
     once_per_step = fsdp > 1 and (

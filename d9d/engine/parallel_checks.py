@@ -23,7 +23,7 @@ from d9d.modules.checkpointing import ActivationCheckpointingConfig, NoActivatio
 from d9d.parallel.compile import CompileConfig
 from d9d.parallel.expert.backend import AllToAllBackendConfig, DeepEPBackendConfig
 from d9d.parallel.expert.deepep import INTRANODE_GROUP_SIZES
-from d9d.parallel.grad_sync.config import GradDTypeName
+from d9d.parallel.grad_sync.config import GradSyncConfig
 from d9d.peft.config import FullTuneConfig, LoRAConfig, PeftConfig, StackConfig
 
 _CP_KEYS = "mesh.context_parallel_shard × mesh.context_parallel_replicate"
@@ -114,7 +114,7 @@ def check_expert_backend(mesh: DeviceMeshParameters, model: ModelChoice) -> None
 
 
 def check_fsdp_step_reduction(
-    mesh: DeviceMeshParameters, model: ModelChoice, grad_dtype: GradDTypeName | None, accumulation: int
+    mesh: DeviceMeshParameters, model: ModelChoice, grad_sync: GradSyncConfig, accumulation: int
 ) -> None:
     """Where FSDP reduces a step's gradients once, in or after its last backward — inside a pipeline step
     always, without pipelining under `fsdp.reduce_every: step` with several microbatches — it accumulates
@@ -142,13 +142,10 @@ def check_fsdp_step_reduction(
         where = f"{key}.reduce_every 'step' ({accumulation} microbatches per step): within a step"
     else:
         return  # per microbatch (`auto` keeps that when grad_dtype is wider: d9d.engine.step)
-    if grad_dtype is None:
-        return
-    params = getattr(torch, base.options.dtype)
-    accumulated = fsdp.resolve_reduce_dtype() or params
-    wanted = getattr(torch, grad_dtype)
-    if wanted.itemsize > accumulated.itemsize:
-        accumulated_name = str(accumulated).removeprefix("torch.")
+    params, reduce_dtype = getattr(torch, base.options.dtype), fsdp.resolve_reduce_dtype()
+    if grad_sync.accumulates_wider(params, reduce_dtype):
+        grad_dtype = grad_sync.grad_dtype
+        accumulated_name = str(reduce_dtype or params).removeprefix("torch.")
         raise ValueError(
             f"gradient_manager.grad_dtype {grad_dtype!r} with FSDP (data_parallel_shard × "
             f"context_parallel_shard = {mesh.data_parallel_shard * mesh.context_parallel_shard}) and {where} "

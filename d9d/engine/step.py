@@ -110,9 +110,7 @@ def once_per_step_sharding(
     if root is None or sharding is None:
         return None
     wider = [
-        p
-        for p in sharding.reduced_params()
-        if grad_sync.resolve_grad_dtype(p.dtype).itemsize > (root.accumulation_dtype or p.dtype).itemsize
+        p for p in sharding.reduced_params() if grad_sync.accumulates_wider(p.dtype, root.accumulation_dtype)
     ]
     if wider and root.config.reduce_every == "step":
         raise ValueError(

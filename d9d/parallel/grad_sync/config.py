@@ -30,3 +30,8 @@ class GradSyncConfig(BaseModel):
 
     def resolve_grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return param_dtype if self.grad_dtype is None else getattr(torch, self.grad_dtype)
+
+    def accumulates_wider(self, param_dtype: torch.dtype, than: torch.dtype | None) -> bool:
+        """Whether a `param_dtype` gradient accumulates here wider than in `than` (None: the parameter's own
+        dtype), e.g. than where FSDP accumulates it when it reduces once per step."""
+        return self.resolve_grad_dtype(param_dtype).itemsize > (than or param_dtype).itemsize
