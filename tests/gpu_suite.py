@@ -1,10 +1,13 @@
 """The `gpu` tests on one N-GPU host, spread over its GPUs.
 
-    python -m tests.gpu_suite [--out DIR] [--groups 1,2,4,ray] [extra pytest args]
+    python -m tests.gpu_suite [--out DIR] [--groups 1,2,4,ray] [--per-block K] [extra pytest args]
 
 Tests are grouped by the GPUs they need (`gpu`: 1, `gpu` + `gpus(n)`: n). Each group runs as `N // n` pytest
 processes at once, each seeing its own block of n GPUs (`CUDA_VISIBLE_DEVICES`), tests dealt to the
-processes round-robin; groups run one after the other, smallest n first. Tests that start Ray (`ray`) run
+processes round-robin; groups run one after the other, smallest n first. `--per-block K` runs K processes on
+each block at once: the tests' models are small enough that one leaves most of an H200 idle (a 2-GPU engine
+layout uses a few hundred MB and waits on its compile and its torchrun start-up), so K of them share a block
+and the host's cores; no test here times itself, so sharing changes no result. Tests that start Ray (`ray`) run
 last, in one process that sees every GPU (their placement tests reserve GPUs themselves). A group that needs
 more GPUs than present still runs, once, so its tests report the skip with the count.
 
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--groups", default=None, help="comma-separated groups to run: GPU counts and/or 'ray' (default: all)"
     )
+    parser.add_argument("--per-block", type=int, default=1, help="pytest processes sharing each block of GPUs")
     args, extra = parser.parse_known_args(argv)
     import pytest
     import torch
@@ -82,10 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         if wanted is not None and need not in wanted:
             continue
         width = gpus if need == RAY else need
+        blocks = max(gpus // width, 1)
+        # the Ray tests reserve every GPU of the host themselves: never shared
+        sharing = 1 if need == RAY else max(args.per_block, 1)
         procs = []
-        for i, nodes in enumerate(_deal(collector.groups[need], gpus // width)):
+        for i, nodes in enumerate(_deal(collector.groups[need], blocks * sharing)):
             log = out / f"gpu-suite-{'ray' if need == RAY else f'{need}gpu'}-{i}.log"
-            devices = ",".join(str(d) for d in range(i * width, min((i + 1) * width, gpus)))
+            block = i % blocks
+            devices = ",".join(str(d) for d in range(block * width, min((block + 1) * width, gpus)))
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices}
             with log.open("w") as sink:
                 procs.append(

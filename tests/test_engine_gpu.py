@@ -148,16 +148,26 @@ BACKENDS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float], list[float], dict[str, _Run]]:
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[float], list[float], dict[str, _Run]]:
     """The references — one GPU and one CPU process on the same global batches, from the same checkpoint —
-    and every layout's gloo run, all at once (the CPU runs overlap the GPU ones)."""
+    and the gloo run of every layout this session tests, all at once (the CPU runs overlap the GPU ones).
+    Only the selected layouts' (`-k`, or `tests.gpu_suite` dealing the layouts to several processes): 15
+    gloo runs of two ranks each, started by every one of several processes, held the host's cores."""
     tmp = tmp_path_factory.mktemp("engine-gpu")
     _hf_moe(tmp / "hf")
+    selected = {
+        item.callspec.params["layout"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_engine_on_two_gpus_matches_one_gpu_and_gloo"
+    }
     gloo = {
         name: _Run(
             _job(tmp / f"gloo-{name}", mesh, sched, BACKENDS.get(name), COMPILE.get(name)), 2, cuda=False
         )
         for name, (mesh, sched) in LAYOUTS.items()
+        if name in selected
     }
     one_cpu = _Run(_job(tmp / "one-cpu", {}, None), 1, cuda=False)
     one_gpu = _torchrun(_job(tmp / "one-gpu", {}, None), 1, cuda=True)
