@@ -7,9 +7,11 @@ processes at once, each seeing its own block of n GPUs (`CUDA_VISIBLE_DEVICES`),
 processes round-robin; groups run one after the other, smallest n first. `--per-block K` runs K processes on
 each block at once: the tests' models are small enough that one leaves most of an H200 idle (a 2-GPU engine
 layout uses a few hundred MB and waits on its compile and its torchrun start-up), so K of them share a block
-and the host's cores; no test here times itself, so sharing changes no result. Tests that start Ray (`ray`) run
-last, in one process that sees every GPU (their placement tests reserve GPUs themselves). A group that needs
-more GPUs than present still runs, once, so its tests report the skip with the count.
+and the host's cores; no test here times itself, so sharing changes no result.
+
+Tests that start Ray (`ray`) run last, in one process that sees every GPU (their placement tests reserve GPUs
+themselves). A group that needs more GPUs than present still runs, once, so its tests report the skip with
+the count.
 
 Each process's output goes to `DIR/gpu-suite-<n>gpu-<i>.log` (default: a temporary directory) and its last
 lines (pytest's summary, skip reasons included) are printed. Exits non-zero when any process fails.
@@ -65,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--groups", default=None, help="comma-separated groups to run: GPU counts and/or 'ray' (default: all)"
     )
-    parser.add_argument("--per-block", type=int, default=1, help="pytest processes sharing each block of GPUs")
+    parser.add_argument(
+        "--per-block", type=int, default=1, help="pytest processes sharing each block of GPUs at once"
+    )
     args, extra = parser.parse_known_args(argv)
     import pytest
     import torch
