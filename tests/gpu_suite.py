@@ -38,8 +38,10 @@ class _Collector:
     def __init__(self) -> None:
         self.groups: dict[int, list[str]] = {}
 
-    def pytest_collection_modifyitems(self, items: list[Any]) -> None:
-        for item in items:
+    def pytest_collection_finish(self, session: Any) -> None:
+        # after `-k` / `-m` deselection (collection_modifyitems may run before it): the dealing then
+        # spreads only the selected tests over the processes
+        for item in session.items:
             if item.get_closest_marker("gpu") is None:
                 continue
             marker = item.get_closest_marker("gpus")

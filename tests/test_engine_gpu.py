@@ -200,6 +200,57 @@ def test_engine_on_two_gpus_matches_one_gpu_and_gloo(
         assert "without CUDA graphs" not in log, log[-4000:]
 
 
+def _eval_losses(run_dir: Path) -> dict[int, float]:
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["values"]["eval/loss"] for r in records if "eval/loss" in r.get("values", {})}
+
+
+EVAL_SECTION = {
+    "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+    "batch_size": 4,
+    "batches": 3,
+    "period": 2,
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("mesh", "schedule"),
+    [
+        pytest.param({}, None, id="1gpu"),
+        pytest.param({"data_parallel_replicate": 2}, None, id="dp2", marks=pytest.mark.gpus(2)),
+        pytest.param({"pipeline_parallel": 2}, "1f1b", id="pp2-1f1b", marks=pytest.mark.gpus(2)),
+    ],
+)
+def test_eval_under_cuda_graphs_matches_the_default_mode(
+    tmp_path: Path, mesh: dict[str, int], schedule: str | None
+) -> None:
+    """An eval section under `compile.mode: reduce-overhead`: the eval forwards (no gradients: inference
+    graphs of their own, one graph step per microbatch, or per forward-only schedule under pipelining) give
+    the default mode's eval losses at every evaluation, the second evaluation on replayed graphs, and the
+    training steps around them the default mode's losses; no graph runs without CUDA graphs."""
+    _hf_moe(tmp_path / "hf")
+    nproc = max(1, mesh.get("data_parallel_replicate", 1) * mesh.get("pipeline_parallel", 1))
+    started = {}
+    for mode in ("default", "reduce-overhead"):
+        job = _job(tmp_path / mode, mesh, schedule, compile_section={"mode": mode})
+        job["trainer"]["total_steps"] = 6
+        job["eval"] = EVAL_SECTION
+        started[mode] = _Run(job, nproc, cuda=True)
+    losses = {mode: run.losses() for mode, run in started.items()}
+    evals = {mode: _eval_losses(run.run_dir) for mode, run in started.items()}
+    print(f"train {losses}\neval {evals}")
+    assert sorted(evals["default"]) == sorted(evals["reduce-overhead"]) == [2, 4, 6]
+    assert _max_rel(losses["reduce-overhead"], losses["default"]) <= LAYOUT_RTOL, losses
+    graphed, plain = evals["reduce-overhead"], evals["default"]
+    assert _max_rel([graphed[k] for k in sorted(plain)], [plain[k] for k in sorted(plain)]) <= LAYOUT_RTOL
+    assert plain[6] < plain[2]  # the eval set sees the training, so a stale graph output would show
+    log = started["reduce-overhead"].log.read_text(errors="replace")
+    assert "without CUDA graphs" not in log, log[-4000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.gpus(4)
 def test_gpu_example_layout_on_four_gpus(tmp_path: Path) -> None:

@@ -402,7 +402,6 @@ class TrainConfig(_Section):
             self.compile,
             self.activation_checkpointing,
             self.schedule.kind,
-            evaluates=self.eval is not None,
         )
         return self
 
@@ -414,7 +413,6 @@ class TrainConfig(_Section):
             self.compile,
             self.activation_checkpointing,
             self.schedule.kind,
-            evaluates=self.eval is not None,
             microbatches=microbatches,
         )
 

@@ -19,6 +19,12 @@ With pipeline parallelism the eval set runs through the training stages under a 
 (`InferenceSchedule`, all `batches` microbatches in flight) whose placement must be the training schedule's:
 looped schedules (1f1b, gpipe, zb1p, interleaved_1f1b) qualify, V schedules (zbv, dualpipev) are refused at
 config validation (`TrainConfig`), as is context parallelism (eval batches are not split over the sequence).
+
+Under `compile.mode: reduce-overhead` the blocks run without gradients here, which inductor compiles and
+graphs apart from training. Each eval forward is a step of the graph trees of its own (`begin_step` before
+each microbatch, before the whole forward-only schedule under pipelining): a microbatch's outputs are
+consumed (its loss summed) before the next starts, so every microbatch replays the same graphs instead of
+recording a graph per position in the eval set.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from d9d.engine.providers import DataProvider, DataSetup, TrainTask
 from d9d.engine.runtime import MetricPoint, RunReporter
 from d9d.engine.stages import Stages
 from d9d.engine.step import global_loss, to_device
+from d9d.parallel.compile import begin_step
 from d9d.pipeline.runtime.executor import PipelineExecutor
 from d9d.pipeline.schedule.config import InferenceSchedule
 from d9d.pipeline.setup import PipelineSetup
@@ -136,10 +143,13 @@ class Evaluator:
             weight = weight + loss.weight.detach().double()
 
         inputs = [self.task.forward_inputs(mb) for mb in microbatches]
+        reports = self.stages.compile_reports
         if self.executor is not None:
+            begin_step(reports)  # every microbatch in flight at once: one graph step
             self.executor.forward_step(inputs, add)
         else:
             for microbatch, kwargs in enumerate(inputs):
+                begin_step(reports)
                 add(self.stages.modules[0](**kwargs), microbatch)
         return loss_sum, weight
 
