@@ -383,8 +383,19 @@ def with_variants(rows: list[Row], variants: list[str], *, one_gpu: bool = False
         for name, sets in parsed:
             stem, _, launcher = row.id.partition("@")
             variant_id = f"{stem}+{name}" + (f"@{launcher}" if launcher else "")
-            out.append(replace(row, id=variant_id, layout=f"{row.layout} [{name}]", variant=name, sets=sets))
+            variant = replace(row, id=variant_id, layout=f"{row.layout} [{name}]", variant=name, sets=sets)
+            out.append(replace(variant, microbatch=_microbatch_set(sets, row.microbatch)))
     return out
+
+
+def _microbatch_set(sets: tuple[str, ...], default: int) -> int:
+    """The microbatch a variant's `batching.microbatch_size=K` gives its row: the pipeline rows' simulated
+    bubble counts microbatches from it (a variant row kept the base row's count, and a wrong simulation)."""
+    for item in sets:
+        key, _, value = item.partition("=")
+        if key.strip() == "batching.microbatch_size":
+            return int(value)
+    return default
 
 
 def _globs(text: str) -> list[str]:

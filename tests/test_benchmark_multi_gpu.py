@@ -416,6 +416,12 @@ def test_variants_sweep_settings(bench, tmp_path: Path) -> None:
         "dense-1gpu+cg",  # `--variants-on-1gpu`: d9d's 1-GPU rows too, never torchtitan's
         "titan-dense-1gpu",
     ]
+    # a variant's microbatch is its row's: the pipeline rows simulate their bubble at that many microbatches
+    pp = _args(variant=["mb4:batching.microbatch_size=4"], rows="dense-pp-1f1b*", launchers="torchrun")
+    assert {r.id: r.microbatch for r in bench.select(bench.all_rows(2, pp), pp)} == {
+        "dense-pp-1f1b": 2,
+        "dense-pp-1f1b+mb4": 4,
+    }
     for bad in ("noname", "x:", "x:novalue", "a b:k=v"):
         with pytest.raises(ValueError, match="--variant"):
             bench.parse_variant(bad)
