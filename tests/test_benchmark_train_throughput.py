@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -90,14 +91,14 @@ def test_ratios_compare_with_the_same_mode_and_without_checkpointing(bench: Modu
     assert "| d9d compiled, random, AC selective-mix | 88 | 40.0% | 10.0 | nan | - |" in bench.table(results)
 
 
-def test_d9d_jobs_validate_for_every_mode(bench: ModuleType) -> None:
+def test_d9d_jobs_validate_for_every_mode(bench: ModuleType, tmp_path: Path) -> None:
     from throughput import common, d9d_peer
 
     from d9d.engine.config import parse_config
 
     modes = {}
     for ac in common.AC_MODES:
-        config = parse_config(d9d_peer.job("dense", "compiled", "random", 5, ac))
+        config = parse_config(d9d_peer.job("dense", "compiled", "random", 5, ac, run_dir=str(tmp_path)))
         modes[ac] = config.activation_checkpointing.model_dump(exclude_none=True)
     assert modes == {
         "none": {"mode": "none"},
@@ -107,7 +108,7 @@ def test_d9d_jobs_validate_for_every_mode(bench: ModuleType) -> None:
         "selective-mix": {"mode": "selective", "every": 2, "ops": ("matmul", "attention")},
     }
     compiles = {
-        variant: parse_config(d9d_peer.job("dense", variant, "random", 5)).compile
+        variant: parse_config(d9d_peer.job("dense", variant, "random", 5, run_dir=str(tmp_path))).compile
         for variant in ("compiled", "compiled-autotune", "eager")
     }
     assert compiles["compiled"].enabled and compiles["compiled"].mode == "default"

@@ -192,10 +192,12 @@ def job(
     total: int,
     ac: AcMode = "none",
     arch_overrides: dict[str, Any] | None = None,
+    *,
+    run_dir: str,
 ) -> dict[str, Any]:
-    """The job config of a d9d row (`total` steps)."""
+    """The job config of a d9d row (`total` steps), its run files under `run_dir` (the caller's to remove)."""
     return {
-        "run": {"name": "bench", "dir": tempfile.mkdtemp(prefix="d9d-bench-run-")},
+        "run": {"name": "bench", "dir": run_dir},
         "batching": {"global_batch_size": BATCH, "microbatch_size": BATCH},
         "trainer": {"total_steps": total},
         "logging": {"progress_bar": "off", "period": 1000},
@@ -282,6 +284,26 @@ def run(
     arch_overrides: dict[str, Any] | None = None,
     ac: AcMode = "none",
 ) -> dict[str, Any]:
+    """One d9d row in this process; its run files in a temporary directory, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="d9d-bench-run-", ignore_cleanup_errors=True) as run_dir:
+        return _run(
+            model, variant, batch, steps, warmup, profile, profile_ops, arch_overrides, ac, run_dir=run_dir
+        )
+
+
+def _run(
+    model: str,
+    variant: D9dVariant,
+    batch: D9dBatch,
+    steps: int,
+    warmup: int,
+    profile: bool,
+    profile_ops: bool = False,
+    arch_overrides: dict[str, Any] | None = None,
+    ac: AcMode = "none",
+    *,
+    run_dir: str,
+) -> dict[str, Any]:
     from d9d.core import DeviceMeshParameters, DistributedContext
     from d9d.engine.checkpoint import LocalRunReporter
     from d9d.engine.config import parse_config
@@ -292,7 +314,7 @@ def run(
     first_profiled = warmup + steps + 1
     # One step more than timed and profiled: each step ends where the next one starts.
     total = warmup + steps + profiled + 1
-    config = parse_config(job(model, variant, batch, total, ac, arch_overrides))
+    config = parse_config(job(model, variant, batch, total, ac, arch_overrides, run_dir=run_dir))
     ctx = DistributedContext.create(DeviceMeshParameters())
     trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
     # GPU activity only: host-side op recording would slow the launches and inflate the idle gaps.
