@@ -113,9 +113,12 @@ process, whichever launcher; torchtitan: the recording metrics processor):
   input-gradient backward I, weight-gradient backward W; CUDA events on the compute stream, i.e. GPU time,
   taken after the pass's inputs arrived) and the span of the rank's whole pipeline program for the step
   (`PipelineExecutor.train_step`: from its first action to its last send completing).
-  measured bubble = mean over ranks of the median over timed steps of (1 − Σ pass times / span): the share
-  of the pipeline program a rank's GPU spends outside its own passes (waiting for neighbours, receives,
-  and anything not inside a pass). The FSDP all-gather of a stage's parameters runs inside its first
+  measured bubble = the median over timed steps of 1 − (Σ pass times of all ranks) / (ranks × the
+  longest span): the share of the step's pipeline program the ranks' GPUs spend outside their passes
+  (waiting for neighbours, receives, anything not inside a pass, and a rank's wait from its last pass to
+  the step's end), the step's makespan taken as its longest span (`throughput/bubble.py`; before session
+  33 each rank's share of its own span, averaged, which left the last stage's tail out).
+  The FSDP all-gather of a stage's parameters runs inside its first
   forward (gathered once per step) and counts as pass time; the gradient reduce-scatter is issued after the
   stage's last backward, outside the passes, on its own stream.
   The prediction is `d9d pipeline-sim`'s simulator (`d9d.pipeline.simulator.simulate`) on the same program

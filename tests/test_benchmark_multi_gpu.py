@@ -366,8 +366,42 @@ def test_bubble_from_records(bench) -> None:
     assert result["bubble_sim_unit"] == pytest.approx(0.2)
     # A slower last stage: the simulator's prediction with the measured costs moves, the unit one does not.
     uneven = pipeline_bubble([rank(0, 20.0, 1.0, 2.0), rank(1, 20.0, 2.0, 3.0)], [1, 2], "1f1b", 2, 4)
-    assert uneven["bubble_measured"] == pytest.approx(((1 - 12 / 20) + (1 - 20 / 20)) / 2)
+    assert uneven["bubble_measured"] == pytest.approx(1 - (12 + 20) / (2 * 20))
     assert uneven["bubble_sim"] > 0.2 and uneven["bubble_sim_unit"] == pytest.approx(0.2)
+
+
+def test_measured_bubble_is_the_simulators_quantity_when_a_rank_finishes_first(bench) -> None:
+    """Probe records made from the simulator's own timeline (each rank's passes, its span from the step's
+    start to its last pass) measure the simulator's bubble: idle time of all ranks over ranks × makespan,
+    also for the rank that ends before the step does (1F1B's last stage, by one backward of the first)."""
+    with benchmarks_on_path():
+        from throughput.bubble import StageCosts, pipeline_bubble
+
+    from pydantic import TypeAdapter
+
+    from d9d.pipeline.schedule.config import ScheduleConfig, build_schedule
+    from d9d.pipeline.simulator.simulate import simulate
+
+    costs = {"0F": 18.0, "0B": 39.0, "1F": 42.0, "1B": 42.0}  # session 33's pp 2 row at 2 microbatches
+    program = build_schedule(TypeAdapter(ScheduleConfig).validate_python({"kind": "1f1b"}), 2, 2)
+    result = simulate(program, StageCosts(per_stage=costs))
+    records = []
+    for timeline in result.timeline:
+        passes = [
+            ("F" if t.action.kind.name == "FORWARD" else "B", t.action.stage, t.end - t.start)
+            for t in timeline
+        ]
+        span = max(t.end for t in timeline)
+        records.append({"pipeline": {1: {"span_s": span, "passes": passes}}})
+    spans = [r["pipeline"][1]["span_s"] for r in records]
+    assert spans[1] < spans[0] == result.makespan  # the last stage ends first
+    measured = pipeline_bubble(records, [1], "1f1b", 2, 2)
+    assert measured["pass_median_s"] == costs
+    assert measured["bubble_measured"] == pytest.approx(result.bubble_fraction)
+    assert measured["bubble_measured"] == pytest.approx(measured["bubble_sim"])
+    # each rank over its own span (the definition before session 33) leaves the last stage's tail out
+    own = measured["bubble_own_span_per_rank"]
+    assert sum(own) / len(own) < result.bubble_fraction - 0.05
 
 
 def test_variants_sweep_settings(bench, tmp_path: Path) -> None:
