@@ -110,6 +110,16 @@ def test_expert_parallel_replicas_are_accepted_with_the_capacity_exchange(mesh: 
     assert config.compile.mode == "reduce-overhead"
 
 
+def test_an_eval_section_with_expert_parallelism_is_refused_under_graphs() -> None:
+    """Evaluation takes the exchange that reads its split sizes (the capacity exchange is the training
+    step's): its host reads would split the graphed blocks, not measured. Without EP the eval is accepted."""
+    evaluation = {"data": {"provider": "tests.engine_fixtures:GlobalIndexData"}, "batch_size": 2}
+    mesh = {"data_parallel_replicate": 2, "expert_parallel": 2}
+    with pytest.raises(ConfigError, match=r"eval section and mesh\.expert_parallel = 2"):
+        parse_config(_job(mesh, model=_moe(CAPACITY), eval=evaluation))
+    parse_config(_job({"data_parallel_replicate": 2}, model=_moe(CAPACITY), eval=evaluation))
+
+
 @pytest.mark.parametrize(
     ("mesh", "backend", "message"),
     [

@@ -402,6 +402,7 @@ class TrainConfig(_Section):
             self.compile,
             self.activation_checkpointing,
             self.schedule.kind,
+            evaluates=self.eval is not None,
         )
         return self
 
@@ -413,6 +414,7 @@ class TrainConfig(_Section):
             self.compile,
             self.activation_checkpointing,
             self.schedule.kind,
+            evaluates=self.eval is not None,
             microbatches=microbatches,
         )
 

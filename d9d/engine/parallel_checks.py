@@ -265,15 +265,20 @@ def check_cuda_graphs(
     compile_config: CompileConfig,
     checkpointing: ActivationCheckpointingConfig,
     schedule_kind: str,
+    *,
+    evaluates: bool,
 ) -> None:
     """`compile.mode: reduce-overhead` only where its graphs were measured to replay and train like the
     default mode: one GPU, replicas (`data_parallel_replicate`: every rank keeps its parameters at fixed
     addresses; the gradient synchronizer's hooks run between the graphed backwards) with or without expert
     parallelism through the capacity exchange (its all-to-alls inside the graphed blocks), or pipeline
     stages alone under a schedule of `CUDA_GRAPH_SCHEDULES`; with the decoder blocks as the only compiled
-    region and no activation checkpointing. An eval section is accepted: evaluation marks a graph step
-    before each of its forwards (`Evaluator`), and its graphs, recorded apart from training's, were
-    measured to give the default mode's eval losses (engine test on 1 and 2 GPUs)."""
+    region and no activation checkpointing. An eval section (`evaluates`) is accepted without expert
+    parallelism: evaluation marks a graph step before each of its forwards (`Evaluator`), and its graphs,
+    recorded apart from training's, were measured to give the default mode's eval losses (engine test on 1
+    GPU, replicas 2 and pp 2). With expert parallelism an eval forward takes the exchange that reads its
+    split sizes (no gradients: no overflow flag is read), whose host reads split the graphed blocks: not
+    measured under graphs, so refused."""
     if compile_config.mode != "reduce-overhead" or compile_config.backend != "inductor":
         return
     if compile_config.enabled is False:
@@ -321,6 +326,13 @@ def check_cuda_graphs(
             f"{where} with compile.regions containing loss_head: only the decoder blocks are measured under "
             "graphs; remove loss_head from compile.regions, or use compile.mode: default"
         )
+    if evaluates and mesh.expert_parallel > 1:
+        raise ValueError(
+            f"{where} with an eval section and mesh.expert_parallel = {mesh.expert_parallel}: evaluation "
+            "runs the expert exchange that reads its split sizes (the capacity exchange is for training "
+            "steps), whose host reads split the graphed blocks, which is not measured under graphs; "
+            "remove eval, or use compile.mode: default"
+        )
 
 
 def _check_graphed_exchange(mesh: DeviceMeshParameters, model: ModelChoice, where: str) -> None:
@@ -355,6 +367,7 @@ def cuda_graphs_hint(
     checkpointing: ActivationCheckpointingConfig,
     schedule_kind: str,
     *,
+    evaluates: bool,
     microbatches: int,
 ) -> str | None:
     """A line suggesting `compile.mode: reduce-overhead` for a job in the default mode whose layout the
@@ -368,7 +381,7 @@ def cuda_graphs_hint(
         return None  # accepted with the capacity exchange, but not measured at small microbatches
     graphed = compile_config.model_copy(update={"mode": "reduce-overhead"})
     try:
-        check_cuda_graphs(mesh, model, graphed, checkpointing, schedule_kind)
+        check_cuda_graphs(mesh, model, graphed, checkpointing, schedule_kind, evaluates=evaluates)
     except ValueError:
         return None
     return (
