@@ -6,9 +6,15 @@ Forward + backward of `sum(cross_entropy(hidden @ W.T, labels))` on the Qwen3 vo
   - d9d chunked, with the row-wise work on the PyTorch reference (`torch`) or the Triton kernels, the
     backward recomputing each chunk's logits (`recompute`) or the forward leaving the gradients of the
     sum (`eager`, the default).
-Prints the median time of `--repeats` runs after warm-up, the peak memory, and the ratios to `full`.
+Prints the median time of `--repeats` runs after warm-up, the peak memory, and the ratios to `full`;
+beside each, the host's median time to issue the forward and backward (`issue`: from the call until
+`backward()` returns, before the device is waited for) and how many device synchronizations one run makes
+(`syncs`, counted with CUDA's sync debug mode). A row whose issue time is its whole time, or that syncs,
+is bound by the host: what to look for where the head runs on 2,048-token microbatches (the last pipeline
+stage, docs/benchmarks.md session 33).
 
     python benchmarks/loss_head.py --tokens 16384
+    python benchmarks/loss_head.py --tokens 2048 --chunk 2048    # one pipeline microbatch of one sequence
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ from d9d.kernels.backend import KernelBackend
 from d9d.modules.heads import linear_cross_entropy
 
 
-def measure(fn: Callable[[], torch.Tensor], params: list[torch.Tensor], repeats: int) -> tuple[float, float]:
-    times = []
+def measure(
+    fn: Callable[[], torch.Tensor], params: list[torch.Tensor], repeats: int
+) -> tuple[float, float, float, int]:
+    """(median seconds, peak GiB, median seconds to issue, device synchronizations in one run)."""
+    times, issued = [], []
     for i in range(repeats + 2):
         for p in params:
             p.grad = None
@@ -37,10 +46,32 @@ def measure(fn: Callable[[], torch.Tensor], params: list[torch.Tensor], repeats:
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         fn().backward()
+        issue = time.perf_counter()
         torch.cuda.synchronize()
         if i >= 2:
             times.append(time.perf_counter() - start)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+            issued.append(issue - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return statistics.median(times), peak, statistics.median(issued), count_syncs(fn, params)
+
+
+def count_syncs(fn: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> int:
+    """Device synchronizations of one forward and backward: CUDA's sync debug mode warns at each."""
+    import warnings
+
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    # only the detector's own warnings (its first use also announces itself as a prototype feature)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 def main() -> None:
@@ -80,9 +111,10 @@ def main() -> None:
         f"{args.tokens} tokens, hidden {args.hidden}, vocab {args.vocab}, chunk {args.chunk}, "
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     )
-    for name, (seconds, peak) in results.items():
+    for name, (seconds, peak, issue, syncs) in results.items():
         print(
-            f"{name:20s} {seconds * 1e3:8.2f} ms  peak {peak:6.2f} GiB  speed vs full {base / seconds:.3f}x"
+            f"{name:20s} {seconds * 1e3:8.2f} ms  peak {peak:6.2f} GiB  speed vs full {base / seconds:.3f}x  "
+            f"issue {issue * 1e3:7.2f} ms  syncs {syncs}"
         )
 
 
