@@ -119,11 +119,16 @@ def test_capacity_fits_each_pair_grows_the_overflowing_ones_and_recalibrates_dow
     assert capacity.send_splits() == [384, 64] and capacity.recv_splits() == [64, 64]  # rank 1's
     assert (capacity.largest, capacity.smallest) == (384, 64)
     # An overflow of two pairs: 1.25 × 130 = 162.5 -> 192 and 1.5 × 128 = 192; 1.25 × 70 -> 128 but at
-    # least 1.5 × 64 = 96 -> 128; the pairs within their rows keep them.
+    # least 1.5 × 64 = 96 -> 128; the pairs within their rows and headroom keep them (1.25 × 300 -> 384).
     capacity.grow([[130, 70], [300, 0]])
     assert capacity.rows == [[192, 128], [384, 64]]
     capacity.grow([[200, 0], [0, 0]])  # kept rising: 1.25 × 200 -> 256, at least 1.5 × 192 = 288 -> 320
     assert capacity.rows == [[320, 128], [384, 64]]
+    # Another pair overflows (130 > 128) while pair (1, 0) comes within its headroom (320 < 384, but
+    # 1.25 × 320 = 400): that one is topped up to 448 at this rerun instead of overflowing at a later step;
+    # the pairs with headroom left (1.25 × 100 -> 128 < 320, 1.25 × 0) keep theirs.
+    capacity.grow([[100, 130], [320, 0]])
+    assert capacity.rows == [[320, 192], [448, 64]]
     capacity.fit([[10, 0], [0, 0]])  # recalibration follows the loads down, to one aligned block at least
     assert capacity.rows == [[64, 64], [64, 64]]
     splits = capacity.splits_on(torch.device("cpu"))  # [(sent, start), (received, start)]

@@ -44,7 +44,8 @@ class AllToAllBackendConfig(BaseModel):
     #: The capacity's rows per (source, destination) pair are a multiple of this.
     capacity_align: int = Field(64, ge=1)
     #: After an overflow a pair's capacity grows to at least this × its rows (and to `capacity_factor` ×
-    #: the load that overflowed it).
+    #: the load that overflowed it); the pairs that did not overflow get `capacity_factor` × their load of
+    #: that step where it exceeds their rows.
     capacity_growth: float = Field(1.5, ge=1.0)
     #: Every this many steps each pair's capacity is set to `capacity_factor` × its largest load of those
     #: steps (one host read and gather of the loads): it shrinks as the routing balances. None: it only
