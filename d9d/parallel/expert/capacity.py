@@ -174,11 +174,11 @@ class ExchangeCapacity:
     def grow(self, loads: Loads) -> None:
         """After an overflow: each pair that overflowed gets room for its load times `factor`, and at least
         `growth` × its rows. The others keep theirs, or get room for their load times `factor` where this
-        step's load came closer to their rows than that headroom: the step runs again anyway (and under
-        CUDA graphs records the blocks again), so topping such a pair up now costs nothing extra, where
-        letting it overflow at a later step costs that step a second run (routing early in training moves
-        many pairs at once: on 2 × H200, 7 of 10 steps from initialization overflowed at factor 1.25,
-        docs/benchmarks.md session 31). Never shrinks: that is recalibration's."""
+        step's load came closer to their rows than that headroom: the step runs again anyway, so topping such
+        a pair up now costs no extra run (some padding, and under CUDA graphs a recording of its layer at the
+        new sizes), where letting it overflow at a later step costs that step a second run (routing early in
+        training moves many pairs at once: on 2 × H200, 7 of 10 steps from initialization overflowed at
+        factor 1.25, docs/benchmarks.md session 31). Never shrinks: that is recalibration's."""
         assert self.rows is not None
         self.set_rows(
             [
