@@ -286,80 +286,64 @@ def run(
 ) -> dict[str, Any]:
     """One d9d row in this process; its run files in a temporary directory, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="d9d-bench-run-", ignore_cleanup_errors=True) as run_dir:
-        return _run(
-            model, variant, batch, steps, warmup, profile, profile_ops, arch_overrides, ac, run_dir=run_dir
+        from d9d.core import DeviceMeshParameters, DistributedContext
+        from d9d.engine.checkpoint import LocalRunReporter
+        from d9d.engine.config import parse_config
+        from d9d.engine.events import StepStarted
+        from d9d.engine.trainer import Trainer
+
+        profiled = PROFILE_STEPS if profile else 0
+        first_profiled = warmup + steps + 1
+        # One step more than timed and profiled: each step ends where the next one starts.
+        total = warmup + steps + profiled + 1
+        config = parse_config(job(model, variant, batch, total, ac, arch_overrides, run_dir=run_dir))
+        ctx = DistributedContext.create(DeviceMeshParameters())
+        trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
+        # GPU activity only: host-side op recording would slow the launches and inflate the idle gaps.
+        # (`profile_ops` records host ops too, to name the ATen op and shapes behind each kernel.)
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if profile_ops:
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        prof = torch.profiler.profile(
+            activities=activities, record_shapes=profile_ops, with_stack=profile_ops
         )
 
+        def profile_window(step: int) -> None:  # between two timed steps: the profiler's own cost is outside
+            if profiled and step == first_profiled + profiled:
+                prof.stop()
+            if profiled and step == first_profiled:
+                prof.start()
 
-def _run(
-    model: str,
-    variant: D9dVariant,
-    batch: D9dBatch,
-    steps: int,
-    warmup: int,
-    profile: bool,
-    profile_ops: bool = False,
-    arch_overrides: dict[str, Any] | None = None,
-    ac: AcMode = "none",
-    *,
-    run_dir: str,
-) -> dict[str, Any]:
-    from d9d.core import DeviceMeshParameters, DistributedContext
-    from d9d.engine.checkpoint import LocalRunReporter
-    from d9d.engine.config import parse_config
-    from d9d.engine.events import StepStarted
-    from d9d.engine.trainer import Trainer
-
-    profiled = PROFILE_STEPS if profile else 0
-    first_profiled = warmup + steps + 1
-    # One step more than timed and profiled: each step ends where the next one starts.
-    total = warmup + steps + profiled + 1
-    config = parse_config(job(model, variant, batch, total, ac, arch_overrides, run_dir=run_dir))
-    ctx = DistributedContext.create(DeviceMeshParameters())
-    trainer = Trainer(config, ctx, LocalRunReporter(config.checkpoint_dir, 1))
-    # GPU activity only: host-side op recording would slow the launches and inflate the idle gaps.
-    # (`profile_ops` records host ops too, to name the ATen op and shapes behind each kernel.)
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    if profile_ops:
-        activities.append(torch.profiler.ProfilerActivity.CPU)
-    prof = torch.profiler.profile(activities=activities, record_shapes=profile_ops, with_stack=profile_ops)
-
-    def profile_window(step: int) -> None:  # between two timed steps: the profiler's own cost is outside
-        if profiled and step == first_profiled + profiled:
-            prof.stop()
-        if profiled and step == first_profiled:
-            prof.start()
-
-    marks = StepMarks(torch.cuda.is_available(), between=profile_window)
-    trainer.events.subscribe(StepStarted, marks)
-    setup_start = time.perf_counter()
-    trainer.setup()
-    if variant in ("compiled-a2a", "compiled-a2a-static"):
-        _exchange_on_one_rank(trainer.modules, BATCH * SEQ if variant == "compiled-a2a-static" else None)
-    if variant == "compiled-breaks":
-        _local_with_breaks(trainer.modules)
-    setup_s = time.perf_counter() - setup_start
-    torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    durations = marks.durations()
-    times = [durations[s] for s in range(warmup + 1, warmup + steps + 1)]
-    result = summary(times, durations.get(1), model)
-    result["setup_s"] = setup_s
-    if profiled:
-        wall = sum(durations[s] for s in range(first_profiled, first_profiled + profiled))
-        report = gpu_profile.breakdown(prof, wall, profiled)
-        result["profile"] = report
-        print(gpu_profile.render(report), flush=True)
-        if profile_ops:
-            table = prof.key_averages(group_by_input_shape=True).table(
-                sort_by="self_device_time_total",
-                row_limit=30,
-                max_name_column_width=50,
-                max_shapes_column_width=70,
-            )
-            print(table, flush=True)
-            stacks = prof.key_averages(group_by_stack_n=6).table(
-                sort_by="self_device_time_total", row_limit=12, max_name_column_width=40
-            )
-            print(stacks, flush=True)
-    return result
+        marks = StepMarks(torch.cuda.is_available(), between=profile_window)
+        trainer.events.subscribe(StepStarted, marks)
+        setup_start = time.perf_counter()
+        trainer.setup()
+        if variant in ("compiled-a2a", "compiled-a2a-static"):
+            _exchange_on_one_rank(trainer.modules, BATCH * SEQ if variant == "compiled-a2a-static" else None)
+        if variant == "compiled-breaks":
+            _local_with_breaks(trainer.modules)
+        setup_s = time.perf_counter() - setup_start
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        durations = marks.durations()
+        times = [durations[s] for s in range(warmup + 1, warmup + steps + 1)]
+        result = summary(times, durations.get(1), model)
+        result["setup_s"] = setup_s
+        if profiled:
+            wall = sum(durations[s] for s in range(first_profiled, first_profiled + profiled))
+            report = gpu_profile.breakdown(prof, wall, profiled)
+            result["profile"] = report
+            print(gpu_profile.render(report), flush=True)
+            if profile_ops:
+                table = prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_device_time_total",
+                    row_limit=30,
+                    max_name_column_width=50,
+                    max_shapes_column_width=70,
+                )
+                print(table, flush=True)
+                stacks = prof.key_averages(group_by_stack_n=6).table(
+                    sort_by="self_device_time_total", row_limit=12, max_name_column_width=40
+                )
+                print(stacks, flush=True)
+        return result
