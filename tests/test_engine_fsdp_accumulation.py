@@ -9,6 +9,8 @@ process, and what each setting does to FSDP's collectives.
   microbatches per rank and step).
 - Observed from outside FSDP: per step, reducing once issues exactly half the reduce-scatters and half the
   all-gathers of reducing every microbatch (2 microbatches), and at least one of each.
+- An eval section after every step of FSDP 2 reducing once per step (its forwards gather the units anew
+  between two steps): the eval losses and the training losses equal one process's with the same eval.
 - `gradient_manager.grad_dtype` wider than FSDP's accumulation: `auto` reduces every microbatch (the
   synchronizer then accumulates in grad_dtype) and logs why, `step` is refused naming the setting (the job
   config refuses it earlier for the built-in models: tests/test_engine_config.py).
@@ -28,7 +30,7 @@ import torch
 from d9d.engine.checkpoint import LocalRunReporter
 from d9d.engine.config import parse_config
 from d9d.engine.launch import run_rank
-from d9d.engine.runtime import RankRuntime
+from d9d.engine.runtime import MetricPoint, RankRuntime
 from tests.engine_fixtures import make_hf_qwen3, make_hf_qwen3_moe
 from tests.harness import RankEnv, run_distributed
 from tests.test_parallel_fsdp_settings import GATHER, SCATTER, counting_collectives
@@ -43,7 +45,16 @@ def _job(
     options: dict[str, Any] = {"source_checkpoint": str(tmp / ("hf-moe" if moe else "hf-dense"))}
     if fsdp:
         options["parallel"] = {"fsdp": fsdp}
+    evaluation = {
+        "eval": {
+            "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
+            "batch_size": 4,
+            "batches": 2,
+            "period": 1,
+        }
+    }
     return {
+        **(evaluation if name.endswith("-eval") else {}),
         "run": {"name": name, "dir": str(tmp / name)},
         "mesh": mesh,
         "batching": {"global_batch_size": global_batch, "microbatch_size": 2},
@@ -62,10 +73,12 @@ def _runs(env: RankEnv, runs: list[tuple[str, dict[str, int], dict[str, Any], in
         runtime = RankRuntime(
             rank=env.rank, world_size=env.world_size, local_rank=env.rank, run_dir=config.run_dir
         )
+        points: list[MetricPoint] = []
         with counting_collectives(GATHER, SCATTER) as counts:
-            result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 1))
+            result = run_rank(config, runtime, LocalRunReporter(config.checkpoint_dir, 1, points.append))
         if env.rank == 0:
-            torch.save({"losses": list(result.losses), **counts}, env.tmp_dir / f"{name}.pt")
+            evals = {p.step: p.values["eval/loss"] for p in points if p.kind == "eval"}
+            torch.save({"losses": list(result.losses), "evals": evals, **counts}, env.tmp_dir / f"{name}.pt")
 
 
 def _load(tmp: Path, name: str) -> dict[str, Any]:
@@ -93,7 +106,7 @@ RESHARDING = {"keep_gathered_gib": 0}  # the tiny models' units then reshard aft
 def test_reducing_once_per_step_trains_like_one_process_with_half_the_collectives(tmp_path: Path) -> None:
     make_hf_qwen3(tmp_path / "hf-dense", num_layers=4)
     make_hf_qwen3_moe(tmp_path / "hf-moe", num_layers=4)
-    one = [("one", {}, {}, 8), ("moe-one", {}, {}, 8), ("one-16", {}, {}, 16)]
+    one = [("one", {}, {}, 8), ("moe-one", {}, {}, 8), ("one-16", {}, {}, 16), ("one-eval", {}, {}, 8)]
     run_distributed(_runs, 1, one, tmp_dir=tmp_path, timeout=300)
     fsdp2 = {"data_parallel_shard": 2}
     two = [
@@ -103,6 +116,7 @@ def test_reducing_once_per_step_trains_like_one_process_with_half_the_collective
         ("fsdp2-resharding-auto", fsdp2, RESHARDING, 8),
         ("moe-fsdp2xep2-auto", {**fsdp2, "expert_parallel": 2}, {}, 8),
         ("moe-fsdp2xep2-microbatch", {**fsdp2, "expert_parallel": 2}, {"reduce_every": "microbatch"}, 8),
+        ("fsdp2-auto-eval", fsdp2, {}, 8),
     ]
     run_distributed(_runs, 2, two, tmp_dir=tmp_path, timeout=600)
     hsdp = {"data_parallel_replicate": 2, "data_parallel_shard": 2}
@@ -119,6 +133,16 @@ def test_reducing_once_per_step_trains_like_one_process_with_half_the_collective
             "moe-one" if name.startswith("moe") else "one-16" if "16" in name or "hsdp" in name else "one"
         )
         _assert_like(tmp_path, name, reference)
+    # evaluating between the steps changes no training loss, and evaluates what one process does
+    _assert_like(tmp_path, "one-eval", "one")  # (fsdp2-auto-eval against one: in the loop above)
+    evals, want = _load(tmp_path, "fsdp2-auto-eval")["evals"], _load(tmp_path, "one-eval")["evals"]
+    assert sorted(evals) == sorted(want) == list(range(1, STEPS + 1)), (evals, want)
+    torch.testing.assert_close(
+        torch.tensor([evals[s] for s in sorted(want)]),
+        torch.tensor([want[s] for s in sorted(want)]),
+        rtol=1e-5,
+        atol=0,
+    )
     _assert_halves(tmp_path, "fsdp2-auto", "fsdp2-microbatch")
     _assert_halves(tmp_path, "moe-fsdp2xep2-auto", "moe-fsdp2xep2-microbatch")
     _assert_halves(tmp_path, "hsdp-auto", "hsdp-microbatch")
