@@ -13,8 +13,9 @@ Tests that start Ray (`ray`) run last, in one process that sees every GPU (their
 themselves). A group that needs more GPUs than present still runs, once, so its tests report the skip with
 the count.
 
-Each process's output goes to `DIR/gpu-suite-<n>gpu-<i>.log` (default: a temporary directory) and its last
-lines (pytest's summary, skip reasons included) are printed. Exits non-zero when any process fails.
+Each process's output goes to `DIR/gpu-suite-<n>gpu-<i>.log` (default: a temporary directory); every test's
+outcome by name (pytest's `-rA` summary, skip reasons included) and each process's last line are printed
+and collected in `DIR/summary.txt`. Exits non-zero when any process fails.
 """
 
 from __future__ import annotations
@@ -59,8 +60,14 @@ def _deal(node_ids: list[str], bins: int) -> list[list[str]]:
     return [b for b in out if b]
 
 
-def _tail(path: Path, lines: int = 25) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+def _outcomes(path: Path) -> str:
+    """Every test's outcome line of pytest's short summary (`-rA`: PASSED/FAILED/ERROR/SKIPPED with the node
+    id or the skip reason) and its last line, whatever the process printed before them."""
+    lines = path.read_text(errors="replace").splitlines()
+    named = [
+        ln for ln in lines if ln.startswith(("PASSED ", "FAILED ", "ERROR ", "SKIPPED ", "XFAIL", "XPASS"))
+    ]
+    return "\n".join([*named, *lines[-1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests", *extra], plugins=[collector])
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu-suite-"))
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra]
+    (out / "summary.txt").write_text("")
+    # -rA: each test's outcome by name in the short summary, which `_outcomes` prints and `summary.txt` keeps
+    command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *extra]
     failed = False
     start = time.monotonic()
     wanted = None if args.groups is None else {RAY if g == "ray" else int(g) for g in args.groups.split(",")}
@@ -110,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
         for log, proc in procs:
             failed |= proc.wait() != 0
-            print(f"== {log.name} ==\n{_tail(log)}\n", flush=True)
+            outcome = f"== {log.name} ==\n{_outcomes(log)}\n"
+            print(outcome, flush=True)
+            with (out / "summary.txt").open("a") as summary:  # one file: a device call returns few
+                summary.write(outcome + "\n")
         print(
             f"-- {'Ray' if need == RAY else f'{need}-GPU'} group done at {time.monotonic() - start:.0f} s",
             flush=True,
