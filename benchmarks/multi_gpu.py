@@ -386,8 +386,16 @@ def with_variants(rows: list[Row], variants: list[str], *, one_gpu: bool = False
         for name, sets in parsed:
             stem, _, launcher = row.id.partition("@")
             variant_id = f"{stem}+{name}" + (f"@{launcher}" if launcher else "")
-            variant = replace(row, id=variant_id, layout=f"{row.layout} [{name}]", variant=name, sets=sets)
-            out.append(replace(variant, microbatch=_microbatch_set(sets, row.microbatch)))
+            out.append(
+                replace(
+                    row,
+                    id=variant_id,
+                    layout=f"{row.layout} [{name}]",
+                    variant=name,
+                    sets=sets,
+                    microbatch=_microbatch_set(sets, row.microbatch),
+                )
+            )
     return out
 
 

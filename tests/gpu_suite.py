@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         "--per-block", type=int, default=1, help="pytest processes sharing each block of GPUs at once"
     )
     args, extra = parser.parse_known_args(argv)
+    if args.per_block < 1:
+        parser.error(f"--per-block {args.per_block}: at least 1 pytest process per block")
     import pytest
     import torch
 
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         width = gpus if need == RAY else need
         blocks = max(gpus // width, 1)
         # the Ray tests reserve every GPU of the host themselves: never shared
-        sharing = 1 if need == RAY else max(args.per_block, 1)
+        sharing = 1 if need == RAY else args.per_block
         procs = []
         for i, nodes in enumerate(_deal(collector.groups[need], blocks * sharing)):
             log = out / f"gpu-suite-{'ray' if need == RAY else f'{need}gpu'}-{i}.log"

@@ -45,16 +45,12 @@ def _job(
     options: dict[str, Any] = {"source_checkpoint": str(tmp / ("hf-moe" if moe else "hf-dense"))}
     if fsdp:
         options["parallel"] = {"fsdp": fsdp}
-    evaluation = {
-        "eval": {
-            "data": {"provider": "tests.engine_fixtures:GlobalIndexData"},
-            "batch_size": 4,
-            "batches": 2,
-            "period": 1,
-        }
-    }
+    evaluation: dict[str, Any] = {}
+    if name.endswith("-eval"):  # evaluates after every step
+        data = {"provider": "tests.engine_fixtures:GlobalIndexData"}
+        evaluation["eval"] = {"data": data, "batch_size": 4, "batches": 2, "period": 1}
     return {
-        **(evaluation if name.endswith("-eval") else {}),
+        **evaluation,
         "run": {"name": name, "dir": str(tmp / name)},
         "mesh": mesh,
         "batching": {"global_batch_size": global_batch, "microbatch_size": 2},
